@@ -1,0 +1,191 @@
+"""Run the service: one uvicorn worker, JSON logs, graceful drain on SIGTERM/SIGINT.
+
+Shutdown sequence on the first SIGTERM or SIGINT:
+1. `app.state.batcher.drain(settings.drain_timeout_s)` starts at once. From that moment /readyz
+   answers 503 (the batcher is draining) and every new request that reaches the batcher gets
+   503 + Retry-After (ShuttingDown); queued and in-flight work finishes within the timeout.
+2. When the drain returns, uvicorn is told to exit (should_exit): it closes the listening socket,
+   lets open responses finish (at most RESPONSE_FLUSH_TIMEOUT_S), runs the lifespan shutdown
+   and serve() returns 0.
+A second signal exits at once (exit code 128 + signal number), without waiting for anything.
+
+Worst case from the first signal to the exit: drain_timeout_s + RESPONSE_FLUSH_TIMEOUT_S plus
+a little; orchestrator grace periods (docker stop -t, compose stop_grace_period, Kubernetes
+terminationGracePeriodSeconds minus the preStop sleep) must exceed it.
+
+How uvicorn 0.54 handles signals (checked in its server.py): Server.serve() wraps the run in
+`capture_signals()`, which installs `Server.handle_exit` with signal.signal() for SIGINT and
+SIGTERM, and afterwards RE-RAISES every captured signal with the original handlers restored.
+The re-raise would turn a clean drain into death by SIGTERM (exit -15) or a KeyboardInterrupt,
+so DrainingServer overrides handle_exit and never records the signal in _captured_signals.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import logging.config
+import os
+import socket
+from datetime import UTC, datetime
+from types import FrameType
+from typing import Any
+
+import uvicorn
+
+from service.settings import Settings
+
+logger = logging.getLogger("sdpa.server")
+
+# After the batcher drained, responses are computed; this bounds only writing them out.
+RESPONSE_FLUSH_TIMEOUT_S = 5
+
+# LogRecord attributes that are not user-supplied extras.
+_RECORD_ATTRS = frozenset(logging.makeLogRecord({}).__dict__) | {"message", "asctime"}
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: ts, level, logger, msg, then the record's `json_fields`.
+
+    The access log puts its fields in `json_fields`; they are merged at the top level (they
+    include their own "ts", which wins). Exceptions go in "exc_info" as text, in the log only.
+    """
+
+    def format(self, record: logging.LogRecord) -> str:
+        payload: dict[str, Any] = {
+            "ts": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds"),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        fields = getattr(record, "json_fields", None)
+        if isinstance(fields, dict):
+            payload.update(fields)
+        if record.exc_info:
+            payload["exc_info"] = self.formatException(record.exc_info)
+        return json.dumps(payload, default=str, ensure_ascii=False)
+
+
+def logging_config(level: str) -> dict[str, Any]:
+    """dictConfig for uvicorn's log_config: every logger writes JSON lines to stderr.
+
+    uvicorn's own access logger is silenced (and access_log=False in the Config): our
+    AccessLogMiddleware writes the access log, with the request id and the route template.
+    """
+    upper = level.upper()
+    return {
+        "version": 1,
+        "disable_existing_loggers": False,
+        "formatters": {"json": {"()": f"{__name__}.JsonFormatter"}},
+        "handlers": {
+            "stderr": {
+                "class": "logging.StreamHandler",
+                "formatter": "json",
+                "stream": "ext://sys.stderr",
+            }
+        },
+        "loggers": {
+            "uvicorn": {"handlers": ["stderr"], "level": upper, "propagate": False},
+            "uvicorn.error": {"level": upper},
+            "uvicorn.access": {"handlers": [], "level": "CRITICAL", "propagate": False},
+            "sdpa": {"handlers": ["stderr"], "level": upper, "propagate": False},
+            # The access log stays on at INFO even when the rest is at WARNING.
+            "sdpa.access": {"level": "INFO"},
+        },
+        "root": {"handlers": ["stderr"], "level": upper},
+    }
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn.Server whose first exit signal drains the batcher before uvicorn shuts down."""
+
+    def __init__(self, config: uvicorn.Config, *, app: Any, drain_timeout_s: float) -> None:
+        super().__init__(config)
+        self.app = app
+        self.drain_timeout_s = drain_timeout_s
+        self.exit_signal: int | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._drain_task: asyncio.Task[None] | None = None
+
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets=sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # Runs as a Python signal handler on the main thread, between two bytecodes of the event
+        # loop: only set flags and hand the work to the loop (call_soon_threadsafe wakes it).
+        # Deliberately NOT recorded in self._captured_signals: see the module docstring.
+        if self.exit_signal is not None:
+            # Second signal: the operator wants out now. uvicorn's own force_exit would still
+            # wait for the listening socket to close, and the device worker thread (mid-batch)
+            # would hold the interpreter open, so end the process here. os.write: no logging
+            # locks in a signal handler.
+            line = {
+                "ts": datetime.now(UTC).isoformat(timespec="milliseconds"),
+                "level": "warning",
+                "logger": logger.name,
+                "msg": "second signal: exiting without finishing the drain",
+                "signal": sig,
+            }
+            os.write(2, (json.dumps(line) + "\n").encode())
+            os._exit(128 + sig)
+        self.exit_signal = sig
+        if self._loop is None or not self.started:
+            # Still starting: nothing was admitted yet, so a plain uvicorn exit loses nothing.
+            self.should_exit = True
+            return
+        self._loop.call_soon_threadsafe(self._start_drain)
+
+    def _start_drain(self) -> None:
+        if self._drain_task is None:
+            self._drain_task = asyncio.get_running_loop().create_task(self._drain_then_exit())
+
+    async def _drain_then_exit(self) -> None:
+        batcher = getattr(getattr(self.app, "state", None), "batcher", None)
+        try:
+            if batcher is not None:
+                logger.info(
+                    "draining", extra={"json_fields": {"drain_timeout_s": self.drain_timeout_s}}
+                )
+                await batcher.drain(self.drain_timeout_s)
+                logger.info("drained")
+        except Exception:
+            logger.exception("drain failed; shutting down anyway")
+        finally:
+            self.should_exit = True
+
+
+def serve(settings: Settings) -> int:
+    """Serve create_app(settings) until a signal; return the process exit code (0 = clean).
+
+    A second signal ends the process at once with os._exit(128 + signal), see handle_exit.
+    """
+    # Imported here so that `sdpa-service healthcheck` / `analyze` never import the app.
+    from service.app import create_app
+
+    log_config = logging_config(settings.log_level)
+    logging.config.dictConfig(log_config)
+    app = create_app(settings)
+    config = uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        workers=1,
+        lifespan="on",
+        log_config=log_config,
+        log_level=settings.log_level,
+        access_log=False,
+        server_header=False,
+        timeout_graceful_shutdown=RESPONSE_FLUSH_TIMEOUT_S,
+    )
+    server = DrainingServer(config, app=app, drain_timeout_s=settings.drain_timeout_s)
+    try:
+        server.run()
+    except SystemExit as exc:
+        # uvicorn exits this way when start-up fails (bind error, lifespan failure).
+        code = exc.code
+        return code if isinstance(code, int) else 1
+    if not server.started:
+        return 1
+    return 0
