@@ -1,0 +1,237 @@
+"""Scaling analysis: how the score divisor shapes the softmax.
+
+For each divisor c' (scores = q.k / c'), the same row statistics as attention()'s diagnostics
+are computed on the chunked path (O(N) memory, no value tensor needed: v is a [.., N_kv, 1]
+zero tensor whose output is ignored). recommended_divisor is the standard deviation of the
+raw scores over visible entries: the divisor that makes the scaled score variance 1.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from sdpa_core.chunked import DEFAULT_BLOCK_SIZE, chunked_attention
+from sdpa_core.diagnostics import summarize
+from sdpa_core.errors import SdpaError
+from sdpa_core.masks import build_mask_plan
+from sdpa_core.shapes import CausalArg, to_4d, validate_inputs
+
+STANDARD_STRATEGIES: tuple[str, ...] = ("none", "sqrt_dk", "dk", "dk_quarter", "two_sqrt_dk")
+
+
+def standard_divisor(name: str, d_k: int) -> float:
+    """The divisor of a standard strategy for head dim d_k."""
+    divisors: dict[str, float] = {
+        "none": 1.0,
+        "sqrt_dk": math.sqrt(d_k),
+        "dk": float(d_k),
+        "dk_quarter": d_k**0.25,
+        "two_sqrt_dk": 2.0 * math.sqrt(d_k),
+    }
+    if name not in divisors:
+        raise SdpaError(
+            "unknown scaling strategy",
+            param="strategies",
+            expected=" | ".join(STANDARD_STRATEGIES) + " or a (name, divisor) pair",
+            got=repr(name),
+        )
+    return divisors[name]
+
+
+@dataclass(frozen=True, slots=True)
+class StrategyResult:
+    """Statistics of the softmax under one divisor (row statistics: mean over active rows)."""
+
+    name: str
+    divisor: float
+    score_variance: float
+    entropy: float
+    normalized_entropy: float
+    max_weight: float
+    saturated_fraction: float
+    grad_health: float
+
+
+@dataclass(frozen=True, slots=True)
+class ScalingReport:
+    """d_k, the raw score variance, the recommended divisor and one entry per strategy."""
+
+    d_k: int
+    raw_score_variance: float
+    recommended_divisor: float
+    strategies: tuple[StrategyResult, ...]
+
+
+StrategySpec = str | tuple[str, float]
+
+
+def resolve_strategies(
+    strategies: Sequence[StrategySpec] | None, d_k: int
+) -> list[tuple[str, float]]:
+    """(name, divisor) pairs to evaluate.
+
+    None: the five standard strategies. A sequence of standard names and/or custom
+    (name, divisor) pairs: exactly those, in that order -- except that a sequence made only of
+    custom pairs is evaluated after the five standard ones (so {"name": "t2", "divisor": 16}
+    alone still shows the usual comparison). Names must be unique; divisors finite and != 0.
+    """
+    if strategies is None:
+        return [(n, standard_divisor(n, d_k)) for n in STANDARD_STRATEGIES]
+    if isinstance(strategies, str | bytes) or not isinstance(strategies, Sequence):
+        raise SdpaError(
+            "strategies must be a list",
+            param="strategies",
+            expected="a list of names or (name, divisor) pairs",
+            got=type(strategies).__name__,
+        )
+    out: list[tuple[str, float]] = []
+    only_custom = True
+    for item in strategies:
+        if isinstance(item, str):
+            only_custom = False
+            out.append((item, standard_divisor(item, d_k)))
+            continue
+        if not (isinstance(item, tuple | list) and len(item) == 2 and isinstance(item[0], str)):
+            raise SdpaError(
+                "a strategy is a name or a (name, divisor) pair",
+                param="strategies",
+                expected="str or (str, float)",
+                got=repr(item),
+            )
+        name, divisor = item
+        if isinstance(divisor, bool) or not isinstance(divisor, int | float):
+            raise SdpaError(
+                "a divisor must be a number",
+                param="strategies",
+                expected="a finite non-zero number",
+                got=repr(divisor),
+            )
+        if not math.isfinite(divisor) or divisor == 0:
+            raise SdpaError(
+                "a divisor must be finite and non-zero",
+                param="strategies",
+                expected="a finite non-zero number",
+                got=repr(divisor),
+            )
+        out.append((name, float(divisor)))
+    if only_custom:
+        out = [(n, standard_divisor(n, d_k)) for n in STANDARD_STRATEGIES] + out
+    names = [n for n, _ in out]
+    if len(set(names)) != len(names):
+        dup = sorted({n for n in names if names.count(n) > 1})
+        raise SdpaError(
+            "strategy names must be unique",
+            param="strategies",
+            expected="unique names",
+            got=f"duplicates {dup}",
+        )
+    if not out:
+        raise SdpaError(
+            "no strategy given", param="strategies", expected="at least one strategy", got="[]"
+        )
+    return out
+
+
+def analyze_scaling(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    strategies: Sequence[StrategySpec] | None = None,
+    causal: CausalArg = False,
+    key_lengths: torch.Tensor | list[int] | tuple[int, ...] | int | None = None,
+    key_padding_mask: torch.Tensor | None = None,
+    attn_mask: torch.Tensor | None = None,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+) -> ScalingReport:
+    """Compare score divisors on q [..., H, N_q, d_k] and k [..., H_kv, N_kv, d_k].
+
+    Masks follow attention()'s rules; a float attn_mask is added after dividing the scores.
+    """
+    v = k.new_zeros((*k.shape[:-1], 1))  # the output is not needed, only the row statistics
+    spec = validate_inputs(
+        q,
+        k,
+        v,
+        causal=causal,
+        key_lengths=key_lengths,
+        key_padding_mask=key_padding_mask,
+        attn_mask=attn_mask,
+    )
+    pairs = resolve_strategies(strategies, spec.d)
+    plan = build_mask_plan(
+        spec,
+        key_lengths=key_lengths,
+        key_padding_mask=key_padding_mask,
+        attn_mask=attn_mask,
+        device=q.device,
+    )
+    q4, k4, v4 = to_4d(q), to_4d(k), to_4d(v)
+    results: list[StrategyResult] = []
+    raw_var = 0.0
+    for name, divisor in pairs:
+        scale = 1.0 / divisor
+        _, rows = chunked_attention(
+            q4,
+            k4,
+            v4,
+            plan,
+            scale=scale,
+            accum_dtype=spec.accum_dtype,
+            need_stats=True,
+            block_size=block_size,
+        )
+        assert rows is not None
+        s = summarize(rows, scale=scale, level="summary").summary
+        raw_var = s.score_variance_raw
+        results.append(
+            StrategyResult(
+                name=name,
+                divisor=divisor,
+                score_variance=s.score_variance_scaled,
+                entropy=s.entropy,
+                normalized_entropy=s.normalized_entropy,
+                max_weight=s.max_weight,
+                saturated_fraction=s.saturated_fraction,
+                grad_health=s.grad_health,
+            )
+        )
+    return ScalingReport(
+        d_k=spec.d,
+        raw_score_variance=raw_var,
+        recommended_divisor=math.sqrt(raw_var),
+        strategies=tuple(results),
+    )
+
+
+def make_synthetic_qk(
+    *,
+    n_q: int,
+    n_k: int,
+    d_k: int,
+    std: float = 1.0,
+    seed: int = 0,
+    heads: int = 1,
+    dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [heads, n_q, d_k] and k [heads, n_k, d_k] with i.i.d. N(0, std^2) entries, seeded.
+
+    Drawn in float64 from a private torch.Generator (the global RNG is untouched), then cast,
+    so a seed gives the same values in every dtype up to rounding.
+    """
+    for name, val in (("n_q", n_q), ("n_k", n_k), ("d_k", d_k), ("heads", heads)):
+        if isinstance(val, bool) or not isinstance(val, int) or val < 1:
+            raise SdpaError(
+                "must be a positive integer", param=name, expected="int >= 1", got=repr(val)
+            )
+    if not (isinstance(std, int | float) and math.isfinite(std) and std > 0):
+        raise SdpaError(
+            "std must be a positive finite number", param="std", expected="float > 0", got=repr(std)
+        )
+    gen = torch.Generator().manual_seed(int(seed))
+    q = torch.randn(heads, n_q, d_k, generator=gen, dtype=torch.float64) * std
+    k = torch.randn(heads, n_k, d_k, generator=gen, dtype=torch.float64) * std
+    return q.to(dtype), k.to(dtype)

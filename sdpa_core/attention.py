@@ -1,0 +1,367 @@
+"""attention(): validate, choose a path (fused | dense | chunked), run it, shape the result.
+
+Paths
+- fused: torch.nn.functional.scaled_dot_product_attention on 4-D inputs (dropout 0), so that
+  flash / memory-efficient / cuDNN kernels are eligible. Used when neither weights nor
+  diagnostics are needed.
+- dense: explicit scores and softmax; the only path that can return the weights.
+- chunked: key-block online softmax over query tiles, O(N) memory; diagnostics without the
+  N_q x N_kv matrix.
+
+dtypes: softmax and statistics accumulate in float32 (float64 for float64 inputs); float16 and
+bfloat16 inputs are upcast for the dense and chunked math. The output and the returned weights
+have the input dtype; RowStats and per-row tensors have the accumulation dtype.
+
+Non-finite inputs (allow_nonfinite=True): a NaN or Inf only reaches the rows that can see it.
+Values at positions a row cannot see (masked keys, padding) never leak into that row (torch
+itself would give 0 * NaN = NaN there, pytorch#101967). A row whose own query, or one of whose
+visible keys or values, is non-finite gets NaN output, NaN weights and NaN statistics. A fully
+masked row is 0 whatever its query holds.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal, TypeAlias
+
+import torch
+from torch.nn.functional import scaled_dot_product_attention
+
+from sdpa_core.chunked import DEFAULT_BLOCK_SIZE, chunked_attention
+from sdpa_core.dense import dense_attention
+from sdpa_core.diagnostics import Diagnostics, DiagnosticsLevel, RowStats, summarize
+from sdpa_core.errors import LimitError, SdpaError
+from sdpa_core.masks import MaskPlan, build_mask_plan
+from sdpa_core.shapes import CausalArg, InputSpec, to_4d, validate_inputs
+
+PathName: TypeAlias = Literal["fused", "dense", "chunked"]
+_PATHS = ("fused", "dense", "chunked")
+_LEVELS = ("none", "summary", "full")
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionResult:
+    """What attention() returns.
+
+    output: [..., H, N_q, D_v] in the input dtype. weights: [..., H, N_q, N_kv] in the input
+    dtype, or None. diagnostics: None unless asked. row_stats: present whenever diagnostics
+    is not "none" ([..., H, N_q], accumulation dtype). path: which path ran. backend: the
+    torch SDPA backend on the fused path ("flash", "efficient", "cudnn", "math", ...), None
+    on the others or when torch does not tell.
+    """
+
+    output: torch.Tensor
+    weights: torch.Tensor | None
+    diagnostics: Diagnostics | None
+    row_stats: RowStats | None
+    path: PathName
+    backend: str | None
+
+
+def weights_nbytes(spec: InputSpec) -> int:
+    """Bytes of the B*H*N_q*N_kv weight matrix in the accumulation dtype."""
+    itemsize = torch.empty((), dtype=spec.accum_dtype).element_size()
+    return spec.batch * spec.heads * spec.n_q * spec.n_kv * itemsize
+
+
+def choose_path(
+    spec: InputSpec,
+    *,
+    return_weights: bool,
+    diagnostics: str,
+    memory_budget_bytes: int | None,
+    path: str | None,
+) -> PathName:
+    """The path attention() runs, or an SdpaError when the request cannot be served."""
+    need_stats = diagnostics != "none"
+    nbytes = weights_nbytes(spec)
+    over_budget = memory_budget_bytes is not None and nbytes > memory_budget_bytes
+
+    def limit(what: str) -> LimitError:
+        return LimitError(
+            f"{what} needs the {spec.batch}x{spec.heads}x{spec.n_q}x{spec.n_kv} weight matrix",
+            param="return_weights" if return_weights else "path",
+            expected=f"<= {memory_budget_bytes} bytes",
+            got=f"{nbytes} bytes",
+        )
+
+    if path is None:
+        if return_weights:
+            if over_budget:
+                raise limit("returning the weights")
+            return "dense"
+        return "chunked" if need_stats else "fused"
+
+    if path not in _PATHS:
+        raise SdpaError("unknown path", param="path", expected=" | ".join(_PATHS), got=repr(path))
+    if path == "fused" and (return_weights or need_stats):
+        raise SdpaError(
+            "the fused path returns neither weights nor diagnostics",
+            param="path",
+            expected='"dense" or "chunked" (or null) when weights or diagnostics are asked',
+            got='"fused"',
+        )
+    if path == "chunked" and return_weights:
+        raise SdpaError(
+            "the chunked path never materializes the weights",
+            param="path",
+            expected='"dense" (or null) when return_weights is true',
+            got='"chunked"',
+        )
+    if path == "dense" and over_budget:
+        raise limit("the dense path")
+    return path  # type: ignore[return-value]
+
+
+_BACKEND_NAMES = {
+    "FLASH_ATTENTION": "flash",
+    "EFFICIENT_ATTENTION": "efficient",
+    "CUDNN_ATTENTION": "cudnn",
+    "MATH": "math",
+    "OVERRIDEABLE": "overrideable",
+}
+
+
+def _sdpa_backend(
+    q4: torch.Tensor,
+    k4: torch.Tensor,
+    v4: torch.Tensor,
+    mask: torch.Tensor | None,
+    *,
+    is_causal: bool,
+    scale: float,
+    enable_gqa: bool,
+) -> str | None:
+    """The backend torch's SDPA dispatcher picks for these arguments.
+
+    aten::_fused_sdp_choice is the very function scaled_dot_product_attention consults
+    (checked on torch 2.13); it is private, so any failure yields None rather than a guess.
+    """
+    try:
+        choice = torch._fused_sdp_choice(
+            q4, k4, v4, mask, 0.0, is_causal, scale=scale, enable_gqa=enable_gqa
+        )
+        from torch.nn.attention import SDPBackend
+
+        return _BACKEND_NAMES.get(SDPBackend(choice).name, SDPBackend(choice).name.lower())
+    except Exception:  # a private API: never let it break attention
+        return None
+
+
+def fused_attention(
+    q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, plan: MaskPlan, *, scale: float
+) -> tuple[torch.Tensor, str | None]:
+    """torch SDPA on [B, H, N, D] inputs; fully masked rows forced to 0 on every backend."""
+    enable_gqa = q4.shape[1] != k4.shape[1]
+    mask: torch.Tensor | None = None
+    vis: torch.Tensor | None = None
+    is_causal = False
+    if plan.causal_only_top_left():
+        # is_causal is torch's top-left alignment; it never empties a row, and lets the
+        # kernels skip masked blocks. It is never combined with attn_mask (torch rejects it).
+        is_causal = True
+    elif not plan.is_empty:
+        vis = plan.full()  # bool [B|1, H|1, N_q|1, N_kv]
+        if plan.bias is None:
+            mask = vis
+        elif vis is None:
+            mask = plan.bias
+        else:
+            mask = torch.where(vis, plan.bias, -math.inf)  # bias where visible, -inf elsewhere
+    out = scaled_dot_product_attention(
+        q4,
+        k4,
+        v4,
+        attn_mask=mask,
+        dropout_p=0.0,
+        is_causal=is_causal,
+        scale=scale,
+        enable_gqa=enable_gqa,
+    )  # [B, H, N_q, D_v]
+    if vis is not None:
+        empty = ~vis.any(-1, keepdim=True)  # [B|1, H|1, N_q|1, 1]
+        # torch >= 2.5 already returns 0 here on math / flash / efficient; cuDNN is not
+        # covered upstream (kernel-anchors 1.3), so make it a guarantee of ours.
+        if bool(empty.any()):
+            out = out.masked_fill(empty, 0.0)
+    backend = _sdpa_backend(
+        q4, k4, v4, mask, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa
+    )
+    return out, backend
+
+
+def _nonfinite_rows(
+    q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, plan: MaskPlan, *, tile: int = 1024
+) -> torch.Tensor:
+    """Rows [B, H, N_q] whose query, or a visible key or value, is non-finite."""
+    b, h, n_q, _ = q4.shape
+    h_kv = k4.shape[1]
+    bad_q = ~torch.isfinite(q4).all(-1)  # [B, H, N_q]
+    bad_kv = ~(torch.isfinite(k4).all(-1) & torch.isfinite(v4).all(-1))  # [B, H_kv, N_kv]
+    bad_kv = bad_kv.repeat_interleave(h // h_kv, dim=1).unsqueeze(2)  # [B, H, 1, N_kv]
+    rows = torch.zeros(b, h, n_q, dtype=torch.bool, device=q4.device)
+    for q0 in range(0, n_q, tile):
+        q1 = min(q0 + tile, n_q)
+        vis = plan.block(q0, q1, 0, plan.n_kv)  # [.., tq, N_kv] or None
+        seen = bad_kv if vis is None else bad_kv & vis
+        rows[:, :, q0:q1] = seen.any(-1).expand(b, h, q1 - q0)
+        if vis is not None:
+            rows[:, :, q0:q1] |= bad_q[:, :, q0:q1] & vis.any(-1).expand(b, h, q1 - q0)
+        else:
+            rows[:, :, q0:q1] |= bad_q[:, :, q0:q1]
+    return rows
+
+
+def _sanitize(x: torch.Tensor) -> torch.Tensor:
+    return torch.where(torch.isfinite(x), x, 0.0)
+
+
+def _poison(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """NaN in every position of the given rows; x is [B, H, N_q, ...] or [B, H, N_q]."""
+    m = rows if x.dim() == rows.dim() else rows.unsqueeze(-1)
+    return x.masked_fill(m, math.nan)
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: CausalArg = False,
+    key_lengths: torch.Tensor | list[int] | tuple[int, ...] | int | None = None,
+    key_padding_mask: torch.Tensor | None = None,
+    attn_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+    return_weights: bool = False,
+    diagnostics: DiagnosticsLevel = "none",
+    memory_budget_bytes: int | None = None,
+    allow_nonfinite: bool = False,
+    path: PathName | None = None,
+    block_size: int | None = None,
+) -> AttentionResult:
+    """softmax(q k^T * scale + mask) v with optional weights and diagnostics.
+
+    q [..., H, N_q, D], k [..., H_kv, N_kv, D], v [..., H_kv, N_kv, D_v]; see DESIGN.md for
+    the mask options. memory_budget_bytes bounds the B*H*N_q*N_kv weight matrix (in the
+    accumulation dtype): weights beyond it raise LimitError. path forces a path; block_size
+    is the chunked path's key block (default 512).
+    """
+    spec = validate_inputs(
+        q,
+        k,
+        v,
+        causal=causal,
+        key_lengths=key_lengths,
+        key_padding_mask=key_padding_mask,
+        attn_mask=attn_mask,
+        scale=scale,
+        allow_nonfinite=allow_nonfinite,
+    )
+    if diagnostics not in _LEVELS:
+        raise SdpaError(
+            "unknown diagnostics level",
+            param="diagnostics",
+            expected=" | ".join(_LEVELS),
+            got=repr(diagnostics),
+        )
+    if block_size is not None and (
+        isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1
+    ):
+        raise SdpaError(
+            "block_size must be a positive integer",
+            param="block_size",
+            expected="int >= 1",
+            got=repr(block_size),
+        )
+    if memory_budget_bytes is not None and (
+        isinstance(memory_budget_bytes, bool)
+        or not isinstance(memory_budget_bytes, int)
+        or memory_budget_bytes < 0
+    ):
+        raise SdpaError(
+            "memory_budget_bytes must be a non-negative integer",
+            param="memory_budget_bytes",
+            expected="int >= 0 or null",
+            got=repr(memory_budget_bytes),
+        )
+    chosen = choose_path(
+        spec,
+        return_weights=return_weights,
+        diagnostics=diagnostics,
+        memory_budget_bytes=memory_budget_bytes,
+        path=path,
+    )
+    scale_f = 1.0 / math.sqrt(spec.d) if scale is None else float(scale)
+    need_stats = diagnostics != "none"
+
+    q4, k4, v4 = to_4d(q), to_4d(k), to_4d(v)  # [B, H, N, D]
+    plan = build_mask_plan(
+        spec,
+        key_lengths=key_lengths,
+        key_padding_mask=key_padding_mask,
+        attn_mask=attn_mask,
+        device=q.device,
+    )
+
+    poisoned: torch.Tensor | None = None
+    if allow_nonfinite and not all(bool(torch.isfinite(x).all()) for x in (q4, k4, v4)):
+        poisoned = _nonfinite_rows(q4, k4, v4, plan)  # [B, H, N_q]
+        q4, k4, v4 = _sanitize(q4), _sanitize(k4), _sanitize(v4)
+
+    backend: str | None = None
+    weights4: torch.Tensor | None = None
+    rows4: RowStats | None = None
+    if chosen == "fused":
+        out4, backend = fused_attention(q4, k4, v4, plan, scale=scale_f)
+    elif chosen == "dense":
+        out4, weights4, rows4 = dense_attention(
+            q4,
+            k4,
+            v4,
+            plan,
+            scale=scale_f,
+            accum_dtype=spec.accum_dtype,
+            need_weights=return_weights,
+            need_stats=need_stats,
+        )
+    else:
+        out4, rows4 = chunked_attention(
+            q4,
+            k4,
+            v4,
+            plan,
+            scale=scale_f,
+            accum_dtype=spec.accum_dtype,
+            need_stats=need_stats,
+            block_size=block_size or DEFAULT_BLOCK_SIZE,
+        )
+
+    if poisoned is not None and bool(poisoned.any()):
+        out4 = _poison(out4, poisoned)
+        if weights4 is not None:
+            weights4 = _poison(weights4, poisoned)
+        if rows4 is not None:
+            rows4 = RowStats(
+                **{
+                    name: t if name == "visible_keys" else _poison(t, poisoned)
+                    for name, t in rows4.as_dict().items()
+                }
+            )
+
+    output = out4.to(spec.dtype).reshape(*spec.row_shape, spec.d_v)
+    weights = None
+    if weights4 is not None:
+        weights = weights4.to(spec.dtype).reshape(*spec.row_shape, spec.n_kv)
+    row_stats = None if rows4 is None else rows4.reshape(spec.row_shape)
+    diag = None
+    if row_stats is not None and diagnostics != "none":
+        diag = summarize(row_stats, scale=scale_f, level=diagnostics)
+    return AttentionResult(
+        output=output,
+        weights=weights,
+        diagnostics=diag,
+        row_stats=row_stats,
+        path=chosen,
+        backend=backend,
+    )

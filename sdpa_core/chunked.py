@@ -1,0 +1,351 @@
+"""Tiled attention with an online (log-sum-exp) softmax and streaming row statistics.
+
+Queries are processed in tiles and keys in blocks of `block_size`, so the largest buffers are
+two [B, H, tile_q, block] scratch tiles: O(N) memory in the sequence length. Per row the
+state is (m, l, t, a2, a3, acc) of kernel-anchors section 7.2:
+
+    m' = max(m, max_j s_j);  alpha = e^(m - m')
+    t  <- alpha (t + l (m - m')) + sum e^(s_j - m') (s_j - m')   (shifted first moment)
+    l  <- alpha l + sum e^(s_j - m');  a2 <- alpha^2 a2 + sum e^(2(s_j - m'));  a3 likewise
+    acc <- alpha acc + sum e^(s_j - m') v_j
+
+and, finally, H = log l - t / l, max p = 1 / l, sum p^2 = a2 / l^2, sum p^3 = a3 / l^3,
+||J||_F^2 = S2 - 2 S3 + S2^2, LSE = m + log l. Raw-score moments (count, mean, M2) are exact
+two-pass moments per block merged across blocks with Chan's formula.
+
+The dense path is the same routine with one query tile and one key block, keeping the
+normalized exponentials as the weights, so both paths share every formula.
+
+Allocation matters on CPU: a fresh multi-MiB buffer costs page faults that exceed the
+arithmetic on it, so the tiles are allocated once and reused (matmul/exp with out=).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from sdpa_core.diagnostics import RowStats
+from sdpa_core.masks import MaskPlan
+
+DEFAULT_BLOCK_SIZE = 512
+# Elements of one [B, H, tile_q, block] scratch tile (two live at once): 2^20 fp32 = 4 MiB,
+# small enough to stay in cache, large enough that per-block Python overhead is amortized.
+TILE_ELEMENTS = 1 << 20
+
+
+def group_queries(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """[B, H, N, X] -> [B, H_kv, G*N, X]: query head h uses kv head h // G (GQA).
+
+    Heads h = h_kv*G + g are adjacent in memory, so one matmul per kv head covers its whole
+    group without copying k or v (the repeat_interleave semantics of torch's enable_gqa).
+    """
+    b, h, n, d = x.shape
+    return x.reshape(b, kv_heads, (h // kv_heads) * n, d)
+
+
+@dataclass(slots=True)
+class _RowState:
+    """Online state of one query tile; every tensor is [B, H, tq] except acc."""
+
+    m: torch.Tensor
+    denom: torch.Tensor  # l: sum of exps relative to m
+    acc: torch.Tensor  # [B, H, tq, D_v]
+    t: torch.Tensor
+    a2: torch.Tensor
+    a3: torch.Tensor
+    count: torch.Tensor
+    mean: torch.Tensor
+    m2: torch.Tensor
+    abs_max: torch.Tensor
+    ref: torch.Tensor | None  # [B, H, tq, 1]: the per-row shift of the raw scores
+
+
+def _new_state(
+    b: int, h: int, tq: int, d_v: int, dtype: torch.dtype, device: torch.device
+) -> _RowState:
+    def z() -> torch.Tensor:
+        return torch.zeros(b, h, tq, dtype=dtype, device=device)
+
+    return _RowState(
+        m=torch.full((b, h, tq), -math.inf, dtype=dtype, device=device),
+        denom=z(),
+        acc=torch.zeros(b, h, tq, d_v, dtype=dtype, device=device),
+        t=z(),
+        a2=z(),
+        a3=z(),
+        count=z(),
+        mean=z(),
+        m2=z(),
+        abs_max=z(),
+        ref=None,
+    )
+
+
+def _causal_state(plan: MaskPlan, q0: int, q1: int, k0: int, k1: int) -> str:
+    """'all', 'none' or 'some': causal visibility of a tile, decided from indices alone."""
+    if plan.causal == "none":
+        return "all"
+    off = plan.causal_offset
+    if k1 - 1 <= q0 + off:
+        return "all"
+    if k0 > q1 - 1 + off:
+        return "none"
+    return "some"
+
+
+def _block_visibility(
+    plan: MaskPlan, q0: int, q1: int, k0: int, k1: int
+) -> tuple[bool, torch.Tensor | None]:
+    """(skip, vis): skip when no pair of the tile is visible; vis None when all are."""
+    cstate = _causal_state(plan, q0, q1, k0, k1)
+    if cstate == "none":
+        return True, None
+    vis = plan.causal_block(q0, q1, k0, k1) if cstate == "some" else None
+    for part in plan.parts:
+        piece = part
+        if piece.shape[2] != 1:
+            piece = piece[:, :, q0:q1]
+        if piece.shape[3] != 1:
+            piece = piece[:, :, :, k0:k1]
+        vis = piece if vis is None else vis & piece
+    if vis is None:
+        return False, None
+    if not bool(vis.any()):
+        return True, None
+    if bool(vis.all()):
+        return False, None
+    return False, vis
+
+
+def _bias_block(plan: MaskPlan, q0: int, q1: int, k0: int, k1: int) -> torch.Tensor | None:
+    b = plan.bias
+    if b is None:
+        return None
+    if b.shape[2] != 1:
+        b = b[:, :, q0:q1]
+    if b.shape[3] != 1:
+        b = b[:, :, :, k0:k1]
+    return b
+
+
+def attend_tiles(
+    q4: torch.Tensor,
+    k4: torch.Tensor,
+    v4: torch.Tensor,
+    plan: MaskPlan,
+    *,
+    scale: float,
+    accum_dtype: torch.dtype,
+    need_stats: bool,
+    block_size: int,
+    tile_q: int | None = None,
+    keep_weights: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None, RowStats | None]:
+    """Attention over [B, H, N, D] inputs in (tile_q x block_size) tiles.
+
+    Returns output [B, H, N_q, D_v], the weights [B, H, N_q, N_kv] (only with keep_weights,
+    which needs block_size >= N_kv) and RowStats [B, H, N_q] when need_stats; all in
+    accum_dtype.
+    """
+    b, h, n_q, _ = q4.shape
+    h_kv, n_kv, d_v = k4.shape[1], k4.shape[2], v4.shape[-1]
+    dev = q4.device
+    bk = min(block_size, n_kv)
+    if keep_weights and bk < n_kv:
+        raise ValueError("keep_weights needs a single key block")
+    if tile_q is None:
+        tile_q = max(16, TILE_ELEMENTS // max(1, b * h * bk))
+    tq_max = min(tile_q, n_q)
+
+    kT = k4.to(accum_dtype).transpose(-1, -2)  # [B, H_kv, D, N_kv]
+    vf = v4.to(accum_dtype)  # [B, H_kv, N_kv, D_v]
+    neg_inf = torch.tensor(-math.inf, dtype=accum_dtype, device=dev)
+    zero = torch.zeros((), dtype=accum_dtype, device=dev)
+    fmin = torch.finfo(accum_dtype).min
+
+    out = torch.empty(b, h, n_q, d_v, dtype=accum_dtype, device=dev)
+    weights = (
+        torch.zeros(b, h, n_q, n_kv, dtype=accum_dtype, device=dev)
+        if (keep_weights and tq_max < n_q)
+        else None
+    )
+    stat_names = (
+        "visible_keys",
+        "entropy",
+        "max_weight",
+        "lse",
+        "grad_health",
+        "jacobian_fro",
+        "score_mean_raw",
+        "score_m2_raw",
+        "score_abs_max_raw",
+    )
+    rows: dict[str, torch.Tensor] = {}
+    if need_stats:
+        rows = {name: torch.empty(b, h, n_q, dtype=accum_dtype, device=dev) for name in stat_names}
+
+    buffers: dict[tuple[str, int, int], torch.Tensor] = {}
+
+    def scratch(name: str, tq: int, w: int) -> torch.Tensor:
+        key = (name, tq, w)
+        if key not in buffers:
+            buffers[key] = torch.empty(b, h, tq, w, dtype=accum_dtype, device=dev)
+        return buffers[key]
+
+    last_e: torch.Tensor | None = None
+    for q0 in range(0, n_q, tq_max):
+        q1 = min(q0 + tq_max, n_q)
+        tq = q1 - q0
+        qg = group_queries(q4[:, :, q0:q1].to(accum_dtype), h_kv)  # [B, H_kv, G*tq, D]
+        st = _new_state(b, h, tq, d_v, accum_dtype, dev)
+        last_e = None
+        for k0 in range(0, n_kv, bk):
+            k1 = min(k0 + bk, n_kv)
+            w = k1 - k0
+            skip, vis = _block_visibility(plan, q0, q1, k0, k1)
+            if skip:
+                continue
+            s = scratch("s", tq, w)
+            torch.matmul(qg, kT[..., k0:k1], out=s.view(b, h_kv, -1, w))  # raw q.k [B,H,tq,w]
+
+            if need_stats:
+                keep = None if vis is None else vis.to(accum_dtype)  # 1 visible, 0 not
+                if keep is not None:
+                    s.mul_(keep)
+                    cnt = keep.sum(-1).expand(b, h, tq)
+                else:
+                    cnt = torch.full((b, h, tq), float(w), dtype=accum_dtype, device=dev)
+                cnt_safe = cnt.clamp(min=1.0)
+                bmax = torch.maximum(s.amax(-1).abs(), s.amin(-1).abs())  # zeros never win
+                shift = (s.sum(-1) / cnt_safe).unsqueeze(-1)  # [B, H, tq, 1]
+                s.sub_(shift)
+                if keep is not None:
+                    s.mul_(keep)
+                resid = s.sum(-1)
+                sq = torch.linalg.vector_norm(s, 2, -1)
+                bm2 = (sq * sq - resid * resid / cnt_safe).clamp(min=0.0)
+                bmean = shift.squeeze(-1) + resid / cnt_safe
+                has = cnt > 0
+                bmean = torch.where(has, bmean, zero)
+                bm2 = torch.where(has, bm2, zero)
+                # Chan merge of (count, mean, M2) with this block's.
+                n_new = st.count + cnt
+                frac = cnt / n_new.clamp(min=1.0)
+                delta = bmean - st.mean
+                st.m2 += bm2 + delta * delta * st.count * frac
+                st.mean += delta * frac
+                st.count = n_new
+                st.abs_max = torch.maximum(st.abs_max, torch.where(has, bmax, zero))
+                # Scores relative to one per-row reference (the first block's mean): the
+                # softmax needs one shift per row, and a centred row keeps fp32 digits.
+                if st.ref is None:
+                    st.ref = shift
+                else:
+                    s.add_(shift - st.ref)
+
+            s.mul_(scale)
+            bias = _bias_block(plan, q0, q1, k0, k1)
+            if bias is not None:
+                s.add_(bias.to(accum_dtype))
+            if vis is not None:
+                s.add_(torch.where(vis, zero, neg_inf))  # exact 0 / -inf, never a big finite
+
+            m_new = torch.maximum(st.m, s.amax(-1))  # [B, H, tq]
+            m_safe = torch.where(m_new == -math.inf, zero, m_new)
+            alpha = torch.exp(st.m - m_safe)  # 0 while the row has seen nothing
+            s.sub_(m_safe.unsqueeze(-1))  # s' <= 0
+            if keep_weights and tq_max == n_q:
+                e = torch.exp(s)  # the weights themselves: a buffer we hand out
+            else:
+                e = torch.exp(s, out=scratch("e", tq, w))
+            l_blk = e.sum(-1)
+
+            if need_stats:
+                if vis is not None:
+                    s.clamp_(min=fmin)  # -inf -> finite, so that 0 * s' stays 0
+                s.mul_(e)
+                t_blk = s.sum(-1)
+                gap = torch.where(st.denom > 0, st.m - m_safe, zero)
+                st.t = alpha * (st.t + st.denom * gap) + t_blk
+                torch.mul(e, e, out=s)
+                a2_blk = s.sum(-1)
+                s.mul_(e)
+                a3_blk = s.sum(-1)
+                st.a2 = alpha * alpha * st.a2 + a2_blk
+                st.a3 = alpha * alpha * alpha * st.a3 + a3_blk
+            st.denom = alpha * st.denom + l_blk
+            st.acc.mul_(alpha.unsqueeze(-1))
+            pv = group_queries(e, h_kv) @ vf[:, :, k0:k1]  # [B, H_kv, G*tq, D_v]
+            st.acc += pv.view(b, h, tq, d_v)
+            st.m = m_new
+            last_e = e
+
+        active = st.denom > 0
+        safe_l = torch.where(active, st.denom, 1.0)
+        out[:, :, q0:q1] = st.acc / safe_l.unsqueeze(-1)  # fully masked rows: 0 / 1 = 0
+        if keep_weights and last_e is not None:
+            probs = last_e.div_(safe_l.unsqueeze(-1))
+            if weights is not None:
+                weights[:, :, q0:q1] = probs
+            else:
+                weights = probs
+        if need_stats:
+            m_safe = torch.where(active, st.m, zero)
+            ref = zero if st.ref is None else st.ref.squeeze(-1)
+            s2 = st.a2 / (safe_l * safe_l)
+            s3 = st.a3 / (safe_l * safe_l * safe_l)
+            jac = torch.sqrt((s2 - 2.0 * s3 + s2 * s2).clamp(min=0.0))
+            cnt_safe = st.count.clamp(min=1.0)
+            rows["visible_keys"][:, :, q0:q1] = st.count
+            rows["entropy"][:, :, q0:q1] = torch.where(
+                active, (torch.log(safe_l) - st.t / safe_l).clamp(min=0.0), zero
+            )
+            rows["max_weight"][:, :, q0:q1] = torch.where(active, 1.0 / safe_l, zero)
+            rows["lse"][:, :, q0:q1] = torch.where(
+                active, m_safe + torch.log(safe_l) + scale * ref, neg_inf
+            )
+            rows["grad_health"][:, :, q0:q1] = torch.where(
+                active, ((1.0 - s2) / cnt_safe).clamp(min=0.0), zero
+            )
+            rows["jacobian_fro"][:, :, q0:q1] = torch.where(active, jac, zero)
+            rows["score_mean_raw"][:, :, q0:q1] = torch.where(active, st.mean, zero)
+            rows["score_m2_raw"][:, :, q0:q1] = torch.where(active, st.m2, zero)
+            rows["score_abs_max_raw"][:, :, q0:q1] = torch.where(active, st.abs_max, zero)
+
+    if keep_weights and weights is None:
+        weights = torch.zeros(b, h, n_q, n_kv, dtype=accum_dtype, device=dev)  # all masked
+    row_stats = None
+    if need_stats:
+        counts = rows.pop("visible_keys").round().to(torch.int64)
+        row_stats = RowStats(visible_keys=counts, **rows)
+    return out, weights, row_stats
+
+
+def chunked_attention(
+    q4: torch.Tensor,
+    k4: torch.Tensor,
+    v4: torch.Tensor,
+    plan: MaskPlan,
+    *,
+    scale: float,
+    accum_dtype: torch.dtype,
+    need_stats: bool,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    tile_q: int | None = None,
+) -> tuple[torch.Tensor, RowStats | None]:
+    """The chunked path: output [B, H, N_q, D_v] and RowStats [B, H, N_q] (accum dtype)."""
+    out, _, rows = attend_tiles(
+        q4,
+        k4,
+        v4,
+        plan,
+        scale=scale,
+        accum_dtype=accum_dtype,
+        need_stats=need_stats,
+        block_size=block_size,
+        tile_q=tile_q,
+    )
+    return out, rows

@@ -1,0 +1,40 @@
+"""The dense path: explicit scores and softmax, the only path that returns the weights.
+
+It is the tiled routine of chunked.py run as one query tile and one key block, keeping the
+normalized exponentials as the weights, so dense and chunked share every formula.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sdpa_core.chunked import attend_tiles
+from sdpa_core.diagnostics import RowStats
+from sdpa_core.masks import MaskPlan
+
+
+def dense_attention(
+    q4: torch.Tensor,
+    k4: torch.Tensor,
+    v4: torch.Tensor,
+    plan: MaskPlan,
+    *,
+    scale: float,
+    accum_dtype: torch.dtype,
+    need_weights: bool,
+    need_stats: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None, RowStats | None]:
+    """Output [B, H, N_q, D_v], weights [B, H, N_q, N_kv] (when asked) and RowStats
+    [B, H, N_q] (when asked), all in accum_dtype."""
+    return attend_tiles(
+        q4,
+        k4,
+        v4,
+        plan,
+        scale=scale,
+        accum_dtype=accum_dtype,
+        need_stats=need_stats,
+        block_size=k4.shape[2],
+        tile_q=q4.shape[2],
+        keep_weights=need_weights,
+    )

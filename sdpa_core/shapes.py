@@ -1,0 +1,436 @@
+"""Input validation and normalization to 4-D ``[B, H, N, D]``.
+
+Every check here is vectorized (one reduction per tensor at most) so that the fused path's
+wrapper overhead stays negligible next to the attention itself.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal, TypeAlias
+
+import torch
+
+from sdpa_core.errors import DTypeError, MaskError, NonFiniteError, SdpaError, ShapeError
+
+CausalMode: TypeAlias = Literal["none", "top_left", "bottom_right"]
+CausalArg: TypeAlias = bool | str | None
+
+SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+)
+_DTYPE_NAMES = ("float16", "bfloat16", "float32", "float64")
+
+
+@dataclass(frozen=True, slots=True)
+class InputSpec:
+    """What validate_inputs learned about a (q, k, v) triple.
+
+    batch_shape are q's leading dims before [H, N_q, D] (empty for 2-D and 3-D inputs).
+    A 2-D q is one head of one sequence (heads = 1).
+    """
+
+    batch_shape: tuple[int, ...]
+    heads: int
+    kv_heads: int
+    n_q: int
+    n_kv: int
+    d: int
+    d_v: int
+    dtype: torch.dtype
+    causal: CausalMode
+    # Not in DESIGN's list but needed to shape results like the input: a 2-D q ([N_q, D]) has
+    # no head dim, unlike a 3-D [1, N_q, D] q that also has heads == 1.
+    two_d: bool = False
+
+    @property
+    def batch(self) -> int:
+        """Product of batch_shape: the B of the normalized [B, H, N, D] view."""
+        return math.prod(self.batch_shape)
+
+    @property
+    def group(self) -> int:
+        """Query heads per kv head (1 without GQA)."""
+        return self.heads // self.kv_heads
+
+    @property
+    def head_shape(self) -> tuple[int, ...]:
+        """q.shape[:-2]: the shape of per-head results ([..., H])."""
+        return () if self.two_d else (*self.batch_shape, self.heads)
+
+    @property
+    def row_shape(self) -> tuple[int, ...]:
+        """q.shape[:-1]: the shape of per-row results ([..., H, N_q])."""
+        return (*self.head_shape, self.n_q)
+
+    @property
+    def accum_dtype(self) -> torch.dtype:
+        """Softmax and statistics accumulate in float32, or float64 for float64 inputs."""
+        return torch.float64 if self.dtype == torch.float64 else torch.float32
+
+
+def normalize_causal(causal: CausalArg) -> CausalMode:
+    """False/None/"none" -> "none"; True/"top_left" -> "top_left"; "bottom_right"."""
+    if causal is None or causal is False:
+        return "none"
+    if causal is True:
+        return "top_left"
+    if isinstance(causal, str) and causal in ("none", "top_left", "bottom_right"):
+        return causal  # type: ignore[return-value]
+    raise MaskError(
+        "unknown causal option",
+        param="causal",
+        expected='false, true, "top_left" or "bottom_right"',
+        got=repr(causal),
+    )
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _check_tensor(x: object, name: str) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise DTypeError(
+            "must be a torch.Tensor", param=name, expected="torch.Tensor", got=type(x).__name__
+        )
+    return x
+
+
+def _check_finite(x: torch.Tensor, name: str) -> None:
+    if not bool(torch.isfinite(x).all()):
+        bad = int((~torch.isfinite(x)).sum())
+        raise NonFiniteError(
+            "contains NaN or Inf (pass allow_nonfinite=True to accept them)",
+            param=name,
+            expected="finite values",
+            got=f"{bad} non-finite of {x.numel()}",
+        )
+
+
+def _check_no_empty(x: torch.Tensor, name: str, dim_names: tuple[str, ...]) -> None:
+    if x.numel() == 0:
+        names = (("batch",) * (x.dim() - len(dim_names)) + dim_names)[-x.dim() :]
+        empty = [f"{n}[{i}]" for i, (n, s) in enumerate(zip(names, x.shape, strict=True)) if s == 0]
+        raise ShapeError(
+            "empty dimension",
+            param=name,
+            expected="every dimension >= 1",
+            got=f"shape {tuple(x.shape)} (empty: {', '.join(empty)})",
+        )
+
+
+def _per_sequence_or_head(
+    spec_q_shape: tuple[int, ...], extra: tuple[int, ...]
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The two accepted shapes for key_lengths / key_padding_mask: per sequence, per head."""
+    return (*spec_q_shape[:-3], *extra), (*spec_q_shape[:-2], *extra)
+
+
+def validate_inputs(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: CausalArg = False,
+    key_lengths: torch.Tensor | list[int] | tuple[int, ...] | int | None = None,
+    key_padding_mask: torch.Tensor | None = None,
+    attn_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+    allow_nonfinite: bool = False,
+) -> InputSpec:
+    """Check q, k, v and every mask option; raise an SdpaError subclass on the first problem.
+
+    Shapes: q [..., H, N_q, D], k [..., H_kv, N_kv, D], v [..., H_kv, N_kv, D_v] with the same
+    leading dims; a 2-D q is [N_q, D] (one head). H must be a multiple of H_kv (GQA/MQA).
+    """
+    q = _check_tensor(q, "q")
+    k = _check_tensor(k, "k")
+    v = _check_tensor(v, "v")
+    causal_mode = normalize_causal(causal)
+
+    # dtypes first: a wrong dtype explains more than a wrong shape would.
+    if q.dtype not in SUPPORTED_DTYPES:
+        raise DTypeError(
+            "unsupported dtype",
+            param="q",
+            expected=" | ".join(_DTYPE_NAMES),
+            got=_dtype_name(q.dtype),
+        )
+    for name, x in (("k", k), ("v", v)):
+        if x.dtype != q.dtype:
+            raise DTypeError(
+                f"{name} must have q's dtype",
+                param=name,
+                expected=_dtype_name(q.dtype),
+                got=_dtype_name(x.dtype),
+            )
+        if x.device != q.device:
+            raise SdpaError(
+                f"{name} must be on q's device",
+                param=name,
+                expected=str(q.device),
+                got=str(x.device),
+            )
+
+    if q.dim() < 2:
+        raise ShapeError(
+            "q needs at least 2 dims",
+            param="q",
+            expected="[..., H, N_q, D] or [N_q, D]",
+            got=f"shape {tuple(q.shape)}",
+        )
+    for name, x in (("k", k), ("v", v)):
+        if x.dim() != q.dim():
+            raise ShapeError(
+                f"{name} must have q's rank",
+                param=name,
+                expected=f"{q.dim()} dims",
+                got=f"{x.dim()} dims {tuple(x.shape)}",
+            )
+    qdims = ("H", "N_q", "D")
+    _check_no_empty(q, "q", qdims)
+    _check_no_empty(k, "k", ("H_kv", "N_kv", "D"))
+    _check_no_empty(v, "v", ("H_kv", "N_kv", "D_v"))
+
+    nd = q.dim()
+    lead = q.shape[:-3] if nd >= 3 else ()
+    if nd >= 4:
+        for name, x in (("k", k), ("v", v)):
+            if x.shape[:-3] != lead:
+                raise ShapeError(
+                    f"{name}'s batch dims must equal q's",
+                    param=name,
+                    expected=f"batch dims {tuple(lead)}",
+                    got=f"{tuple(x.shape[:-3])}",
+                )
+    if k.shape[-1] != q.shape[-1]:
+        raise ShapeError(
+            "k's head dim must equal q's",
+            param="k",
+            expected=f"D = {q.shape[-1]}",
+            got=f"D = {k.shape[-1]}",
+        )
+    if v.shape[-2] != k.shape[-2]:
+        raise ShapeError(
+            "v must have as many keys as k",
+            param="v",
+            expected=f"N_kv = {k.shape[-2]}",
+            got=f"N_kv = {v.shape[-2]}",
+        )
+    heads = q.shape[-3] if nd >= 3 else 1
+    kv_heads = k.shape[-3] if nd >= 3 else 1
+    if nd >= 3 and v.shape[-3] != kv_heads:
+        raise ShapeError(
+            "v must have as many heads as k",
+            param="v",
+            expected=f"H_kv = {kv_heads}",
+            got=f"H_kv = {v.shape[-3]}",
+        )
+    if heads % kv_heads != 0:
+        raise ShapeError(
+            "query heads must be a multiple of kv heads (GQA)",
+            param="k",
+            expected=f"H_kv dividing H = {heads}",
+            got=f"H_kv = {kv_heads}",
+        )
+
+    n_q, d = q.shape[-2], q.shape[-1]
+    n_kv, d_v = k.shape[-2], v.shape[-1]
+    q_shape = tuple(q.shape)
+
+    if key_lengths is not None:
+        _validate_key_lengths(key_lengths, q_shape, n_kv, q.device)
+    if key_padding_mask is not None:
+        _validate_key_padding_mask(key_padding_mask, q_shape, n_kv, q.device)
+    if attn_mask is not None:
+        _validate_attn_mask(attn_mask, q_shape, n_kv, q.dtype, q.device, allow_nonfinite)
+
+    if scale is not None:
+        if isinstance(scale, bool) or not isinstance(scale, int | float):
+            raise SdpaError(
+                "scale must be a real number or None",
+                param="scale",
+                expected="float or null",
+                got=repr(scale),
+            )
+        if not math.isfinite(scale):
+            raise NonFiniteError(
+                "scale must be finite", param="scale", expected="finite float", got=repr(scale)
+            )
+
+    if not allow_nonfinite:
+        _check_finite(q, "q")
+        _check_finite(k, "k")
+        _check_finite(v, "v")
+
+    return InputSpec(
+        batch_shape=tuple(lead),
+        heads=heads,
+        kv_heads=kv_heads,
+        n_q=n_q,
+        n_kv=n_kv,
+        d=d,
+        d_v=d_v,
+        dtype=q.dtype,
+        causal=causal_mode,
+        two_d=nd == 2,
+    )
+
+
+def as_key_lengths(
+    key_lengths: torch.Tensor | list[int] | tuple[int, ...] | int, device: torch.device
+) -> torch.Tensor:
+    """key_lengths as an int64 tensor on device (validated by validate_inputs)."""
+    if isinstance(key_lengths, torch.Tensor):
+        return key_lengths.to(device=device, dtype=torch.int64)
+    return torch.as_tensor(key_lengths, dtype=torch.int64, device=device)
+
+
+def _validate_key_lengths(
+    key_lengths: object, q_shape: tuple[int, ...], n_kv: int, device: torch.device
+) -> None:
+    if isinstance(key_lengths, torch.Tensor):
+        kl = key_lengths
+        if kl.dtype == torch.bool or kl.is_floating_point() or kl.is_complex():
+            raise MaskError(
+                "key_lengths must be integers",
+                param="key_lengths",
+                expected="an integer tensor",
+                got=_dtype_name(kl.dtype),
+            )
+    else:
+        try:
+            kl = torch.as_tensor(key_lengths)
+        except (TypeError, ValueError, RuntimeError) as exc:
+            raise MaskError(
+                "key_lengths must be integers",
+                param="key_lengths",
+                expected="integers",
+                got=type(key_lengths).__name__,
+            ) from exc
+        if kl.dtype == torch.bool or kl.is_floating_point() or kl.is_complex():
+            raise MaskError(
+                "key_lengths must be integers",
+                param="key_lengths",
+                expected="integers",
+                got=_dtype_name(kl.dtype),
+            )
+    per_seq, per_head = _per_sequence_or_head(q_shape, ())
+    shape = tuple(kl.shape)
+    if shape not in (per_seq, per_head):
+        raise MaskError(
+            "key_lengths has the wrong count",
+            param="key_lengths",
+            expected=f"shape {list(per_seq)} (per sequence) or {list(per_head)} (per head)",
+            got=f"shape {list(shape)}",
+        )
+    lo, hi = int(kl.min()), int(kl.max())
+    if lo < 0 or hi > n_kv:
+        raise MaskError(
+            "key length out of range",
+            param="key_lengths",
+            expected=f"0 <= length <= N_kv = {n_kv}",
+            got=f"min {lo}, max {hi}",
+        )
+
+
+def _validate_key_padding_mask(
+    mask: object, q_shape: tuple[int, ...], n_kv: int, device: torch.device
+) -> None:
+    if not isinstance(mask, torch.Tensor):
+        raise MaskError(
+            "key_padding_mask must be a tensor",
+            param="key_padding_mask",
+            expected="bool tensor",
+            got=type(mask).__name__,
+        )
+    if mask.dtype != torch.bool:
+        raise DTypeError(
+            "key_padding_mask must be boolean (True = padding)",
+            param="key_padding_mask",
+            expected="bool",
+            got=_dtype_name(mask.dtype),
+        )
+    if mask.device != device:
+        raise MaskError(
+            "key_padding_mask must be on q's device",
+            param="key_padding_mask",
+            expected=str(device),
+            got=str(mask.device),
+        )
+    per_seq, per_head = _per_sequence_or_head(q_shape, (n_kv,))
+    if tuple(mask.shape) not in (per_seq, per_head):
+        raise MaskError(
+            "key_padding_mask has the wrong shape",
+            param="key_padding_mask",
+            expected=f"shape {list(per_seq)} (per sequence) or {list(per_head)} (per head)",
+            got=f"shape {list(mask.shape)}",
+        )
+
+
+def _validate_attn_mask(
+    mask: object,
+    q_shape: tuple[int, ...],
+    n_kv: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    allow_nonfinite: bool,
+) -> None:
+    if not isinstance(mask, torch.Tensor):
+        raise MaskError(
+            "attn_mask must be a tensor",
+            param="attn_mask",
+            expected="bool or float tensor",
+            got=type(mask).__name__,
+        )
+    if mask.dtype != torch.bool and mask.dtype not in (torch.float32, dtype):
+        raise DTypeError(
+            "attn_mask must be bool (True = attend) or float (additive bias)",
+            param="attn_mask",
+            expected=f"bool, float32 or {_dtype_name(dtype)}",
+            got=_dtype_name(mask.dtype),
+        )
+    if mask.device != device:
+        raise MaskError(
+            "attn_mask must be on q's device",
+            param="attn_mask",
+            expected=str(device),
+            got=str(mask.device),
+        )
+    target = (*q_shape[:-1], n_kv)
+    ok = mask.dim() <= len(target) and all(
+        m in (1, t) for m, t in zip(reversed(mask.shape), reversed(target), strict=False)
+    )
+    if not ok:
+        raise MaskError(
+            "attn_mask does not broadcast to the scores",
+            param="attn_mask",
+            expected=f"broadcastable to {list(target)}",
+            got=f"shape {list(mask.shape)}",
+        )
+    if mask.dtype != torch.bool and not allow_nonfinite:
+        # -inf is the additive way of saying "not visible"; NaN and +inf have no meaning.
+        bad = torch.isnan(mask) | (mask == math.inf)
+        if bool(bad.any()):
+            raise NonFiniteError(
+                "float attn_mask may hold -inf (not visible) but not NaN or +inf",
+                param="attn_mask",
+                expected="finite values or -inf",
+                got=f"{int(bad.sum())} NaN/+inf entries",
+            )
+
+
+def to_4d(x: torch.Tensor) -> torch.Tensor:
+    """View a [..., H, N, D] (or [N, D]) tensor as [B, H, N, D] without copying when possible."""
+    if x.dim() == 2:
+        return x.unsqueeze(0).unsqueeze(0)  # [1, 1, N, D]
+    if x.dim() == 3:
+        return x.unsqueeze(0)  # [1, H, N, D]
+    if x.dim() == 4:
+        return x
+    return x.reshape(-1, *x.shape[-3:])  # [B, H, N, D]
