@@ -137,6 +137,11 @@ class SDPAError(Exception):
         self.attempts = attempts
         super().__init__(self._message())
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Exception pickles as cls(*args); ours take keyword-only fields (multiprocessing,
+        # concurrent.futures and pytest-xdist pickle exceptions).
+        return (_rebuild_error, (type(self), self.__dict__.copy()))
+
     def _message(self) -> str:
         head = f"{self.status} {self.title}" if self.status is not None else self.title
         text = f"{head}: {self.detail}" if self.detail else head
@@ -145,6 +150,13 @@ class SDPAError(Exception):
             more = f" (+{len(self.errors) - 3} more)" if len(self.errors) > 3 else ""
             text = f"{text} [{shown}{more}]"
         return text
+
+
+def _rebuild_error(cls: type[SDPAError], state: dict[str, Any]) -> SDPAError:
+    err = cls.__new__(cls)
+    err.__dict__.update(state)
+    Exception.__init__(err, err._message())
+    return err
 
 
 class SDPAClientError(SDPAError):

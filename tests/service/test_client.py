@@ -11,6 +11,7 @@ import asyncio
 import base64
 import json
 import math
+import pickle
 import random
 import struct
 import subprocess
@@ -28,6 +29,7 @@ import torch
 from service.client import (
     AsyncSDPAClient,
     DiagnosticsSummary,
+    FieldError,
     RetryPolicy,
     SDPAAuthError,
     SDPAClient,
@@ -578,3 +580,15 @@ def test_async_client_retries_and_computes() -> None:
     assert seen[0]["body"]["diagnostics"] == "full"
     q, k, v = small_qkv()
     np.testing.assert_allclose(result.output, reference_attention(q, k, v)[0], rtol=1e-5)
+
+
+def test_errors_survive_pickling() -> None:
+    err = SDPAUnavailable(
+        503, "Queue full", "try later", errors=[FieldError(("body", "q"), "x")], retry_after_s=2.0
+    )
+    back = pickle.loads(pickle.dumps(err))
+    assert type(back) is SDPAUnavailable
+    expected = (503, "Queue full", "try later", 2.0)
+    assert (back.status, back.title, back.detail, back.retry_after_s) == expected
+    assert back.errors == err.errors
+    assert str(back) == str(err)
