@@ -145,6 +145,7 @@ def _default_health_url() -> str | None:
 
 # --- analyze -----------------------------------------------------------------------------------
 
+_TABLE_WIDTH = 110
 _COLUMNS = (
     ("strategy", "name"),
     ("divisor", "divisor"),
@@ -182,8 +183,6 @@ def parse_strategies(specs: Sequence[str] | None) -> list[str | tuple[str, float
 
 
 def _analyze(args: argparse.Namespace) -> int:
-    from sdpa_core import SdpaError, analyze_scaling, make_synthetic_qk
-
     if args.d_k < 1 or args.n < 1:
         print("sdpa-service analyze: --d-k and --n must be >= 1", file=sys.stderr)
         return 2
@@ -192,6 +191,9 @@ def _analyze(args: argparse.Namespace) -> int:
     except argparse.ArgumentTypeError as exc:
         print(f"sdpa-service analyze: {exc}", file=sys.stderr)
         return 2
+
+    from sdpa_core import SdpaError, analyze_scaling, make_synthetic_qk
+
     try:
         q, k = make_synthetic_qk(n_q=args.n, n_k=args.n, d_k=args.d_k, std=args.std, seed=args.seed)
         report = analyze_scaling(q, k, strategies=strategies)
@@ -217,10 +219,14 @@ def _print_table(data: dict[str, Any], *, n: int, std: float, seed: int) -> None
         f"recommended divisor (std of raw scores) {data['recommended_divisor']:.4g}",
     )
     for header, _ in _COLUMNS:
-        table.add_column(header, justify="left" if header == "strategy" else "right")
+        table.add_column(header, justify="left" if header == "strategy" else "right", no_wrap=True)
     for row in data["strategies"]:
         table.add_row(*(_cell(row[field]) for _, field in _COLUMNS))
-    Console().print(table)
+    # Piped output gets rich's 80 columns, too narrow for eight columns of numbers.
+    console = Console()
+    if console.width < _TABLE_WIDTH:
+        console = Console(width=_TABLE_WIDTH)
+    console.print(table)
 
 
 def _cell(value: object) -> str:

@@ -1,0 +1,184 @@
+"""Graceful shutdown of a real server under load (loopback, bounded in count and time).
+
+To know exactly what the server holds when the signal arrives, the batcher is set to wait for
+a batch of IN_FLIGHT + 1 requests for up to 10 s (SDPA_MAX_BATCH_SIZE, SDPA_MAX_BATCH_DELAY_MS):
+IN_FLIGHT requests sent together all sit admitted in the queue, and the queue-depth gauge on
+/metrics says when. Then SIGTERM. The drain flushes them as one batch that computes for a while
+(in flight during the drain). Every one of them must get its 200 (checked against a float64
+reference), /readyz must turn 503 while they are still being computed, every request sent after
+the signal must get 503 + Retry-After or find no server, and the exit code must be 0.
+"""
+
+from __future__ import annotations
+
+import base64
+import re
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+
+from tests.support.live_server import LiveServer, live_server
+
+HEADS, N, D = 8, 1024, 8  # [H, N, D]: a small body, tens of ms of compute per request
+IN_FLIGHT = 6
+# Hold the queue: a batch of IN_FLIGHT + 1 never fills, and the delay (the maximum the settings
+# allow) outlasts the few seconds it takes to send IN_FLIGHT requests even on a busy machine.
+HOLD_ENV = {"SDPA_MAX_BATCH_SIZE": str(IN_FLIGHT + 1), "SDPA_MAX_BATCH_DELAY_MS": "10000"}
+
+
+def _tensor(array: np.ndarray) -> dict[str, Any]:
+    data = np.ascontiguousarray(array, dtype="<f4")
+    encoded = base64.b64encode(data.tobytes()).decode()
+    return {"dtype": "float32", "shape": list(data.shape), "b64": encoded}
+
+
+def _decode(tensor: dict[str, Any]) -> np.ndarray:
+    raw = np.frombuffer(base64.b64decode(tensor["b64"]), dtype="<f4")
+    return raw.reshape(tensor["shape"])
+
+
+def _request(seed: int) -> tuple[dict[str, Any], np.ndarray]:
+    """A request and the float64 reference for query row 0 of every head."""
+    rng = np.random.default_rng(seed)
+    q, k, v = (rng.standard_normal((HEADS, N, D)).astype(np.float32) for _ in range(3))
+    scores = np.einsum("hd,hnd->hn", q[:, 0].astype(np.float64), k.astype(np.float64))
+    scores /= np.sqrt(D)  # [H, N_kv]
+    p = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    p /= p.sum(axis=-1, keepdims=True)
+    expected = np.einsum("hn,hnd->hd", p, v.astype(np.float64))  # [H, D_v]
+    body = {
+        "q": _tensor(q),
+        "k": _tensor(k),
+        "v": _tensor(v),
+        "diagnostics": "summary",
+        "response_encoding": "base64",
+    }
+    return body, expected
+
+
+def _queue_depth(url: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=5).text
+    match = re.search(r"^sdpa_queue_depth (\S+)$", text, re.M)
+    assert match is not None, "sdpa_queue_depth missing from /metrics"
+    return float(match.group(1))
+
+
+def _wait_for_queue_depth(server: LiveServer, depth: int, timeout_s: float = 9.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while _queue_depth(server.url) < depth:
+        if time.monotonic() > deadline:
+            pytest.fail(f"the queue never reached {depth}")
+        time.sleep(0.01)
+
+
+class _Client(threading.Thread):
+    """One request on its own connection; keeps the response or the error."""
+
+    def __init__(self, url: str, body: dict[str, Any]) -> None:
+        super().__init__(daemon=True)
+        self.url, self.body = url, body
+        self.response: httpx.Response | None = None
+        self.error: BaseException | None = None
+        self.finished_at = 0.0
+
+    def run(self) -> None:
+        try:
+            self.response = httpx.post(f"{self.url}/v1/attention", json=self.body, timeout=120)
+        except BaseException as exc:
+            self.error = exc
+        self.finished_at = time.monotonic()
+
+
+def test_sigterm_finishes_every_admitted_request_refuses_new_ones_and_exits_0(
+    tmp_path: Path,
+) -> None:
+    env = {**HOLD_ENV, "SDPA_DRAIN_TIMEOUT_S": "120"}
+    with live_server(env, tmp_path=tmp_path) as server:
+        requests = [_request(seed) for seed in range(IN_FLIGHT)]
+        clients = [_Client(server.url, body) for body, _ in requests]
+        for client in clients:
+            client.start()
+        # All admitted and queued before the signal.
+        _wait_for_queue_depth(server, IN_FLIGHT)
+
+        server.process.send_signal(signal.SIGTERM)
+
+        first_not_ready: float | None = None
+        late: list[httpx.Response | BaseException] = []
+        deadline = time.monotonic() + 120
+        # Probe readiness and send new work until the socket closes (bounded).
+        while time.monotonic() < deadline and len(late) < 200:
+            try:
+                with httpx.Client(timeout=10) as fresh:  # a fresh connection every time
+                    ready = fresh.get(f"{server.url}/readyz")
+                    if ready.status_code == 503 and first_not_ready is None:
+                        first_not_ready = time.monotonic()
+                    assert ready.status_code == 503, "ready after SIGTERM"
+                    late.append(fresh.post(f"{server.url}/v1/attention", json=requests[0][0]))
+            except httpx.ConnectError as exc:
+                late.append(exc)
+                break
+            except (httpx.RemoteProtocolError, httpx.ReadError) as exc:
+                # A connection the kernel accepted just as uvicorn closed its socket: closed or
+                # reset without a response, the request never admitted.
+                late.append(exc)
+            time.sleep(0.02)
+
+        for client in clients:
+            client.join(timeout=120)
+        code = server.process.wait(timeout=60)
+
+    assert code == 0, server.log()[-3000:]
+    for client, (_, expected) in zip(clients, requests, strict=True):
+        assert client.error is None, repr(client.error)
+        assert client.response is not None
+        assert client.response.status_code == 200, client.response.text[:500]
+        output = _decode(client.response.json()["output"])
+        assert output.shape == (HEADS, N, D)
+        np.testing.assert_allclose(output[:, 0], expected, rtol=1e-4, atol=1e-5)
+
+    # Readiness turned 503 while admitted requests were still being served.
+    assert first_not_ready is not None
+    assert first_not_ready < max(c.finished_at for c in clients)
+    # Everything sent after the signal was refused: 503 + Retry-After, or no socket.
+    assert late, "no request was attempted after the signal"
+    for outcome in late:
+        if isinstance(outcome, httpx.Response):
+            assert outcome.status_code == 503, outcome.text[:300]
+            assert outcome.headers["content-type"].startswith("application/problem+json")
+            assert int(outcome.headers["retry-after"]) >= 1
+    assert isinstance(late[-1], httpx.ConnectError)  # the listening socket closed in the end
+    # While the batch computed, new work reached the server and was refused with 503.
+    assert any(isinstance(o, httpx.Response) for o in late)
+    log = server.log()
+    assert '"msg": "draining"' in log
+    assert '"msg": "drained"' in log
+
+
+def test_a_second_signal_exits_at_once(tmp_path: Path) -> None:
+    env = {**HOLD_ENV, "SDPA_DRAIN_TIMEOUT_S": "300"}
+    with live_server(env, tmp_path=tmp_path) as server:
+        clients = [_Client(server.url, _request(seed)[0]) for seed in range(IN_FLIGHT)]
+        for client in clients:
+            client.start()
+        _wait_for_queue_depth(server, IN_FLIGHT)
+        server.process.send_signal(signal.SIGTERM)
+        # Wait (bounded) until the drain began, then ask again.
+        deadline = time.monotonic() + 30
+        while '"msg": "draining"' not in server.log() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        server.process.send_signal(signal.SIGINT)
+        # Far less than the queued work needs; the drain would take seconds.
+        code = server.process.wait(timeout=30)
+        for client in clients:
+            client.join(timeout=30)
+    assert code == 128 + signal.SIGINT
+    assert "second signal" in server.log()
+    # The batch on the device got no answer: the connections were cut.
+    assert any(c.error is not None for c in clients)
