@@ -295,20 +295,27 @@ def attend_tiles(
         if need_stats:
             m_safe = torch.where(active, st.m, zero)
             ref = zero if st.ref is None else st.ref.squeeze(-1)
-            s2 = st.a2 / (safe_l * safe_l)
-            s3 = st.a3 / (safe_l * safe_l * safe_l)
-            jac = torch.sqrt((s2 - 2.0 * s3 + s2 * s2).clamp(min=0.0))
+            # The row max contributes exactly e^0 = 1 to l, a2 and a3, so the sums over the
+            # other keys are l - 1, a2 - 1, a3 - 1. Writing ||J||_F^2, 1 - sum p^2 and H in
+            # terms of those avoids the cancellation of S2 - 2 S3 + S2^2 on saturated rows
+            # (p_max -> 1), where the plain formula loses every fp32 digit.
+            p_max = 1.0 / safe_l
+            r1 = (st.denom - 1.0).clamp(min=0.0) / safe_l  # 1 - p_max
+            r2 = (st.a2 - 1.0).clamp(min=0.0) / (safe_l * safe_l)  # sum of the others' p^2
+            r3 = (st.a3 - 1.0).clamp(min=0.0) / (safe_l * safe_l * safe_l)
+            jac_sq = p_max * p_max * r1 * r1 + r2 * (1.0 + 2.0 * p_max * p_max) - 2.0 * r3
+            jac = torch.sqrt((jac_sq + r2 * r2).clamp(min=0.0))
+            one_minus_s2 = r1 * (1.0 + p_max) - r2  # 1 - sum p^2
             cnt_safe = st.count.clamp(min=1.0)
+            entropy = torch.log1p((st.denom - 1.0).clamp(min=0.0)) - st.t / safe_l
             rows["visible_keys"][:, :, q0:q1] = st.count
-            rows["entropy"][:, :, q0:q1] = torch.where(
-                active, (torch.log(safe_l) - st.t / safe_l).clamp(min=0.0), zero
-            )
-            rows["max_weight"][:, :, q0:q1] = torch.where(active, 1.0 / safe_l, zero)
+            rows["entropy"][:, :, q0:q1] = torch.where(active, entropy.clamp(min=0.0), zero)
+            rows["max_weight"][:, :, q0:q1] = torch.where(active, p_max, zero)
             rows["lse"][:, :, q0:q1] = torch.where(
                 active, m_safe + torch.log(safe_l) + scale * ref, neg_inf
             )
             rows["grad_health"][:, :, q0:q1] = torch.where(
-                active, ((1.0 - s2) / cnt_safe).clamp(min=0.0), zero
+                active, (one_minus_s2 / cnt_safe).clamp(min=0.0), zero
             )
             rows["jacobian_fro"][:, :, q0:q1] = torch.where(active, jac, zero)
             rows["score_mean_raw"][:, :, q0:q1] = torch.where(active, st.mean, zero)

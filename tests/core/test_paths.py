@@ -1,0 +1,350 @@
+"""Every path against the float64 reference, across the mask / shape / dtype table."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from sdpa_core import attention
+from tests.core.reference import (
+    assert_matches_golden,
+    lowp_reference,
+    reference_attention,
+    reference_rows,
+    visibility,
+)
+
+AXES: dict[str, tuple[Any, ...]] = {
+    "path": ("fused", "dense", "chunked"),
+    "causal": ("none", "top_left", "bottom_right"),
+    "n_q": (1, 5, 8),
+    "n_kv": (1, 2, 8, 9),
+    "key_lengths": ("none", "per_sequence", "per_head"),
+    "mask": ("none", "bool", "float"),
+    "heads": ((2, 2), (4, 2), (4, 1)),  # (H, H_kv): plain, GQA, MQA
+    "dtype": (torch.float32, torch.float64, torch.float16, torch.bfloat16),
+}
+
+
+def pairwise_cases(axes: dict[str, tuple[Any, ...]]) -> list[dict[str, Any]]:
+    """A deterministic all-pairs covering: every value of every axis meets every value of
+    every other axis (so each path sees every causal mode, size, mask kind, GQA and dtype)."""
+    names = list(axes)
+    uncovered = {
+        (a, va, b, vb)
+        for a, b in itertools.combinations(names, 2)
+        for va in range(len(axes[a]))
+        for vb in range(len(axes[b]))
+    }
+    cases: list[dict[str, int]] = []
+    while uncovered:
+        a, va, b, vb = min(uncovered)
+        case = {a: va, b: vb}
+        for name in names:
+            if name in case:
+                continue
+
+            def gain(v: int, name: str = name, case: dict[str, int] = case) -> int:
+                return sum(
+                    (
+                        (n, case[n], name, v)
+                        if names.index(n) < names.index(name)
+                        else (name, v, n, case[n])
+                    )
+                    in uncovered
+                    for n in case
+                )
+
+            case[name] = max(range(len(axes[name])), key=gain)
+        for x, y in itertools.combinations(names, 2):
+            uncovered.discard((x, case[x], y, case[y]))
+        cases.append(case)
+    return [{n: axes[n][i] for n, i in c.items()} for c in cases]
+
+
+CASES = pairwise_cases(AXES)
+
+
+def _case_id(c: dict[str, Any]) -> str:
+    return "-".join(
+        [
+            c["path"],
+            c["causal"],
+            f"q{c['n_q']}",
+            f"k{c['n_kv']}",
+            c["key_lengths"],
+            c["mask"],
+            "h{}x{}".format(*c["heads"]),
+            str(c["dtype"]).removeprefix("torch."),
+        ]
+    )
+
+
+@dataclass
+class Inputs:
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    kwargs: dict[str, Any]
+    visible: torch.Tensor
+    bias: torch.Tensor | None
+
+
+def make_inputs(
+    *,
+    causal: str,
+    n_q: int,
+    n_kv: int,
+    key_lengths: str,
+    mask: str,
+    heads: tuple[int, int],
+    dtype: torch.dtype,
+    seed: int,
+    batch: int = 2,
+    d: int = 4,
+    d_v: int = 3,
+) -> Inputs:
+    gen = torch.Generator().manual_seed(seed)
+    rng = random.Random(seed)
+    h, h_kv = heads
+    q = torch.randn(batch, h, n_q, d, generator=gen).to(dtype)
+    k = torch.randn(batch, h_kv, n_kv, d, generator=gen).to(dtype)
+    v = torch.randn(batch, h_kv, n_kv, d_v, generator=gen).to(dtype)
+    kwargs: dict[str, Any] = {"causal": causal}
+    kl_list: Any = None
+    if key_lengths == "per_sequence":
+        kl_list = [rng.randint(0, n_kv) for _ in range(batch)]
+        kl_list[0] = max(kl_list[0], 1)
+        kwargs["key_lengths"] = torch.tensor(kl_list)
+    elif key_lengths == "per_head":
+        kl_list = [[rng.randint(0, n_kv) for _ in range(h)] for _ in range(batch)]
+        kl_list[0][0] = n_kv
+        kwargs["key_lengths"] = torch.tensor(kl_list)
+    bias = None
+    attn_mask = None
+    if mask == "bool":
+        attn_mask = torch.rand(batch, 1, n_q, n_kv, generator=gen) < 0.75
+        kwargs["attn_mask"] = attn_mask
+    elif mask == "float":
+        vals = torch.randn(n_q, n_kv, generator=gen)
+        vals = vals.masked_fill(torch.rand(n_q, n_kv, generator=gen) < 0.2, -math.inf)
+        bias = vals if seed % 2 else vals.to(dtype)  # float32 or q's dtype: both legal
+        attn_mask = bias
+        kwargs["attn_mask"] = bias
+    vis = visibility(
+        b=batch, h=h, n_q=n_q, n_kv=n_kv, causal=causal, key_lengths=kl_list, attn_mask=attn_mask
+    )
+    return Inputs(q, k, v, kwargs, vis, bias)
+
+
+def check_against_reference(inp: Inputs, path: str, *, scale: float | None = None) -> None:
+    """Output (every path), weights (dense) and row diagnostics (dense, chunked)."""
+    wants_stats = path != "fused"
+    res = attention(
+        inp.q,
+        inp.k,
+        inp.v,
+        path=path,
+        scale=scale,
+        return_weights=path == "dense",  # type: ignore[arg-type]
+        diagnostics="full" if wants_stats else "none",
+        block_size=3,
+        **inp.kwargs,
+    )
+    assert res.path == path
+    assert res.output.dtype == inp.q.dtype
+    assert res.output.shape == (*inp.q.shape[:-1], inp.v.shape[-1])
+    ref = reference_attention(inp.q, inp.k, inp.v, inp.visible, scale=scale, bias=inp.bias)
+    lowp = lowp_reference(inp.q, inp.k, inp.v, inp.visible, scale=scale, bias=inp.bias)
+    assert_matches_golden(res.output, ref.out, lowp)
+    empty_rows = ~inp.visible.any(-1)  # [B, H, N_q]
+    assert torch.all(res.output.reshape(ref.out.shape)[empty_rows] == 0)
+
+    if path == "dense":
+        assert res.weights is not None
+        assert res.weights.dtype == inp.q.dtype
+        w = res.weights.reshape(ref.weights.shape)
+        assert torch.all(w[~inp.visible] == 0), "invisible weights must be exactly 0"
+        assert_matches_golden(w, ref.weights, None, what="weights")
+    if wants_stats:
+        c = 1.0 / math.sqrt(inp.q.shape[-1]) if scale is None else scale
+        rows = reference_rows(ref, scale=c, bias=inp.bias)
+        diag = res.diagnostics
+        assert diag is not None
+        assert diag.per_row is not None
+        tol = 1e-9 if inp.q.dtype == torch.float64 else 2e-5
+        pr = diag.per_row
+        np.testing.assert_array_equal(
+            pr.visible_keys.reshape(rows.visible_keys.shape).numpy(), rows.visible_keys
+        )
+        for name in ("entropy", "normalized_entropy", "max_weight", "effective_keys"):
+            got = getattr(pr, name).double().reshape(rows.visible_keys.shape).numpy()
+            np.testing.assert_allclose(got, getattr(rows, name), rtol=tol, atol=tol, err_msg=name)
+        lse = pr.lse.double().reshape(rows.lse.shape).numpy()
+        np.testing.assert_allclose(lse, rows.lse, rtol=tol, atol=tol, err_msg="lse")
+        rs = res.row_stats
+        assert rs is not None
+        for name in ("grad_health", "jacobian_fro"):
+            got = getattr(rs, name).double().reshape(rows.visible_keys.shape).numpy()
+            np.testing.assert_allclose(got, getattr(rows, name), rtol=tol, atol=tol, err_msg=name)
+        s = diag.summary
+        assert s.masked_rows == rows.masked_rows
+        big = max(1.0, abs(rows.pooled_mean_raw), rows.pooled_var_raw)
+        assert s.score_mean_raw == pytest.approx(rows.pooled_mean_raw, abs=tol * big)
+        assert s.score_variance_raw == pytest.approx(rows.pooled_var_raw, rel=tol, abs=tol * big)
+        assert s.score_variance_scaled == pytest.approx(
+            c * c * rows.pooled_var_raw, rel=tol, abs=tol * big
+        )
+        assert s.score_abs_max_scaled == pytest.approx(abs(c) * rows.abs_max_raw, rel=tol, abs=tol)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])
+def test_pairwise_table(case: dict[str, Any]) -> None:
+    inp = make_inputs(
+        causal=case["causal"],
+        n_q=case["n_q"],
+        n_kv=case["n_kv"],
+        key_lengths=case["key_lengths"],
+        mask=case["mask"],
+        heads=case["heads"],
+        dtype=case["dtype"],
+        seed=CASES.index(case),
+    )
+    check_against_reference(inp, case["path"])
+
+
+def test_pairwise_table_covers_every_pair() -> None:
+    names = list(AXES)
+    for a, b in itertools.combinations(names, 2):
+        seen = {(repr(c[a]), repr(c[b])) for c in CASES}
+        want = {(repr(x), repr(y)) for x in AXES[a] for y in AXES[b]}
+        assert seen == want, (a, b)
+
+
+GRID = list(itertools.product(AXES["path"], AXES["causal"], AXES["n_q"], AXES["n_kv"]))
+
+
+@pytest.mark.parametrize(("path", "causal", "n_q", "n_kv"), GRID)
+def test_causal_grid_with_every_mask(path: str, causal: str, n_q: int, n_kv: int) -> None:
+    """The full causal x N_q x N_kv grid on every path, each with key lengths, a float mask
+    and GQA at once (float32)."""
+    inp = make_inputs(
+        causal=causal,
+        n_q=n_q,
+        n_kv=n_kv,
+        key_lengths="per_sequence",
+        mask="float",
+        heads=(4, 2),
+        dtype=torch.float32,
+        seed=1000 + GRID.index((path, causal, n_q, n_kv)),
+    )
+    check_against_reference(inp, path)
+
+
+@pytest.mark.parametrize("path", AXES["path"])
+@pytest.mark.parametrize("scale", [None, 1.0, 0.01, -0.1])
+def test_scales(path: str, scale: float | None) -> None:
+    inp = make_inputs(
+        causal="bottom_right",
+        n_q=5,
+        n_kv=9,
+        key_lengths="per_head",
+        mask="bool",
+        heads=(4, 2),
+        dtype=torch.float32,
+        seed=7,
+    )
+    check_against_reference(inp, path, scale=scale)
+
+
+@pytest.mark.parametrize("path", AXES["path"])
+@pytest.mark.parametrize("shape", [(6, 4), (3, 6, 4), (2, 3, 2, 6, 4)])
+def test_leading_dims(path: str, shape: tuple[int, ...]) -> None:
+    """2-D (one head), 3-D ([H, N, D]) and 5-D inputs give results shaped like q."""
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(*shape, generator=gen)
+    k = torch.randn(*shape[:-2], 7, 4, generator=gen)
+    v = torch.randn(*shape[:-2], 7, 5, generator=gen)
+    res = attention(
+        q,
+        k,
+        v,
+        causal="bottom_right",
+        path=path,  # type: ignore[arg-type]
+        return_weights=path == "dense",
+        diagnostics="none" if path == "fused" else "full",
+    )
+    assert res.output.shape == (*shape[:-1], 5)
+    n_heads_total = math.prod(shape[:-2]) if len(shape) > 2 else 1
+    vis = visibility(b=1, h=n_heads_total, n_q=6, n_kv=7, causal="bottom_right")
+    ref = reference_attention(
+        q.reshape(1, -1, 6, 4), k.reshape(1, -1, 7, 4), v.reshape(1, -1, 7, 5), vis
+    )
+    assert_matches_golden(res.output, ref.out, None)
+    if path != "fused":
+        assert res.diagnostics is not None
+        assert res.diagnostics.per_row is not None
+        assert res.diagnostics.per_row.entropy.shape == shape[:-1]
+        assert res.diagnostics.per_head.entropy.shape == shape[:-2]
+    if path == "dense":
+        assert res.weights is not None
+        assert res.weights.shape == (*shape[:-1], 7)
+
+
+@pytest.mark.parametrize("path", AXES["path"])
+def test_key_padding_mask_polarity(path: str) -> None:
+    """key_padding_mask True = padding (MHA convention), per sequence and per head."""
+    gen = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(2, 2, 4, 4, generator=gen) for _ in range(3))
+    per_seq = torch.tensor([[False, False, True, True], [False, True, False, False]])
+    per_head = torch.rand(2, 2, 4, generator=gen) < 0.4
+    for kpm in (per_seq, per_head):
+        vis = visibility(b=2, h=2, n_q=4, n_kv=4, causal="none", key_padding_mask=kpm)
+        ref = reference_attention(q, k, v, vis)
+        res = attention(
+            q,
+            k,
+            v,
+            key_padding_mask=kpm,
+            path=path,  # type: ignore[arg-type]
+            diagnostics="none" if path == "fused" else "summary",
+        )
+        assert_matches_golden(res.output, ref.out, None)
+
+
+def test_mask_combination_is_boolean_in_half_precision() -> None:
+    """Two masks that each hide a key combine by AND: no finfo.min + finfo.min overflow."""
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 1, 3, 8, generator=gen, dtype=torch.float16) for _ in range(3))
+    bias = torch.zeros(3, 3, dtype=torch.float16)
+    bias[:, 2] = torch.finfo(torch.float16).min  # a finite "mask": still visible by DESIGN
+    kpm = torch.tensor([[False, True, False]])
+    for path in AXES["path"]:
+        res = attention(
+            q,
+            k,
+            v,
+            attn_mask=bias,
+            key_padding_mask=kpm,
+            path=path,  # type: ignore[arg-type]
+            diagnostics="none" if path == "fused" else "summary",
+        )
+        assert torch.isfinite(res.output).all()
+        vis = visibility(b=1, h=1, n_q=3, n_kv=3, causal="none", key_padding_mask=kpm)
+        ref = reference_attention(q, k, v, vis, bias=bias)
+        assert_matches_golden(res.output, ref.out, lowp_reference(q, k, v, vis, bias=bias))
+
+
+def test_fused_records_backend() -> None:
+    q = torch.randn(1, 2, 8, 16)
+    res = attention(q, q, q)
+    assert res.path == "fused"
+    assert res.backend == "flash"  # CPU: 4-D, dropout-free inputs take the flash kernel
+    assert attention(q, q, q, path="dense").backend is None

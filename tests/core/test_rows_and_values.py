@@ -1,0 +1,253 @@
+"""Fully masked rows, hand-computed values, large logits and the non-finite policy."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+
+from sdpa_core import NonFiniteError, attention
+from tests.core.reference import (
+    assert_matches_golden,
+    lowp_reference,
+    reference_attention,
+    visibility,
+)
+
+PATHS = ("fused", "dense", "chunked")
+DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+
+def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, path: str, **kw: Any) -> Any:
+    return attention(
+        q,
+        k,
+        v,
+        path=path,
+        return_weights=path == "dense",  # type: ignore[arg-type]
+        diagnostics="none" if path == "fused" else "full",
+        block_size=2,
+        **kw,
+    )
+
+
+def _masked_row_cases() -> list[tuple[str, dict[str, Any], list[int]]]:
+    """(name, kwargs, fully masked query rows) for q of shape [1, 2, 4, 8], k/v [.., 3, 8]."""
+    all_false = torch.ones(4, 3, dtype=torch.bool)
+    all_false[1] = False  # an explicit all-False row
+    left_pad = torch.tensor([[True, True, False]])  # keys 0, 1 are (left) padding
+    return [
+        ("all_false_row", {"attn_mask": all_false}, [1]),
+        # causal top_left: query 0 sees key 0 only, query 1 keys 0..1: both are padding.
+        ("left_padding_with_causal", {"causal": True, "key_padding_mask": left_pad}, [0, 1]),
+        # bottom_right with N_q = 4 > N_kv = 3: query 0 sees keys j <= -1, i.e. none.
+        ("bottom_right_more_queries", {"causal": "bottom_right"}, [0]),
+    ]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("case", _masked_row_cases(), ids=lambda c: c[0])
+def test_fully_masked_rows(
+    case: tuple[str, dict[str, Any], list[int]], path: str, dtype: torch.dtype
+) -> None:
+    _, kwargs, empty = case
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 2, 4, 8, generator=gen).to(dtype)
+    k = torch.randn(1, 2, 3, 8, generator=gen).to(dtype)
+    v = torch.randn(1, 2, 3, 8, generator=gen).to(dtype)
+    res = _run(q, k, v, path, **kwargs)
+    assert not torch.isnan(res.output).any()
+    assert torch.all(res.output[:, :, empty] == 0)
+    others = [i for i in range(4) if i not in empty]
+    assert torch.all(res.output[:, :, others].abs().sum(-1) > 0)
+    if res.weights is not None:
+        assert torch.all(res.weights[:, :, empty] == 0)
+        assert not torch.isnan(res.weights).any()
+    if res.diagnostics is not None:
+        pr = res.diagnostics.per_row
+        assert pr is not None
+        assert res.diagnostics.summary.masked_rows == 2 * len(empty)  # two heads
+        for name in ("entropy", "max_weight", "effective_keys", "normalized_entropy"):
+            assert torch.all(getattr(pr, name)[:, :, empty] == 0), name
+        assert torch.all(pr.lse[:, :, empty] == -math.inf)
+        assert torch.all(pr.visible_keys[:, :, empty] == 0)
+        summary = res.diagnostics.summary.as_dict()
+        assert all(math.isfinite(x) for x in summary.values())
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_every_row_masked_summary_is_zero(path: str) -> None:
+    q = torch.randn(2, 3, 4)
+    res = attention(
+        q,
+        q,
+        q,
+        key_lengths=0,
+        path=path,  # type: ignore[arg-type]
+        diagnostics="none" if path == "fused" else "summary",
+    )
+    assert torch.all(res.output == 0)
+    if res.diagnostics is not None:
+        s = res.diagnostics.summary
+        assert s.masked_rows == 6
+        assert {k: v for k, v in s.as_dict().items() if k != "masked_rows"} == dict.fromkeys(
+            [f for f in s.as_dict() if f != "masked_rows"], 0.0
+        )
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_hand_computed_causal_example(path: str) -> None:
+    """Q = K = V = [[1,0],[2,0],[3,0]], d_k = 2, causal. Row 2's scores are
+    [3, 6, 9] / sqrt(2) = [2.121, 4.243, 6.364] -> softmax [0.0127, 0.1057, 0.8816], output
+    0.0127*1 + 0.1057*2 + 0.8816*3 = 2.869 (not the 2.612 some texts print)."""
+    x = torch.tensor([[1.0, 0.0], [2.0, 0.0], [3.0, 0.0]])
+    res = attention(
+        x,
+        x,
+        x,
+        causal=True,
+        path=path,  # type: ignore[arg-type]
+        return_weights=path == "dense",
+        diagnostics="none" if path == "fused" else "summary",
+    )
+    expected = torch.tensor([[1.0, 0.0], [1.804, 0.0], [2.869, 0.0]])
+    assert torch.allclose(res.output, expected, atol=5e-4)
+    if res.weights is not None:
+        assert torch.allclose(res.weights[2], torch.tensor([0.0127, 0.1057, 0.8816]), atol=5e-5)
+        assert torch.allclose(res.weights[1], torch.tensor([0.1956, 0.8044, 0.0]), atol=5e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("path", PATHS)
+def test_large_logits_half(path: str, dtype: torch.dtype) -> None:
+    """Scores q.k of about 50-60 (scale 1) stay finite and match the reference."""
+    gen = torch.Generator().manual_seed(1)
+    d = 16
+    base = torch.full((d,), math.sqrt(55.0 / d))
+    q = (base + 0.05 * torch.randn(1, 2, 6, d, generator=gen)).to(dtype)
+    k = (base + 0.05 * torch.randn(1, 2, 7, d, generator=gen)).to(dtype)
+    v = torch.randn(1, 2, 7, d, generator=gen).to(dtype)
+    raw = q.double() @ k.double().transpose(-1, -2)
+    assert float(raw.min()) > 45
+    assert float(raw.max()) < 65
+    res = _run(q, k, v, path, scale=1.0, causal="bottom_right")
+    assert torch.isfinite(res.output).all()
+    vis = visibility(b=1, h=2, n_q=6, n_kv=7, causal="bottom_right")
+    ref = reference_attention(q, k, v, vis, scale=1.0)
+    assert_matches_golden(res.output, ref.out, lowp_reference(q, k, v, vis, scale=1.0))
+    if res.diagnostics is not None:
+        assert all(math.isfinite(x) for x in res.diagnostics.summary.as_dict().values())
+
+
+@pytest.mark.parametrize("path", ["dense", "chunked"])
+def test_entropy_with_large_common_offset(path: str) -> None:
+    """Scores sharing a large offset (kernel-anchors pitfall 24): the shifted streaming form
+    keeps the entropy accurate in float32."""
+    gen = torch.Generator().manual_seed(2)
+    d = 8
+    q = torch.zeros(1, 1, 4, d)
+    q[..., 0] = 100.0
+    k = torch.randn(1, 1, 64, d, generator=gen) * 0.02
+    k[..., 0] += 100.0  # raw scores ~ 1e4 + small spread
+    v = torch.randn(1, 1, 64, d, generator=gen)
+    res = attention(q, k, v, path=path, diagnostics="full", scale=0.3, block_size=10)  # type: ignore[arg-type]
+    vis = torch.ones(1, 1, 4, 64, dtype=torch.bool)
+    ref = reference_attention(q, k, v, vis, scale=0.3)
+    p = ref.weights
+    ent = -(p * torch.log(p)).sum(-1)
+    assert res.diagnostics is not None
+    assert res.diagnostics.per_row is not None
+    got = res.diagnostics.per_row.entropy.double()
+    # fp32 q.k at 1e4 is itself rounded by ~1e-3, times scale 0.3: the input floor.
+    assert torch.allclose(got, ent, atol=2e-3)
+
+
+# ---- non-finite inputs --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["q", "k", "v"])
+def test_nonfinite_rejected_by_default(name: str) -> None:
+    t = {n: torch.randn(1, 2, 3, 4) for n in ("q", "k", "v")}
+    t[name][0, 1, 2, 3] = math.nan
+    with pytest.raises(NonFiniteError) as info:
+        attention(t["q"], t["k"], t["v"])
+    assert info.value.param == name
+    t[name][0, 1, 2, 3] = math.inf
+    with pytest.raises(NonFiniteError):
+        attention(t["q"], t["k"], t["v"])
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_nonfinite_in_masked_keys_does_not_leak(path: str, bad: float) -> None:
+    """allow_nonfinite: garbage in padded keys/values never reaches any row
+    (torch itself gives 0 * NaN = NaN here, pytorch#101967)."""
+    gen = torch.Generator().manual_seed(4)
+    q = torch.randn(2, 2, 3, 4, generator=gen)
+    k = torch.randn(2, 2, 5, 4, generator=gen)
+    v = torch.randn(2, 2, 5, 4, generator=gen)
+    kl = torch.tensor([3, 5])
+    k[0, :, 3:] = bad
+    v[0, :, 4] = bad
+    res = _run(q, k, v, path, key_lengths=kl, allow_nonfinite=True)
+    assert torch.isfinite(res.output).all()
+    clean_k, clean_v = k.clone(), v.clone()
+    clean_k[0, :, 3:] = 0.0
+    clean_v[0, :, 4] = 0.0
+    vis = visibility(b=2, h=2, n_q=3, n_kv=5, causal="none", key_lengths=[3, 5])
+    ref = reference_attention(q, clean_k, clean_v, vis)
+    assert_matches_golden(res.output, ref.out, None)
+    if res.diagnostics is not None:
+        assert all(math.isfinite(x) for x in res.diagnostics.summary.as_dict().values())
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_nonfinite_visible_value_poisons_only_its_rows(path: str) -> None:
+    gen = torch.Generator().manual_seed(6)
+    q = torch.randn(1, 1, 4, 4, generator=gen)
+    k = torch.randn(1, 1, 4, 4, generator=gen)
+    v = torch.randn(1, 1, 4, 4, generator=gen)
+    v[0, 0, 2, 1] = math.nan  # key 2: visible to causal rows 2 and 3 only
+    res = _run(q, k, v, path, causal=True, allow_nonfinite=True)
+    assert torch.isfinite(res.output[0, 0, :2]).all()
+    assert torch.isnan(res.output[0, 0, 2:]).all()
+    vis = visibility(b=1, h=1, n_q=4, n_kv=4, causal="top_left")
+    ref = reference_attention(q, k, v.nan_to_num(0.0), vis)
+    assert_matches_golden(res.output[0, 0, :2], ref.out[0, 0, :2], None)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_nonfinite_query_of_a_fully_masked_row_still_gives_zero(path: str) -> None:
+    q = torch.randn(1, 1, 3, 4)
+    q[0, 0, 0] = math.nan  # row 0 sees no key: it must still be 0
+    q[0, 0, 1] = math.inf  # row 1 sees keys: NaN
+    k = torch.randn(1, 1, 3, 4)
+    mask = torch.ones(3, 3, dtype=torch.bool)
+    mask[0] = False
+    res = _run(q, k, k, path, attn_mask=mask, allow_nonfinite=True)
+    assert torch.all(res.output[0, 0, 0] == 0)
+    assert torch.isnan(res.output[0, 0, 1]).all()
+    assert torch.isfinite(res.output[0, 0, 2]).all()
+
+
+def test_dropout_free_and_deterministic() -> None:
+    q = torch.randn(2, 4, 16, 8)
+    a = attention(q, q, q).output
+    b = attention(q, q, q).output
+    assert torch.equal(a, b)
+
+
+def test_float_mask_nan_rejected_unless_allowed() -> None:
+    q = torch.randn(1, 1, 2, 4)
+    mask = torch.zeros(2, 2)
+    mask[0, 0] = math.nan
+    with pytest.raises(NonFiniteError) as info:
+        attention(q, q, q, attn_mask=mask)
+    assert info.value.param == "attn_mask"
+    mask[0, 0] = -math.inf  # -inf is the additive "not visible": legal
+    out = attention(q, q, q, attn_mask=mask, path="dense", return_weights=True)
+    assert out.weights is not None
+    assert float(out.weights[0, 0, 0, 0]) == 0.0
