@@ -41,9 +41,6 @@ logger = logging.getLogger("sdpa.server")
 # After the batcher drained, responses are computed; this bounds only writing them out.
 RESPONSE_FLUSH_TIMEOUT_S = 5
 
-# LogRecord attributes that are not user-supplied extras.
-_RECORD_ATTRS = frozenset(logging.makeLogRecord({}).__dict__) | {"message", "asctime"}
-
 
 class JsonFormatter(logging.Formatter):
     """One JSON object per line: ts, level, logger, msg, then the record's `json_fields`.
@@ -166,6 +163,8 @@ def serve(settings: Settings) -> int:
 
     log_config = logging_config(settings.log_level)
     logging.config.dictConfig(log_config)
+    # Python warnings (torch's UserWarnings...) as JSON lines too, not bare text on stderr.
+    logging.captureWarnings(True)
     app = create_app(settings)
     config = uvicorn.Config(
         app,
