@@ -234,10 +234,10 @@ def attention(
     attn_mask: torch.Tensor | None = None,
     scale: float | None = None,
     return_weights: bool = False,
-    diagnostics: DiagnosticsLevel = "none",
+    diagnostics: DiagnosticsLevel | str = "none",
     memory_budget_bytes: int | None = None,
     allow_nonfinite: bool = False,
-    path: PathName | None = None,
+    path: PathName | str | None = None,
     block_size: int | None = None,
 ) -> AttentionResult:
     """softmax(q k^T * scale + mask) v with optional weights and diagnostics.
@@ -356,7 +356,9 @@ def attention(
     row_stats = None if rows4 is None else rows4.reshape(spec.row_shape)
     diag = None
     if row_stats is not None and diagnostics != "none":
-        diag = summarize(row_stats, scale=scale_f, level=diagnostics)
+        diag = summarize(
+            row_stats, scale=scale_f, level="full" if diagnostics == "full" else "summary"
+        )
     return AttentionResult(
         output=output,
         weights=weights,

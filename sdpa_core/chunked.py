@@ -10,7 +10,10 @@ state is (m, l, t, a2, a3, acc) of kernel-anchors section 7.2:
     acc <- alpha acc + sum e^(s_j - m') v_j
 
 and, finally, H = log l - t / l, max p = 1 / l, sum p^2 = a2 / l^2, sum p^3 = a3 / l^3,
-||J||_F^2 = S2 - 2 S3 + S2^2, LSE = m + log l. Raw-score moments (count, mean, M2) are exact
+||J||_F^2 = S2 - 2 S3 + S2^2, LSE = m + log l. The statistics keep l, a2, a3 as "rest" sums
+that leave out one row max (which contributes exactly 1 to each): on a saturated row
+(p_max -> 1) 1 + tiny rounds to 1 in fp32 and S2 - 2 S3 + S2^2 cancels, while the rest sums
+keep every digit (see the finalize step). Raw-score moments (count, mean, M2) are exact
 two-pass moments per block merged across blocks with Chan's formula.
 
 The dense path is the same routine with one query tile and one key block, keeping the
@@ -54,8 +57,9 @@ class _RowState:
     denom: torch.Tensor  # l: sum of exps relative to m
     acc: torch.Tensor  # [B, H, tq, D_v]
     t: torch.Tensor
-    a2: torch.Tensor
-    a3: torch.Tensor
+    rest1: torch.Tensor  # sum of e^{s'} over every visible key but one row max
+    rest2: torch.Tensor  # ... of e^{2 s'}
+    rest3: torch.Tensor  # ... of e^{3 s'}
     count: torch.Tensor
     mean: torch.Tensor
     m2: torch.Tensor
@@ -74,8 +78,9 @@ def _new_state(
         denom=z(),
         acc=torch.zeros(b, h, tq, d_v, dtype=dtype, device=device),
         t=z(),
-        a2=z(),
-        a3=z(),
+        rest1=z(),
+        rest2=z(),
+        rest3=z(),
         count=z(),
         mean=z(),
         m2=z(),
@@ -131,7 +136,7 @@ def _bias_block(plan: MaskPlan, q0: int, q1: int, k0: int, k1: int) -> torch.Ten
     return b
 
 
-def attend_tiles(
+def _attend_batch(
     q4: torch.Tensor,
     k4: torch.Tensor,
     v4: torch.Tensor,
@@ -141,23 +146,16 @@ def attend_tiles(
     accum_dtype: torch.dtype,
     need_stats: bool,
     block_size: int,
-    tile_q: int | None = None,
+    tile_q: int,
     keep_weights: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None, RowStats | None]:
-    """Attention over [B, H, N, D] inputs in (tile_q x block_size) tiles.
-
-    Returns output [B, H, N_q, D_v], the weights [B, H, N_q, N_kv] (only with keep_weights,
-    which needs block_size >= N_kv) and RowStats [B, H, N_q] when need_stats; all in
-    accum_dtype.
-    """
+    """attend_tiles on one batch chunk (plan already sliced to it)."""
     b, h, n_q, _ = q4.shape
     h_kv, n_kv, d_v = k4.shape[1], k4.shape[2], v4.shape[-1]
     dev = q4.device
     bk = min(block_size, n_kv)
     if keep_weights and bk < n_kv:
         raise ValueError("keep_weights needs a single key block")
-    if tile_q is None:
-        tile_q = max(16, TILE_ELEMENTS // max(1, b * h * bk))
     tq_max = min(tile_q, n_q)
 
     kT = k4.to(accum_dtype).transpose(-1, -2)  # [B, H_kv, D, N_kv]
@@ -253,7 +251,8 @@ def attend_tiles(
             if vis is not None:
                 s.add_(torch.where(vis, zero, neg_inf))  # exact 0 / -inf, never a big finite
 
-            m_new = torch.maximum(st.m, s.amax(-1))  # [B, H, tq]
+            blk_max = s.amax(-1)  # [B, H, tq]
+            m_new = torch.maximum(st.m, blk_max)
             m_safe = torch.where(m_new == -math.inf, zero, m_new)
             alpha = torch.exp(st.m - m_safe)  # 0 while the row has seen nothing
             s.sub_(m_safe.unsqueeze(-1))  # s' <= 0
@@ -262,24 +261,39 @@ def attend_tiles(
             else:
                 e = torch.exp(s, out=scratch("e", tq, w))
             l_blk = e.sum(-1)
+            pv = group_queries(e, h_kv) @ vf[:, :, k0:k1]  # [B, H_kv, G*tq, D_v]
+            st.acc.mul_(alpha.unsqueeze(-1))
+            st.acc += pv.view(b, h, tq, d_v)
 
             if need_stats:
                 if vis is not None:
                     s.clamp_(min=fmin)  # -inf -> finite, so that 0 * s' stays 0
+                # Sums over every key but one row max ("rest" sums): the max contributes
+                # exactly e^0 = 1, and adding the others to that 1 in fp32 would lose them on
+                # saturated rows (p_max -> 1), which is where the Jacobian and gradient health
+                # matter most. Entries with e == 1 are the max and its ties.
+                at_max = e == 1.0
+                n_at_max = at_max.sum(-1).to(accum_dtype)
+                e.masked_fill_(at_max, 0.0)
+                rest_blk = e.sum(-1)
                 s.mul_(e)
-                t_blk = s.sum(-1)
-                gap = torch.where(st.denom > 0, st.m - m_safe, zero)
-                st.t = alpha * (st.t + st.denom * gap) + t_blk
+                t_blk = s.sum(-1)  # the excluded entries have s' = 0: no loss
                 torch.mul(e, e, out=s)
                 a2_blk = s.sum(-1)
                 s.mul_(e)
                 a3_blk = s.sum(-1)
-                st.a2 = alpha * alpha * st.a2 + a2_blk
-                st.a3 = alpha * alpha * alpha * st.a3 + a3_blk
+                if keep_weights:
+                    e.masked_fill_(at_max, 1.0)
+                new_max_here = (blk_max == m_new) & (st.m < m_new)
+                joins = (new_max_here & (st.denom > 0)).to(accum_dtype)  # old max -> rest
+                extra = n_at_max - new_max_here.to(accum_dtype)  # ties beyond the max
+                gap = torch.where(st.denom > 0, st.m - m_safe, zero)
+                st.t = alpha * (st.t + st.denom * gap) + t_blk
+                alpha2 = alpha * alpha
+                st.rest1 = alpha * (st.rest1 + joins) + rest_blk + extra
+                st.rest2 = alpha2 * (st.rest2 + joins) + a2_blk + extra
+                st.rest3 = alpha2 * alpha * (st.rest3 + joins) + a3_blk + extra
             st.denom = alpha * st.denom + l_blk
-            st.acc.mul_(alpha.unsqueeze(-1))
-            pv = group_queries(e, h_kv) @ vf[:, :, k0:k1]  # [B, H_kv, G*tq, D_v]
-            st.acc += pv.view(b, h, tq, d_v)
             st.m = m_new
             last_e = e
 
@@ -295,19 +309,19 @@ def attend_tiles(
         if need_stats:
             m_safe = torch.where(active, st.m, zero)
             ref = zero if st.ref is None else st.ref.squeeze(-1)
-            # The row max contributes exactly e^0 = 1 to l, a2 and a3, so the sums over the
-            # other keys are l - 1, a2 - 1, a3 - 1. Writing ||J||_F^2, 1 - sum p^2 and H in
-            # terms of those avoids the cancellation of S2 - 2 S3 + S2^2 on saturated rows
-            # (p_max -> 1), where the plain formula loses every fp32 digit.
-            p_max = 1.0 / safe_l
-            r1 = (st.denom - 1.0).clamp(min=0.0) / safe_l  # 1 - p_max
-            r2 = (st.a2 - 1.0).clamp(min=0.0) / (safe_l * safe_l)  # sum of the others' p^2
-            r3 = (st.a3 - 1.0).clamp(min=0.0) / (safe_l * safe_l * safe_l)
+            # l = 1 + rest1 (the max's e^0 plus the others); p_max = 1 / l; r_k are the
+            # others' power sums of p. In these terms ||J||_F^2 = S2 - 2 S3 + S2^2 and
+            # 1 - S2 have no cancellation when p_max -> 1.
+            full_l = 1.0 + st.rest1
+            p_max = 1.0 / full_l
+            r1 = st.rest1 / full_l  # 1 - p_max
+            r2 = st.rest2 / (full_l * full_l)
+            r3 = st.rest3 / (full_l * full_l * full_l)
             jac_sq = p_max * p_max * r1 * r1 + r2 * (1.0 + 2.0 * p_max * p_max) - 2.0 * r3
             jac = torch.sqrt((jac_sq + r2 * r2).clamp(min=0.0))
             one_minus_s2 = r1 * (1.0 + p_max) - r2  # 1 - sum p^2
             cnt_safe = st.count.clamp(min=1.0)
-            entropy = torch.log1p((st.denom - 1.0).clamp(min=0.0)) - st.t / safe_l
+            entropy = torch.log1p(st.rest1) - st.t / full_l
             rows["visible_keys"][:, :, q0:q1] = st.count
             rows["entropy"][:, :, q0:q1] = torch.where(active, entropy.clamp(min=0.0), zero)
             rows["max_weight"][:, :, q0:q1] = torch.where(active, p_max, zero)
@@ -329,6 +343,73 @@ def attend_tiles(
         counts = rows.pop("visible_keys").round().to(torch.int64)
         row_stats = RowStats(visible_keys=counts, **rows)
     return out, weights, row_stats
+
+
+def attend_tiles(
+    q4: torch.Tensor,
+    k4: torch.Tensor,
+    v4: torch.Tensor,
+    plan: MaskPlan,
+    *,
+    scale: float,
+    accum_dtype: torch.dtype,
+    need_stats: bool,
+    block_size: int,
+    tile_q: int | None = None,
+    keep_weights: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None, RowStats | None]:
+    """Attention over [B, H, N, D] inputs in (tile_q x block_size) tiles.
+
+    Returns output [B, H, N_q, D_v], the weights [B, H, N_q, N_kv] (only with keep_weights,
+    which needs block_size >= N_kv) and RowStats [B, H, N_q] when need_stats; all in
+    accum_dtype.
+
+    With tile_q None (the chunked path) the tile sizes depend on H, N and block_size but
+    not on the batch size: sequences are processed in batch chunks, so a row of a batched
+    call goes through the same tile shapes as in a solo call.
+    """
+    b, h, n_q, _ = q4.shape
+    bk = min(block_size, k4.shape[2])
+
+    def run(
+        qs: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, pl: MaskPlan, tq: int
+    ) -> tuple[torch.Tensor, torch.Tensor | None, RowStats | None]:
+        return _attend_batch(
+            qs,
+            ks,
+            vs,
+            pl,
+            scale=scale,
+            accum_dtype=accum_dtype,
+            need_stats=need_stats,
+            block_size=block_size,
+            tile_q=tq,
+            keep_weights=keep_weights,
+        )
+
+    if tile_q is not None:
+        return run(q4, k4, v4, plan, tile_q)
+    tq = min(n_q, max(16, TILE_ELEMENTS // (h * bk)))
+    b_chunk = max(1, TILE_ELEMENTS // (h * tq * bk))
+    if b_chunk >= b:
+        return run(q4, k4, v4, plan, tq)
+    outs: list[torch.Tensor] = []
+    weights: list[torch.Tensor] = []
+    rows: list[RowStats] = []
+    for b0 in range(0, b, b_chunk):
+        b1 = min(b0 + b_chunk, b)
+        o, w, r = run(q4[b0:b1], k4[b0:b1], v4[b0:b1], plan.batch_slice(b0, b1), tq)
+        outs.append(o)
+        if w is not None:
+            weights.append(w)
+        if r is not None:
+            rows.append(r)
+    row_stats = None
+    if rows:
+        row_stats = RowStats(
+            **{name: torch.cat([r.as_dict()[name] for r in rows]) for name in rows[0].as_dict()}
+        )
+    return torch.cat(outs), (torch.cat(weights) if weights else None), row_stats
 
 
 def chunked_attention(

@@ -69,6 +69,21 @@ class MaskPlan:
         """Combined visibility of the whole score matrix (smallest broadcast shape) or None."""
         return self.block(0, self.n_q, 0, self.n_kv)
 
+    def batch_slice(self, b0: int, b1: int) -> MaskPlan:
+        """The plan of sequences [b0, b1) of the normalized batch."""
+
+        def cut(x: torch.Tensor) -> torch.Tensor:
+            return x if x.shape[0] == 1 else x[b0:b1]
+
+        return MaskPlan(
+            n_q=self.n_q,
+            n_kv=self.n_kv,
+            causal=self.causal,
+            parts=tuple(cut(p) for p in self.parts),
+            bias=None if self.bias is None else cut(self.bias),
+            device=self.device,
+        )
+
     def causal_only_top_left(self) -> bool:
         """True when the only mask is causal top_left: torch's is_causal can express it."""
         return self.causal == "top_left" and not self.parts and self.bias is None
@@ -112,7 +127,10 @@ def build_mask_plan(
     if key_lengths is not None:
         kl = as_key_lengths(key_lengths, device)
         per_head = kl.dim() > n_batch_dims and not spec.two_d
-        kl4 = kl.reshape(spec.batch, spec.heads if per_head else 1, 1, 1)  # [B, H|1, 1, 1]
+        if kl.dim() == 0:  # one length for every sequence
+            kl4 = kl.reshape(1, 1, 1, 1)
+        else:
+            kl4 = kl.reshape(spec.batch, spec.heads if per_head else 1, 1, 1)  # [B, H|1, 1, 1]
         keys = torch.arange(spec.n_kv, device=device)  # [N_kv]
         # A length equal to N_kv masks nothing; skip the part then (cheaper fused calls).
         if int(kl.min()) < spec.n_kv:

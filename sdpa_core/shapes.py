@@ -322,7 +322,7 @@ def _validate_key_lengths(
             )
     per_seq, per_head = _per_sequence_or_head(q_shape, ())
     shape = tuple(kl.shape)
-    if shape not in (per_seq, per_head):
+    if shape not in (per_seq, per_head, ()):  # a scalar applies to every sequence
         raise MaskError(
             "key_lengths has the wrong count",
             param="key_lengths",

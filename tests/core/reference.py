@@ -169,8 +169,8 @@ def reference_rows(ref: Reference, *, scale: float, bias: torch.Tensor | None = 
     s = raw * scale
     if bias is not None:
         bb = bias.to(torch.float64)
-        bb = bb.reshape((1,) * (4 - bb.dim()) + tuple(bb.shape)).expand(*vis.shape).numpy()
-        s = s + np.where(np.isinf(bb), 0.0, bb)
+        bias_np = bb.reshape((1,) * (4 - bb.dim()) + tuple(bb.shape)).expand(*vis.shape).numpy()
+        s = s + np.where(np.isinf(bias_np), 0.0, bias_np)
     shape = vis.shape[:-1]
     out = {
         name: np.zeros(shape)

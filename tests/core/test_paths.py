@@ -153,7 +153,7 @@ def check_against_reference(inp: Inputs, path: str, *, scale: float | None = Non
         inp.v,
         path=path,
         scale=scale,
-        return_weights=path == "dense",  # type: ignore[arg-type]
+        return_weights=path == "dense",
         diagnostics="full" if wants_stats else "none",
         block_size=3,
         **inp.kwargs,
@@ -277,7 +277,7 @@ def test_leading_dims(path: str, shape: tuple[int, ...]) -> None:
         k,
         v,
         causal="bottom_right",
-        path=path,  # type: ignore[arg-type]
+        path=path,
         return_weights=path == "dense",
         diagnostics="none" if path == "fused" else "full",
     )
@@ -313,7 +313,7 @@ def test_key_padding_mask_polarity(path: str) -> None:
             k,
             v,
             key_padding_mask=kpm,
-            path=path,  # type: ignore[arg-type]
+            path=path,
             diagnostics="none" if path == "fused" else "summary",
         )
         assert_matches_golden(res.output, ref.out, None)
@@ -333,7 +333,7 @@ def test_mask_combination_is_boolean_in_half_precision() -> None:
             v,
             attn_mask=bias,
             key_padding_mask=kpm,
-            path=path,  # type: ignore[arg-type]
+            path=path,
             diagnostics="none" if path == "fused" else "summary",
         )
         assert torch.isfinite(res.output).all()

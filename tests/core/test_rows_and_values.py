@@ -26,7 +26,7 @@ def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, path: str, **kw: Any
         k,
         v,
         path=path,
-        return_weights=path == "dense",  # type: ignore[arg-type]
+        return_weights=path == "dense",
         diagnostics="none" if path == "fused" else "full",
         block_size=2,
         **kw,
@@ -86,7 +86,7 @@ def test_every_row_masked_summary_is_zero(path: str) -> None:
         q,
         q,
         key_lengths=0,
-        path=path,  # type: ignore[arg-type]
+        path=path,
         diagnostics="none" if path == "fused" else "summary",
     )
     assert torch.all(res.output == 0)
@@ -109,7 +109,7 @@ def test_hand_computed_causal_example(path: str) -> None:
         x,
         x,
         causal=True,
-        path=path,  # type: ignore[arg-type]
+        path=path,
         return_weights=path == "dense",
         diagnostics="none" if path == "fused" else "summary",
     )
@@ -153,7 +153,7 @@ def test_entropy_with_large_common_offset(path: str) -> None:
     k = torch.randn(1, 1, 64, d, generator=gen) * 0.02
     k[..., 0] += 100.0  # raw scores ~ 1e4 + small spread
     v = torch.randn(1, 1, 64, d, generator=gen)
-    res = attention(q, k, v, path=path, diagnostics="full", scale=0.3, block_size=10)  # type: ignore[arg-type]
+    res = attention(q, k, v, path=path, diagnostics="full", scale=0.3, block_size=10)
     vis = torch.ones(1, 1, 4, 64, dtype=torch.bool)
     ref = reference_attention(q, k, v, vis, scale=0.3)
     p = ref.weights
