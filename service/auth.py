@@ -3,7 +3,10 @@
 Keys come from SDPA_API_KEYS / SDPA_API_KEYS_FILE (Settings.resolved_api_keys()); create_app
 installs this middleware only when at least one key is configured. A caller presents its key as
 `Authorization: Bearer <key>` or `X-API-Key: <key>`. Health endpoints stay open so that
-orchestrator probes (Docker HEALTHCHECK, kubelet) never need a secret.
+orchestrator probes (Docker HEALTHCHECK, kubelet) never need a secret. The explorer page (GET /)
+and its static assets stay open too: they are public code and hold no data, a browser cannot
+attach a key when it opens a page, and every API call the page makes carries the key the user
+typed into it.
 
 Comparison is constant time in the key's content and length: both sides are hashed to a fixed
 32-byte SHA-256 digest and compared with hmac.compare_digest against every configured key,
@@ -22,7 +25,8 @@ from service.errors import Unauthorized
 from service.metrics import Metrics
 from service.problems import service_error_response
 
-DEFAULT_OPEN_PATHS: frozenset[str] = frozenset({"/healthz", "/readyz"})
+DEFAULT_OPEN_PATHS: frozenset[str] = frozenset({"/healthz", "/readyz", "/"})
+DEFAULT_OPEN_PREFIXES: tuple[str, ...] = ("/static/",)
 
 
 def _digest(secret: str) -> bytes:
@@ -32,7 +36,8 @@ def _digest(secret: str) -> bytes:
 class ApiKeyMiddleware:
     """Reject HTTP requests without a valid API key with 401 problem+json.
 
-    `open_paths` are matched exactly against the request path. Non-HTTP scopes (lifespan) pass.
+    `open_paths` are matched exactly against the request path, `open_prefixes` as prefixes.
+    Non-HTTP scopes (lifespan) pass.
     `metrics`, when given, counts refusals as sdpa_rejected_total{reason="unauthorized"}.
     """
 
@@ -42,6 +47,7 @@ class ApiKeyMiddleware:
         *,
         keys: frozenset[str],
         open_paths: frozenset[str] = DEFAULT_OPEN_PATHS,
+        open_prefixes: tuple[str, ...] = DEFAULT_OPEN_PREFIXES,
         metrics: Metrics | None = None,
     ) -> None:
         if not keys:
@@ -49,11 +55,12 @@ class ApiKeyMiddleware:
             raise ValueError("ApiKeyMiddleware needs at least one key")
         self.app = app
         self.open_paths = open_paths
+        self.open_prefixes = open_prefixes
         self.metrics = metrics
         self._key_digests: tuple[bytes, ...] = tuple(_digest(k) for k in sorted(keys))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in self.open_paths:
+        if scope["type"] != "http" or self._is_open(scope["path"]):
             await self.app(scope, receive, send)
             return
         presented = _presented_keys(scope)
@@ -67,6 +74,10 @@ class ApiKeyMiddleware:
             f"{detail}: send it as 'Authorization: Bearer <key>' or 'X-API-Key: <key>'"
         )
         await service_error_response(error)(scope, receive, send)
+
+    def _is_open(self, path: str) -> bool:
+        # Static asset paths are normalized by the UI route, which 404s anything leaving static/.
+        return path in self.open_paths or path.startswith(self.open_prefixes)
 
     def _matches(self, presented: list[str]) -> bool:
         matched = False

@@ -111,6 +111,17 @@ def test_health_stays_open_and_metrics_need_a_key(server: LiveServer) -> None:
     assert after - before == 3
 
 
+def test_the_explorer_page_loads_without_a_key_but_its_api_calls_need_one(
+    server: LiveServer,
+) -> None:
+    page = httpx.get(f"{server.url}/", timeout=10)
+    assert page.status_code == 200
+    assert page.headers["content-type"].startswith("text/html")
+    script = httpx.get(f"{server.url}/static/app.js", timeout=10)
+    assert script.status_code == 200
+    _assert_401(httpx.post(f"{server.url}/v1/attention", json=PAYLOAD, timeout=30))
+
+
 def test_keys_never_reach_the_log(server: LiveServer) -> None:
     httpx.post(
         f"{server.url}/v1/attention",
