@@ -237,7 +237,8 @@ class DynamicBatcher(Generic[T, R]):
                 self._reject("disconnected")
             # A TAKEN item runs to the end; cancelling its future tells the worker that nobody
             # is listening, so it neither answers it nor leaves an unretrieved exception.
-            future.cancel()
+            if not future.cancel() and not future.cancelled():
+                future.exception()  # answered just before the cancel: mark it retrieved
             raise
 
     # -- queue bookkeeping -----------------------------------------------------------------
@@ -275,13 +276,14 @@ class DynamicBatcher(Generic[T, R]):
         """The oldest item's group, oldest first, up to max_batch_size; expired ones fail."""
         if not self._queue:
             return []
-        oldest = next(iter(self._queue.values()))
-        group = self._groups[oldest.key]
+        key = next(iter(self._queue.values())).key
         now = time.monotonic()
         batch: list[_Pending[T, R]] = []
-        for pending in list(group.values()):
-            if len(batch) >= self._max_batch_size:
+        while len(batch) < self._max_batch_size:
+            group = self._groups.get(key)
+            if not group:
                 break
+            pending = next(iter(group.values()))
             self._remove(pending)
             if pending.deadline <= now:
                 self._reject("deadline")
@@ -328,12 +330,17 @@ class DynamicBatcher(Generic[T, R]):
                 if self._max_batch_delay_s > 0:
                     await self._wait_for_batch_to_grow()
                 batch = self._take_batch()
+                self._in_flight = batch
                 if batch:
                     await self._execute(batch)
             except asyncio.CancelledError:
                 raise
-            except Exception:  # a bug of ours: log it, keep serving the others
+            except Exception as exc:  # a bug of ours: log it, keep serving the others
                 logger.exception("batcher worker error")
+                # Whatever was taken must still get its one answer.
+                for pending in self._in_flight:
+                    self._answer_error(pending, exc)
+                self._in_flight = []
 
     async def _execute(self, batch: list[_Pending[T, R]]) -> None:
         assert self._executor is not None
@@ -368,7 +375,6 @@ class DynamicBatcher(Generic[T, R]):
         except Exception as exc:  # run_batch itself failed: our bug, a 500 for each item
             logger.exception("run_batch failed for a batch of %d", len(batch))
             results = [exc] * len(batch)
-        self._in_flight = []
         self._note_throughput(len(batch), time.perf_counter() - started)
         for pending, result in zip(batch, results, strict=True):
             if isinstance(result, BaseException):
@@ -381,6 +387,7 @@ class DynamicBatcher(Generic[T, R]):
                             value=result, batch_size=len(batch), queue_ms=pending.queue_s * 1e3
                         )
                     )
+        self._in_flight = []
 
     def _answer_error(self, pending: _Pending[T, R], exc: BaseException) -> None:
         if pending.state is not _State.DROPPED:
