@@ -363,7 +363,7 @@ class Engine:
             attn_mask=_to(job.attn_mask, dev),
             scale=job.scale,
             return_weights=job.return_weights,
-            diagnostics=job.diagnostics,  # type: ignore[arg-type]
+            diagnostics=job.diagnostics,
             memory_budget_bytes=self.memory_budget_bytes,
         )
         if dev.type == "cpu":
@@ -427,7 +427,7 @@ class Engine:
             attn_mask=_to(attn_mask, dev),
             scale=first.scale,
             return_weights=first.return_weights,
-            diagnostics=first.diagnostics,  # type: ignore[arg-type]
+            diagnostics=first.diagnostics,
             memory_budget_bytes=self.memory_budget_bytes,
         )
         output = result.output.cpu()  # [B, H, N_q, D_v]
