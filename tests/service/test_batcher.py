@@ -1,4 +1,4 @@
-"""DynamicBatcher against a fake run_batch (DESIGN: a fake run_batch is the injected device).
+"""DynamicBatcher (and cancel_on_disconnect) against a fake run_batch (the injected device).
 
 The fake device records every batch it was given and can be held busy (a threading gate), so
 each test controls exactly what is queued when the device becomes free.
@@ -14,8 +14,10 @@ from collections.abc import Awaitable, Callable, Coroutine, Hashable, Sequence
 from typing import Any, TypeVar
 
 import pytest
+from starlette.requests import Request
 
 from service.batcher import BatchResult, DynamicBatcher
+from service.cancellation import ClientDisconnected, cancel_on_disconnect
 from service.errors import DeadlineExceeded, QueueFull, ShuttingDown
 from service.metrics import Metrics
 
@@ -551,3 +553,58 @@ def test_exactly_one_answer_under_concurrency() -> None:
     assert set(outcomes.values()) >= {"ok", "cancelled", "deadline", "item_error"}
     depth = metrics.registry.get_sample_value("sdpa_queue_depth")
     assert depth == 0
+
+
+# ---- cancel_on_disconnect (service.cancellation) with an ASGI receive channel ---------------
+
+
+def asgi_request(disconnected: asyncio.Event) -> Request:
+    """A Starlette request whose body was read; receive() says http.disconnect once
+    `disconnected` is set (what uvicorn does when the client closes the connection)."""
+
+    async def receive() -> dict[str, Any]:
+        await disconnected.wait()
+        return {"type": "http.disconnect"}
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/attention", "headers": []}
+    return Request(scope, receive)
+
+
+def test_cancel_on_disconnect_drops_the_queued_item() -> None:
+    device = FakeDevice()
+    metrics = Metrics()
+
+    async def main() -> None:
+        b = make(device, metrics=metrics)
+        first = await held_device(device, b, "a0")
+        gone = asyncio.Event()
+        request = asgi_request(gone)
+        waiting = asyncio.create_task(
+            cancel_on_disconnect(request, b.submit("a1", deadline=deadline_in(FAR)))
+        )
+        await until(lambda: b.depth == 1)
+        gone.set()
+        with pytest.raises(ClientDisconnected):
+            await waiting
+        assert b.depth == 0  # dropped before cancel_on_disconnect returned
+        device.release()
+        await first
+        await b.drain(5)
+
+    run(main())
+    assert device.computed() == ["a0"]
+    assert rejected(metrics, "disconnected") == 1
+
+
+def test_cancel_on_disconnect_returns_the_answer_of_a_connected_client() -> None:
+    device = FakeDevice()
+
+    async def main() -> BatchResult[str]:
+        b = make(device)
+        await b.start()
+        request = asgi_request(asyncio.Event())  # never disconnects
+        result = await cancel_on_disconnect(request, b.submit("a1", deadline=deadline_in(FAR)))
+        await b.drain(5)
+        return result
+
+    assert run(main()).value == "A1"
