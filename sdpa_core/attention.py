@@ -33,7 +33,7 @@ from sdpa_core.dense import dense_attention
 from sdpa_core.diagnostics import Diagnostics, DiagnosticsLevel, RowStats, summarize
 from sdpa_core.errors import LimitError, SdpaError
 from sdpa_core.masks import MaskPlan, build_mask_plan
-from sdpa_core.shapes import CausalArg, InputSpec, to_4d, validate_inputs
+from sdpa_core.shapes import CausalArg, InputSpec, all_finite, to_4d, validate_inputs
 
 PathName: TypeAlias = Literal["fused", "dense", "chunked"]
 _PATHS = ("fused", "dense", "chunked")
@@ -305,7 +305,7 @@ def attention(
     )
 
     poisoned: torch.Tensor | None = None
-    if allow_nonfinite and not all(bool(torch.isfinite(x).all()) for x in (q4, k4, v4)):
+    if allow_nonfinite and not all(all_finite(x) for x in (q4, k4, v4)):
         poisoned = _nonfinite_rows(q4, k4, v4, plan)  # [B, H, N_q]
         q4, k4, v4 = _sanitize(q4), _sanitize(k4), _sanitize(v4)
 

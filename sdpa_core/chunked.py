@@ -165,11 +165,8 @@ def _attend_batch(
     fmin = torch.finfo(accum_dtype).min
 
     out = torch.empty(b, h, n_q, d_v, dtype=accum_dtype, device=dev)
-    weights = (
-        torch.zeros(b, h, n_q, n_kv, dtype=accum_dtype, device=dev)
-        if (keep_weights and tq_max < n_q)
-        else None
-    )
+    # The weights are written tile by tile straight into the matrix we hand out.
+    weights = torch.empty(b, h, n_q, n_kv, dtype=accum_dtype, device=dev) if keep_weights else None
     stat_names = (
         "visible_keys",
         "entropy",
@@ -193,19 +190,19 @@ def _attend_batch(
             buffers[key] = torch.empty(b, h, tq, w, dtype=accum_dtype, device=dev)
         return buffers[key]
 
-    last_e: torch.Tensor | None = None
     for q0 in range(0, n_q, tq_max):
         q1 = min(q0 + tq_max, n_q)
         tq = q1 - q0
         qg = group_queries(q4[:, :, q0:q1].to(accum_dtype), h_kv)  # [B, H_kv, G*tq, D]
         st = _new_state(b, h, tq, d_v, accum_dtype, dev)
-        last_e = None
+        wrote_weights = False
         for k0 in range(0, n_kv, bk):
             k1 = min(k0 + bk, n_kv)
             w = k1 - k0
             skip, vis = _block_visibility(plan, q0, q1, k0, k1)
             if skip:
                 continue
+            wrote_weights = True
             s = scratch("s", tq, w)
             torch.matmul(qg, kT[..., k0:k1], out=s.view(b, h_kv, -1, w))  # raw q.k [B,H,tq,w]
 
@@ -251,61 +248,73 @@ def _attend_batch(
             if vis is not None:
                 s.add_(torch.where(vis, zero, neg_inf))  # exact 0 / -inf, never a big finite
 
-            blk_max = s.amax(-1)  # [B, H, tq]
+            if need_stats:
+                blk_max_k, blk_arg = torch.max(s, dim=-1, keepdim=True)  # [B, H, tq, 1]
+                blk_max = blk_max_k.squeeze(-1)
+            else:
+                blk_max = s.amax(-1)  # [B, H, tq]
             m_new = torch.maximum(st.m, blk_max)
             m_safe = torch.where(m_new == -math.inf, zero, m_new)
             alpha = torch.exp(st.m - m_safe)  # 0 while the row has seen nothing
             s.sub_(m_safe.unsqueeze(-1))  # s' <= 0
-            if keep_weights and tq_max == n_q:
-                e = torch.exp(s)  # the weights themselves: a buffer we hand out
+            if weights is not None:
+                e = torch.exp(s, out=weights[:, :, q0:q1])  # a strided view of the weights
             else:
                 e = torch.exp(s, out=scratch("e", tq, w))
-            l_blk = e.sum(-1)
-            pv = group_queries(e, h_kv) @ vf[:, :, k0:k1]  # [B, H_kv, G*tq, D_v]
+            if e.is_contiguous():
+                pv = (group_queries(e, h_kv) @ vf[:, :, k0:k1]).view(b, h, tq, d_v)
+            else:  # [B, H_kv, G, tq, w] @ [B, H_kv, 1, w, D_v]: no copy of e
+                g = h // h_kv
+                pv = (e.unflatten(1, (h_kv, g)) @ vf[:, :, None, k0:k1]).reshape(b, h, tq, d_v)
             st.acc.mul_(alpha.unsqueeze(-1))
-            st.acc += pv.view(b, h, tq, d_v)
+            st.acc += pv
 
-            if need_stats:
+            if not need_stats:
+                l_blk = e.sum(-1)
+            else:
                 if vis is not None:
                     s.clamp_(min=fmin)  # -inf -> finite, so that 0 * s' stays 0
                 # Sums over every key but one row max ("rest" sums): the max contributes
                 # exactly e^0 = 1, and adding the others to that 1 in fp32 would lose them on
                 # saturated rows (p_max -> 1), which is where the Jacobian and gradient health
-                # matter most. Entries with e == 1 are the max and its ties.
-                at_max = e == 1.0
-                n_at_max = at_max.sum(-1).to(accum_dtype)
-                e.masked_fill_(at_max, 0.0)
+                # matter most. Each block sets aside its own max entry (value e_top, 1 when it
+                # is the row's max so far) and gives it back to the rest sums unless it is the
+                # row max.
+                e_top = e.gather(-1, blk_arg)  # [B, H, tq, 1]
+                e.scatter_(-1, blk_arg, 0.0)
                 rest_blk = e.sum(-1)
                 s.mul_(e)
-                t_blk = s.sum(-1)  # the excluded entries have s' = 0: no loss
+                t_blk = s.sum(-1)  # the set-aside entry is added back below
                 torch.mul(e, e, out=s)
                 a2_blk = s.sum(-1)
                 s.mul_(e)
                 a3_blk = s.sum(-1)
                 if keep_weights:
-                    e.masked_fill_(at_max, 1.0)
-                new_max_here = (blk_max == m_new) & (st.m < m_new)
-                joins = (new_max_here & (st.denom > 0)).to(accum_dtype)  # old max -> rest
-                extra = n_at_max - new_max_here.to(accum_dtype)  # ties beyond the max
+                    e.scatter_(-1, blk_arg, e_top)
+                top = e_top.squeeze(-1)
+                l_blk = rest_blk + top
+                top_s = torch.where(top > 0, blk_max - m_safe, zero)  # s' of the top entry
+                t_blk = t_blk + top * top_s
+                holds = (blk_max == m_new) & (st.m < m_new)  # this block has the new row max
+                joins = (holds & (st.denom > 0)).to(accum_dtype)  # the old max joins the rest
+                back = torch.where(holds, zero, top)  # a top that is not the row max
                 gap = torch.where(st.denom > 0, st.m - m_safe, zero)
                 st.t = alpha * (st.t + st.denom * gap) + t_blk
                 alpha2 = alpha * alpha
-                st.rest1 = alpha * (st.rest1 + joins) + rest_blk + extra
-                st.rest2 = alpha2 * (st.rest2 + joins) + a2_blk + extra
-                st.rest3 = alpha2 * alpha * (st.rest3 + joins) + a3_blk + extra
+                st.rest1 = alpha * (st.rest1 + joins) + rest_blk + back
+                st.rest2 = alpha2 * (st.rest2 + joins) + a2_blk + back * back
+                st.rest3 = alpha2 * alpha * (st.rest3 + joins) + a3_blk + back * back * back
             st.denom = alpha * st.denom + l_blk
             st.m = m_new
-            last_e = e
 
         active = st.denom > 0
         safe_l = torch.where(active, st.denom, 1.0)
         out[:, :, q0:q1] = st.acc / safe_l.unsqueeze(-1)  # fully masked rows: 0 / 1 = 0
-        if keep_weights and last_e is not None:
-            probs = last_e.div_(safe_l.unsqueeze(-1))
-            if weights is not None:
-                weights[:, :, q0:q1] = probs
-            else:
-                weights = probs
+        if weights is not None:
+            if wrote_weights:
+                weights[:, :, q0:q1].div_(safe_l.unsqueeze(-1))
+            else:  # every pair of this tile is invisible
+                weights[:, :, q0:q1].zero_()
         if need_stats:
             m_safe = torch.where(active, st.m, zero)
             ref = zero if st.ref is None else st.ref.squeeze(-1)
@@ -336,8 +345,6 @@ def _attend_batch(
             rows["score_m2_raw"][:, :, q0:q1] = torch.where(active, st.m2, zero)
             rows["score_abs_max_raw"][:, :, q0:q1] = torch.where(active, st.abs_max, zero)
 
-    if keep_weights and weights is None:
-        weights = torch.zeros(b, h, n_q, n_kv, dtype=accum_dtype, device=dev)  # all masked
     row_stats = None
     if need_stats:
         counts = rows.pop("visible_keys").round().to(torch.int64)

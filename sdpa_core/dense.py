@@ -1,16 +1,24 @@
 """The dense path: explicit scores and softmax, the only path that returns the weights.
 
-It is the tiled routine of chunked.py run as one query tile and one key block, keeping the
-normalized exponentials as the weights, so dense and chunked share every formula.
+It is the tiled routine of chunked.py run with one key block (the whole row), writing the
+normalized exponentials straight into the weight matrix, so dense and chunked share every
+formula. Query tiles keep the score scratch cache-sized.
 """
 
 from __future__ import annotations
 
 import torch
 
-from sdpa_core.chunked import attend_tiles
+from sdpa_core.chunked import TILE_ELEMENTS, attend_tiles
 from sdpa_core.diagnostics import RowStats
 from sdpa_core.masks import MaskPlan
+
+
+def dense_tile_q(q4: torch.Tensor, k4: torch.Tensor) -> int:
+    """Query rows per tile: the score tile stays cache-sized while the weights (the only
+    N_q x N_kv allocation) are filled in place."""
+    b, h, n_q, _ = q4.shape
+    return min(n_q, max(16, TILE_ELEMENTS // (b * h * k4.shape[2])))
 
 
 def dense_attention(
@@ -35,6 +43,6 @@ def dense_attention(
         accum_dtype=accum_dtype,
         need_stats=need_stats,
         block_size=k4.shape[2],
-        tile_q=q4.shape[2],
+        tile_q=dense_tile_q(q4, k4),
         keep_weights=need_weights,
     )
