@@ -98,17 +98,12 @@ def reference_attention(
         bb = bb.reshape((1,) * (4 - bb.dim()) + tuple(bb.shape))
         s = s + torch.where(torch.isinf(bb), 0.0, bb)
     s = s.masked_fill(~visible, -math.inf)
-    weights = torch.zeros_like(s)
-    flat_s = s.reshape(-1, s.shape[-1])
-    flat_w = weights.view(-1, s.shape[-1])
-    flat_vis = visible.reshape(-1, s.shape[-1])
-    for r in range(flat_s.shape[0]):
-        idx = flat_vis[r].nonzero().flatten()
-        if len(idx) == 0:
-            continue
-        row = flat_s[r, idx]
-        e = torch.exp(row - row.max())
-        flat_w[r, idx] = e / e.sum()
+    # softmax over the visible entries of each row; a row with none keeps weights 0
+    row_max = s.amax(-1, keepdim=True)
+    row_max = torch.where(torch.isinf(row_max), 0.0, row_max)
+    e = torch.where(visible, torch.exp(s - row_max), 0.0)
+    total = e.sum(-1, keepdim=True)
+    weights = e / torch.where(total > 0, total, 1.0)
     out = weights @ v4
     return Reference(out=out, weights=weights, visible=visible, raw=raw)
 

@@ -348,3 +348,35 @@ def test_fused_records_backend() -> None:
     assert res.path == "fused"
     assert res.backend == "flash"  # CPU: 4-D, dropout-free inputs take the flash kernel
     assert attention(q, q, q, path="dense").backend is None
+
+
+@pytest.mark.parametrize("heads", [(4, 2), (2, 2)])
+def test_dense_tiles_over_queries_with_long_keys(heads: tuple[int, int]) -> None:
+    """Long rows make the dense path tile over queries and write each tile into a strided
+    view of the weight matrix (the GQA product then runs on that view)."""
+    h, h_kv = heads
+    n_q, n_kv = 80, 4096  # 2^19-element tiles: 16 or 32 query rows each
+    gen = torch.Generator().manual_seed(21)
+    q = torch.randn(1, h, n_q, 8, generator=gen)
+    k = torch.randn(1, h_kv, n_kv, 8, generator=gen)
+    v = torch.randn(1, h_kv, n_kv, 3, generator=gen)
+    kl = torch.tensor([[4000, 100, 4096, 5][:h]])
+    res = attention(
+        q, k, v, key_lengths=kl, causal="bottom_right", return_weights=True, diagnostics="full"
+    )
+    assert res.path == "dense"
+    keys = torch.arange(n_kv)
+    rows = torch.arange(n_q)[:, None]
+    # explicit broadcasting: key j visible to row i of head h iff j < length_h and
+    # j <= i + n_kv - n_q
+    vis = (keys < kl[0][:, None, None]) & (keys <= rows + n_kv - n_q)  # [H, N_q, N_kv]
+    ref = reference_attention(q, k, v, vis[None])
+    assert_matches_golden(res.output, ref.out, None)
+    assert res.weights is not None
+    assert_matches_golden(res.weights, ref.weights, None, what="weights")
+    assert torch.all(res.weights[0][~vis] == 0)
+    chunk = attention(q, k, v, key_lengths=kl, causal="bottom_right", diagnostics="full")
+    assert res.row_stats is not None
+    assert chunk.row_stats is not None
+    for name, val in res.row_stats.as_dict().items():
+        torch.testing.assert_close(chunk.row_stats.as_dict()[name], val, rtol=1e-4, atol=1e-5)

@@ -1,0 +1,397 @@
+"""sdpa_core paths: time, peak memory and effective GFLOP/s (a benchmark, never a test).
+
+    .venv/bin/python bench/core.py                  # H=8, D=64, N = 256 .. 16384 (~10 min)
+    .venv/bin/python bench/core.py --quick          # N <= 2048 and the 16k one-head targets
+    .venv/bin/python bench/core.py --max-n 4096 --dense-limit 268435456
+
+Every case runs in a fresh subprocess (`--case JSON`), so peak memory is the child's own:
+the peak RSS ("VmHWM") is reset through /proc/self/clear_refs after the inputs exist, the
+call runs once, and the growth is VmHWM - RSS before the call (ru_maxrss is the fallback
+where clear_refs is refused). tracemalloc cannot see torch's allocations. Then the call is
+timed: one warm-up (the memory run), then repetitions until --min-time seconds or --reps
+runs, reporting the median and the minimum.
+
+Cases per N (B=1, H=8, D=64, fp32, no mask):
+- fused: attention(q, k, v) (torch SDPA; the backend torch picked is recorded),
+- sdpa: torch.nn.functional.scaled_dot_product_attention(q, k, v) called directly,
+- dense+summary: attention(..., return_weights=True, diagnostics="summary"), and
+- bare: torch.softmax(q @ k^T * scale, -1) @ v, the two skipped where the B*H*N^2 fp32
+  weights exceed --dense-limit bytes (default 1 GiB),
+- chunked+summary: attention(..., diagnostics="summary") (chunked path, no weights),
+- gemm: torch.matmul of [H, 1024, D] x [H, D, N] into a preallocated output, the machine's
+  plain GEMM rate on the same operand shapes (2*H*1024*N*D flops).
+Plus the one-head 16k targets (N_q = N_kv = 16384, D = 64): fused and chunked+summary.
+
+Effective GFLOP/s of attention = 4*B*H*N^2*D / time (two GEMMs).
+
+Targets (issue 2): chunked one-head 16k peak growth <= 256 MiB and time <= 3x fused;
+dense+summary at N=1024, H=8 <= 1.5x bare; fused within 10% of direct SDPA.
+The machine is shared (2 cores): the load average is recorded before and after; the
+timings are medians of repetitions and should be read with that noise in mind.
+
+Writes bench/results/core.json and bench/results/core.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+MiB = 1 << 20
+
+
+# ---- child side -----------------------------------------------------------------------------
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as fh:
+        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _hwm_bytes() -> int | None:
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _reset_hwm() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def run_case(case: dict[str, Any]) -> dict[str, Any]:
+    """Runs in the child: build inputs, measure memory of one call, then time it."""
+    import torch
+    import torch.nn.functional as F  # noqa: N812
+
+    sys.path.insert(0, str(ROOT))
+    from sdpa_core import attention
+
+    if case.get("threads"):
+        torch.set_num_threads(int(case["threads"]))
+    b, h, n, d = case["b"], case["h"], case["n"], case["d"]
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(b, h, n, d, generator=gen)
+    k = torch.randn(b, h, n, d, generator=gen)
+    v = torch.randn(b, h, n, d, generator=gen)
+    scale = d**-0.5
+    kind = case["kind"]
+    info: dict[str, Any] = {}
+
+    if kind == "fused":
+
+        def fn() -> Any:
+            res = attention(q, k, v)
+            info["backend"] = res.backend
+            info["path"] = res.path
+            return res
+
+    elif kind == "sdpa":
+
+        def fn() -> Any:
+            return F.scaled_dot_product_attention(q, k, v)
+
+    elif kind == "dense+summary":
+
+        def fn() -> Any:
+            res = attention(q, k, v, return_weights=True, diagnostics="summary")
+            info["path"] = res.path
+            return res
+
+    elif kind == "chunked+summary":
+
+        def fn() -> Any:
+            res = attention(q, k, v, diagnostics="summary", block_size=case.get("block_size"))
+            info["path"] = res.path
+            return res
+
+    elif kind == "bare":
+
+        def fn() -> Any:
+            return torch.softmax(q @ k.transpose(-1, -2) * scale, dim=-1) @ v
+
+    elif kind == "gemm":
+        rows = min(n, 1024)
+        a = torch.randn(b * h, rows, d, generator=gen)
+        bt = torch.randn(b * h, d, n, generator=gen)
+        out = torch.empty(b * h, rows, n)
+
+        def fn() -> Any:
+            return torch.matmul(a, bt, out=out)
+
+    else:
+        raise SystemExit(f"unknown kind {kind}")
+
+    rss_before = _rss_bytes()
+    reset = _reset_hwm()
+    ru_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    t0 = time.perf_counter()
+    result = fn()
+    first_s = time.perf_counter() - t0
+    del result
+    if reset and (hwm := _hwm_bytes()) is not None:
+        peak_growth = max(0, hwm - rss_before)
+        mem_method = "VmHWM after clear_refs"
+    else:
+        ru_after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        peak_growth = max(0, ru_after - max(ru_before, rss_before))
+        mem_method = "ru_maxrss"
+
+    times: list[float] = []
+    budget_end = time.perf_counter() + case["min_time"]
+    while len(times) < case["reps"] and (len(times) < 2 or time.perf_counter() < budget_end):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    flops = 4.0 * b * h * n * n * d
+    if kind == "gemm":
+        flops = 2.0 * b * h * min(n, 1024) * n * d
+    med = statistics.median(times)
+    return {
+        **case,
+        **info,
+        "first_s": first_s,
+        "median_s": med,
+        "min_s": min(times),
+        "reps": len(times),
+        "gflops": flops / med / 1e9,
+        "peak_growth_mib": peak_growth / MiB,
+        "mem_method": mem_method,
+        "torch_threads": torch.get_num_threads(),
+    }
+
+
+# ---- parent side ----------------------------------------------------------------------------
+
+
+def spawn(case: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+    proc = subprocess.run(
+        [sys.executable, __file__, "--case", json.dumps(case)],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        cwd=ROOT,
+    )
+    if proc.returncode != 0:
+        return {**case, "error": proc.stderr.strip().splitlines()[-1:] or ["failed"]}
+    return dict(json.loads(proc.stdout.strip().splitlines()[-1]))
+
+
+def fmt_ms(s: float | None) -> str:
+    return "-" if s is None else f"{s * 1e3:,.1f}"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--case", help=argparse.SUPPRESS)
+    ap.add_argument("--max-n", type=int, default=16384)
+    ap.add_argument("--quick", action="store_true", help="N <= 2048 plus the 16k one-head targets")
+    ap.add_argument(
+        "--dense-limit",
+        type=int,
+        default=1 << 30,
+        help="skip dense/bare where B*H*N^2*4 bytes exceed this (default 1 GiB)",
+    )
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--min-time", type=float, default=1.0)
+    ap.add_argument("--timeout", type=float, default=600.0, help="per case, seconds")
+    ap.add_argument("--no-16k-target", action="store_true")
+    args = ap.parse_args()
+
+    if args.case:
+        print(json.dumps(run_case(json.loads(args.case))))
+        return 0
+
+    max_n = min(args.max_n, 2048) if args.quick else args.max_n
+    ns = [n for n in (256, 512, 1024, 2048, 4096, 8192, 16384) if n <= max_n]
+    h, d = args.heads, args.head_dim
+    base = {"b": 1, "d": d, "threads": args.threads, "reps": args.reps, "min_time": args.min_time}
+    load_before = os.getloadavg()
+    started = time.time()
+    rows: list[dict[str, Any]] = []
+    for n in ns:
+        kinds = ["gemm", "sdpa", "fused", "chunked+summary"]
+        if 1 * h * n * n * 4 <= args.dense_limit:
+            kinds += ["bare", "dense+summary"]
+        reps = args.reps if n <= 4096 else 2
+        for kind in kinds:
+            res = spawn({**base, "h": h, "n": n, "kind": kind, "reps": reps}, args.timeout)
+            rows.append(res)
+            print(
+                f"N={n:>5} H={h} {kind:<16} median {fmt_ms(res.get('median_s'))} ms  "
+                f"peak +{res.get('peak_growth_mib', float('nan')):.0f} MiB  "
+                f"{res.get('gflops', 0):.1f} GFLOP/s {res.get('error', '')}",
+                flush=True,
+            )
+    targets: list[dict[str, Any]] = []
+    if not args.no_16k_target:
+        for kind in ("fused", "chunked+summary"):
+            res = spawn({**base, "h": 1, "n": 16384, "kind": kind, "reps": 3}, args.timeout)
+            res["target_case"] = True
+            targets.append(res)
+            print(
+                f"N=16384 H=1 {kind:<16} median {fmt_ms(res.get('median_s'))} ms  "
+                f"peak +{res.get('peak_growth_mib', float('nan')):.0f} MiB",
+                flush=True,
+            )
+    load_after = os.getloadavg()
+
+    def find(kind: str, n: int, heads: int, pool: list[dict[str, Any]]) -> dict[str, Any] | None:
+        for r in pool:
+            if r["kind"] == kind and r["n"] == n and r["h"] == heads and "error" not in r:
+                return r
+        return None
+
+    checks: list[dict[str, Any]] = []
+    f16, c16 = find("fused", 16384, 1, targets), find("chunked+summary", 16384, 1, targets)
+    if f16 and c16:
+        checks.append(
+            {
+                "target": "chunked 16k one head: time <= 3x fused",
+                "measured": c16["median_s"] / f16["median_s"],
+                "limit": 3.0,
+            }
+        )
+        checks.append(
+            {
+                "target": "chunked 16k one head: peak RSS growth <= 256 MiB",
+                "measured": c16["peak_growth_mib"],
+                "limit": 256.0,
+            }
+        )
+    bare, dense = find("bare", 1024, h, rows), find("dense+summary", 1024, h, rows)
+    if bare and dense:
+        checks.append(
+            {
+                "target": f"dense+summary vs bare softmax at N=1024, H={h}: <= 1.5x",
+                "measured": dense["median_s"] / bare["median_s"],
+                "limit": 1.5,
+            }
+        )
+    for n in ns:
+        fu, sd = find("fused", n, h, rows), find("sdpa", n, h, rows)
+        if fu and sd:
+            checks.append(
+                {
+                    "target": f"fused vs direct SDPA at N={n}: <= 1.10x",
+                    "measured": fu["median_s"] / sd["median_s"],
+                    "limit": 1.10,
+                }
+            )
+    for c in checks:
+        c["ok"] = c["measured"] <= c["limit"]
+
+    import torch
+
+    meta = {
+        "command": "python bench/core.py " + " ".join(sys.argv[1:]),
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpu_count": os.cpu_count(),
+        "torch_threads": rows[0].get("torch_threads") if rows else None,
+        "machine": platform.machine(),
+        "load_avg_before": load_before,
+        "load_avg_after": load_after,
+        "wall_s": time.time() - started,
+        "note": "shared 2-core machine; other engineers' test suites ran at the same time",
+    }
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "core.json").write_text(
+        json.dumps({"meta": meta, "rows": rows, "targets": targets, "checks": checks}, indent=2)
+    )
+    (RESULTS / "core.md").write_text(render_md(meta, rows, targets, checks, ns, h))
+    print((RESULTS / "core.md").read_text())
+    return 0
+
+
+def render_md(
+    meta: dict[str, Any],
+    rows: list[dict[str, Any]],
+    targets: list[dict[str, Any]],
+    checks: list[dict[str, Any]],
+    ns: list[int],
+    h: int,
+) -> str:
+    kinds = ["fused", "sdpa", "dense+summary", "bare", "chunked+summary", "gemm"]
+    out = [
+        "# sdpa_core benchmark (CPU)",
+        "",
+        f"Command: `{meta['command']}`  ",
+        f"torch {meta['torch']}, {meta['cpu_count']} CPUs, {meta['torch_threads']} torch threads; "
+        f"load average before {meta['load_avg_before'][0]:.1f}, after "
+        f"{meta['load_avg_after'][0]:.1f} ({meta['note']}).",
+        "",
+        f"B=1, H={h}, D=64, fp32, no mask. Median time in ms (GFLOP/s = 4·B·H·N²·D / time; "
+        "gemm: torch.matmul [H,1024,64]x[H,64,N], 2·H·1024·N·64 / time) and peak RSS growth "
+        "of one call in MiB. `-`: skipped (dense weights above --dense-limit).",
+        "",
+        "| N | " + " | ".join(kinds) + " |",
+        "|---|" + "---|" * len(kinds),
+    ]
+    for n in ns:
+        cells = []
+        for kind in kinds:
+            r = next((x for x in rows if x["kind"] == kind and x["n"] == n), None)
+            if r is None or "error" in r:
+                cells.append("-" if r is None else "error")
+                continue
+            mem = f", +{r['peak_growth_mib']:.0f} MiB" if kind != "gemm" else ""
+            cells.append(f"{fmt_ms(r['median_s'])} ({r['gflops']:.0f} GF/s{mem})")
+        out.append(f"| {n} | " + " | ".join(cells) + " |")
+    fused_backends = sorted({str(r.get("backend")) for r in rows if r["kind"] == "fused"})
+    out += ["", f"Fused backend(s) torch chose: {', '.join(fused_backends)}.", ""]
+    if targets:
+        out += [
+            "One head, N_q = N_kv = 16384, D = 64, fp32 (the chunked target):",
+            "",
+            "| case | median ms | min ms | peak RSS growth MiB |",
+            "|---|---|---|---|",
+        ]
+        for r in targets:
+            if "error" in r:
+                out.append(f"| {r['kind']} | error | | |")
+                continue
+            out.append(
+                f"| {r['kind']} | {fmt_ms(r['median_s'])} | {fmt_ms(r['min_s'])} | "
+                f"{r['peak_growth_mib']:.0f} |"
+            )
+        out.append("")
+    if checks:
+        out += ["| target | measured | limit | ok |", "|---|---|---|---|"]
+        for c in checks:
+            unit = " MiB" if "MiB" in c["target"] else "x"
+            out.append(
+                f"| {c['target']} | {c['measured']:.2f}{unit} | {c['limit']:g}{unit} | "
+                f"{'yes' if c['ok'] else 'NO'} |"
+            )
+        out.append("")
+    return "\n".join(out) + "\n"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
