@@ -113,9 +113,14 @@ class Server:
         return float(times.user + times.system)
 
 
-def _command(system: str, port: int) -> tuple[list[str], dict[str, str]]:
+def _command(
+    system: str, port: int, *, torch_threads: int | None
+) -> tuple[list[str], dict[str, str]]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SDPA_")}
     env["PYTHONUNBUFFERED"] = "1"
+    if torch_threads is not None and system != "noop":
+        # torch sizes its intra-op pool from these at start-up (same for naive and service).
+        env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(torch_threads)
     host = ["--host", "127.0.0.1", "--port", str(port)]
     if system in ("noop", "naive"):
         app = "bench.noop_app:app" if system == "noop" else "bench.naive_app:app"
@@ -129,9 +134,11 @@ def _command(system: str, port: int) -> tuple[list[str], dict[str, str]]:
 
 
 @contextlib.contextmanager
-def running(system: str, *, log_dir: Path, device: str | None) -> Iterator[Server]:
+def running(
+    system: str, *, log_dir: Path, device: str | None, torch_threads: int | None
+) -> Iterator[Server]:
     port = free_port()
-    cmd, env = _command(system, port)
+    cmd, env = _command(system, port, torch_threads=torch_threads)
     if device is not None and system.startswith("service"):
         env["SDPA_DEVICE"] = device
     log_path = log_dir / f"{system}.log"
@@ -232,6 +239,7 @@ class Options:
     timeout_s: float
     systems: list[str]
     device: str | None
+    torch_threads: int | None
     out: Path
     argv: list[str] = field(default_factory=list)
 
@@ -269,7 +277,9 @@ def run_system(system: str, opts: Options, log_dir: Path) -> tuple[list[Cell], d
 
         device = opts.device or ("cuda" if torch.cuda.is_available() else "cpu")
         device = "cpu" if device == "auto" else device
-        info = {"device": device, "torch": torch.__version__}
+        if opts.torch_threads is not None:
+            torch.set_num_threads(opts.torch_threads)
+        info = {"device": device, "torch": torch.__version__, "threads": torch.get_num_threads()}
         for name in opts.presets:
             call = inprocess_call(PRESETS[name], device=device)
             for c in opts.concurrency:
@@ -283,7 +293,9 @@ def run_system(system: str, opts: Options, log_dir: Path) -> tuple[list[Cell], d
 
     encoding: Encoding = "json" if system == "naive" else "base64"
     payloads = {n: Payload.from_preset(PRESETS[n], encoding=encoding) for n in opts.presets}
-    with running(system, log_dir=log_dir, device=opts.device) as server:
+    with running(
+        system, log_dir=log_dir, device=opts.device, torch_threads=opts.torch_threads
+    ) as server:
         if system.startswith("service"):
             info = httpx.get(f"{server.url}/v1/info", timeout=10).json()
         for name in opts.presets:
@@ -364,8 +376,9 @@ def markdown(cells: Sequence[Cell], opts: Options, meta: dict[str, Any]) -> str:
         "## sdpa-service against the baselines",
         "",
         f"`{meta['command']}` — {meta['date']}, {meta['machine']}; service on "
-        f"{meta.get('service_device', '?')}. Closed loop, {opts.duration_s:g} s per cell after "
-        f"a {opts.warmup_s:g} s warm-up; throughput = successful answers per second.",
+        f"{meta.get('service_device', '?')}, torch intra-op threads: "
+        f"{meta['torch_threads'] or 'torch default'}. Closed loop, {opts.duration_s:g} s per cell "
+        f"after a {opts.warmup_s:g} s warm-up; throughput = successful answers per second.",
         "",
         "| payload | conc. | in-process sdpa_core | no-op HTTP | naive FastAPI "
         "| service, batching off | service, batching on | on ÷ naive | on ÷ no-op | on ÷ off |",
@@ -545,6 +558,10 @@ def parse_args(argv: Sequence[str] | None) -> Options:
     p.add_argument("--systems", type=_csv_list(str), default=[s for s, _ in SYSTEMS],
                    help="subset of: " + ", ".join(s for s, _ in SYSTEMS))  # fmt: skip
     p.add_argument("--device", help="SDPA_DEVICE for the service and the in-process floor")
+    p.add_argument(
+        "--torch-threads", type=int,
+        help="intra-op threads for every torch system (OMP_NUM_THREADS; default: torch's own)",
+    )  # fmt: skip
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args(argv)
     unknown = set(args.systems) - set(LABELS) or set(args.presets) - set(PRESETS)
@@ -558,6 +575,7 @@ def parse_args(argv: Sequence[str] | None) -> Options:
         timeout_s=args.timeout,
         systems=[s for s, _ in SYSTEMS if s in args.systems],
         device=args.device,
+        torch_threads=args.torch_threads,
         out=args.out,
         argv=list(sys.argv[1:] if argv is None else argv),
     )
@@ -584,6 +602,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "cpus": os.cpu_count(),
         "load_average_after": os.getloadavg(),
         "service_device": (infos.get("service") or infos.get("service_b1") or {}).get("device"),
+        "torch_threads": opts.torch_threads,
         "systems": infos,
         "duration_s": opts.duration_s,
         "warmup_s": opts.warmup_s,

@@ -129,7 +129,7 @@ def loadtest(*args: str) -> subprocess.CompletedProcess[str]:
 def test_closed_loop_cli_report_files(server: LiveServer, tmp_path: Path) -> None:
     out_json, out_csv, png = tmp_path / "r.json", tmp_path / "r.csv", tmp_path / "h.png"
     proc = loadtest(
-        "--url", server.url, "--preset", "small", "--concurrency", "4", "--duration", "1.5",
+        "--url", server.url, "--preset", "small", "--concurrency", "4", "--duration", "1",
         "--requests", "300", "--warmup", "5", "--json", str(out_json), "--csv", str(out_csv),
         "--histogram", str(png),
     )  # fmt: skip
@@ -155,7 +155,7 @@ def test_closed_loop_cli_report_files(server: LiveServer, tmp_path: Path) -> Non
 def test_open_loop_cli_json_to_stdout(server: LiveServer) -> None:
     proc = loadtest(
         "--url", server.url, "--preset", "small", "--encoding", "json", "--rate", "30",
-        "--duration", "1.5", "--json", "-",
+        "--duration", "1", "--json", "-",
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)["report"]
