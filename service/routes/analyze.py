@@ -156,6 +156,7 @@ async def analyze(request: Request) -> Response:
     started = time.monotonic()
     settings: Settings = request.app.state.settings
     body = await request.body()
+    received = time.monotonic()
     # Always off the loop: synthetic inputs are generated here, and analysis is not a hot path.
     prepared = await anyio.to_thread.run_sync(prepare_analyze, body, settings)
     decoded = time.monotonic()
@@ -180,7 +181,8 @@ async def analyze(request: Request) -> Response:
     }
     content = dumps(payload)
     timing = server_timing(
-        decode=(decoded - started) * 1000.0,
+        read=(received - started) * 1000.0,
+        decode=(decoded - received) * 1000.0,
         queue=batch.queue_ms,
         compute=outcome.compute_ms,
         encode=(time.monotonic() - computed) * 1000.0,

@@ -253,6 +253,7 @@ async def attention(request: Request) -> Response:
     started = time.monotonic()
     settings: Settings = request.app.state.settings
     body = await request.body()
+    received = time.monotonic()
     big = len(body) > OFFLOAD_BYTES
     prepared = await off_loop_if(big, prepare_attention, body, settings)
     decoded = time.monotonic()
@@ -289,7 +290,8 @@ async def attention(request: Request) -> Response:
     encoded = time.monotonic()
     wait_ms = (computed - decoded) * 1000.0
     timing = server_timing(
-        decode=(decoded - started) * 1000.0,
+        read=(received - started) * 1000.0,
+        decode=(decoded - received) * 1000.0,
         queue=batch.queue_ms,
         compute=outcome.compute_ms,
         # What the wait held besides queue and compute: the device thread hop, batching.
@@ -320,8 +322,8 @@ ATTENTION_DESCRIPTION: Final = (
     "{dtype, shape, b64} (little-endian bytes, the fast path) or a bare nested list. "
     "Masks combine by logical AND: causal, key_lengths, key_padding_mask (True = padding), "
     "attn_mask (bool True = attend, or an additive float bias). A fully masked row yields "
-    "zeros. The Server-Timing header splits the server's time into decode, queue, compute, "
-    "dispatch and encode."
+    "zeros. The Server-Timing header splits the server's time into read, decode, queue, "
+    "compute, dispatch and encode."
 )
 
 
