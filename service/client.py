@@ -40,6 +40,7 @@ import math
 import random
 import sys
 import time
+import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from datetime import UTC, datetime
@@ -589,9 +590,38 @@ def build_analyze_body(
     return body
 
 
+# Below this, a b64 string goes through json.dumps like any other value.
+_SPLICE_MIN_CHARS = 4096
+
+
 def encode_body(body: Mapping[str, Any]) -> bytes:
-    """Compact JSON bytes. NaN/Infinity pass through so the server answers them with its 422."""
-    return json.dumps(body, separators=(",", ":")).encode("utf-8")
+    """Compact JSON bytes. NaN/Infinity pass through so the server answers them with its 422.
+
+    Large base64 strings are spliced in as bytes instead of going through json.dumps, which
+    scans every character for escapes (base64 has none): for an 8 MiB body that is about two
+    thirds of the encoding time.
+    """
+    blobs: list[bytes] = []
+    marker = f"@splice-{uuid.uuid4().hex}@"
+
+    def swap(value: Any) -> Any:
+        if isinstance(value, dict):
+            b64 = value.get("b64")
+            if isinstance(b64, str) and len(b64) >= _SPLICE_MIN_CHARS:
+                blobs.append(b64.encode("ascii"))
+                return {**value, "b64": f"{marker}{len(blobs) - 1}{marker}"}
+            return {k: swap(v) for k, v in value.items()}
+        return value
+
+    skeleton = json.dumps({k: swap(v) for k, v in body.items()}, separators=(",", ":"))
+    if not blobs:
+        return skeleton.encode("utf-8")
+    # "text@m@0@m@text@m@1@m@text": even parts are JSON text, odd parts blob indices.
+    parts = skeleton.split(marker)
+    out: list[bytes] = []
+    for i, part in enumerate(parts):
+        out.append(blobs[int(part)] if i % 2 else part.encode("utf-8"))
+    return b"".join(out)
 
 
 # --------------------------------------------------------------------------------------------

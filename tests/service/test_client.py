@@ -44,6 +44,7 @@ from service.client import (
     SDPAUnsupportedMediaType,
     SDPAValidationError,
     decode_tensor,
+    encode_body,
     encode_tensor,
     parse_retry_after,
 )
@@ -237,6 +238,22 @@ def test_unsupported_dtype_is_refused_locally() -> None:
 def test_null_in_lists_becomes_nan_or_minus_inf() -> None:
     assert np.isnan(decode_tensor([1.0, None])[1])
     assert decode_tensor([1.0, None], null_as=-math.inf)[1] == -math.inf
+
+
+def test_encode_body_is_exactly_compact_json() -> None:
+    # Large base64 strings are spliced in as bytes: the result must still be the bytes that
+    # json.dumps writes, with tensors both above and below the splicing threshold.
+    rng = np.random.default_rng(2)
+    body = {
+        "q": encode_tensor(rng.standard_normal((4, 64, 64)).astype(np.float32)),
+        "k": encode_tensor(rng.standard_normal((2, 3)).astype(np.float32)),
+        "v": encode_tensor(rng.standard_normal((4, 64, 64)).astype(np.float16)),
+        "key_padding_mask": encode_tensor(np.ones((2, 5000), dtype=bool)),
+        "causal": "bottom_right",
+        "key_lengths": [[1, 2]],
+        "scale": None,
+    }
+    assert encode_body(body) == json.dumps(body, separators=(",", ":")).encode()
 
 
 # ---- a full call ------------------------------------------------------------------------------
