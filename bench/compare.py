@@ -9,7 +9,8 @@ sdpa-loadtest's core (service.loadtest.run_load, closed loop at each concurrency
 - in-process: sdpa_core.attention() on prepared tensors, called from `concurrency` threads: no
   HTTP, no encoding. The floor of latency: what the compute alone costs here.
 - no-op: bench/noop_app.py, a FastAPI endpoint that reads the same base64 body as the service
-  and answers {"ok": true}: the HTTP floor (one uvicorn worker + this generator).
+  and answers as many bytes as the service answers, without parsing or computing anything: the
+  HTTP floor (one uvicorn worker + this generator, same bytes both ways).
 - naive: bench/naive_app.py, the tutorial approach: nested JSON lists, pydantic models, the
   formula softmax(QK^T/sqrt(d))V in torch inside `async def` (compute in the event loop), no
   batching.
@@ -32,6 +33,7 @@ import argparse
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import json
 import os
 import platform
@@ -55,7 +57,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:  # run as a script: make `service` and `bench` importable
     sys.path.insert(0, str(REPO_ROOT))
 
-from service.client import Encoding  # noqa: E402
+from service.client import Encoding, encode_tensor  # noqa: E402
 from service.loadtest import (  # noqa: E402
     PRESETS,
     HttpSender,
@@ -171,6 +173,18 @@ def _wait_ready(server: Server, *, timeout_s: float) -> None:
                 return
         time.sleep(0.2)
     raise TimeoutError(f"{server.name} not ready within {timeout_s} s")
+
+
+def service_reply_bytes(preset: Preset) -> int:
+    """About the size of the service's base64 answer to `preset`: output (+ weights) as
+    base64 plus ~150 bytes of meta and ~250 bytes per head of summary diagnostics (measured on
+    the presets: within 1% of the real answer). The no-op endpoint sends back this many bytes."""
+    b, h, n, d = preset.shape
+    tensors = {"output": encode_tensor(np.zeros((b, h, n, d), np.float32))}
+    if preset.return_weights:
+        tensors["weights"] = encode_tensor(np.zeros((b, h, n, n), np.float32))
+    extra = 150 + (250 * h if preset.diagnostics != "none" else 0)
+    return len(json.dumps(tensors)) + extra
 
 
 # ---- the in-process floor ----------------------------------------------------------------------
@@ -293,6 +307,11 @@ def run_system(system: str, opts: Options, log_dir: Path) -> tuple[list[Cell], d
 
     encoding: Encoding = "json" if system == "naive" else "base64"
     payloads = {n: Payload.from_preset(PRESETS[n], encoding=encoding) for n in opts.presets}
+    if system == "noop":  # same bytes both ways: answer as much as the service answers
+        payloads = {
+            n: dataclasses.replace(p, path=f"{p.path}?reply={service_reply_bytes(PRESETS[n])}")
+            for n, p in payloads.items()
+        }
     with running(
         system, log_dir=log_dir, device=opts.device, torch_threads=opts.torch_threads
     ) as server:
@@ -459,8 +478,8 @@ def markdown(cells: Sequence[Cell], opts: Options, meta: dict[str, Any]) -> str:
         "of the JSON encoding. Request bodies, base64 vs JSON: " + ("; ".join(sizes) or "—") + ".",
         "- The naive app computes no diagnostics; the service computes what each preset asks "
         "(small: summary; medium: weights + summary; large: output only), so it does more work.",
-        "- The no-op endpoint reads the body and answers a few bytes: it parses nothing and "
-        "returns no tensor, while the service also decodes, computes and encodes the output.",
+        "- The no-op endpoint reads the body and answers as many bytes as the service answers "
+        "(padding), but parses, decodes, computes and encodes nothing.",
         "- In-process = sdpa_core.attention() from `concurrency` threads on prepared tensors: no "
         "HTTP, no encoding. Its 'client CPU' is the compute itself.",
         "- All systems, the generator and anything else running share this machine's cores "
