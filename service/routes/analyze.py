@@ -65,7 +65,7 @@ def _synthetic(syn: Synthetic, settings: Settings) -> tuple[torch.Tensor, torch.
                 f"heads x {name} x d_k = {elements} elements exceed the limit of "
                 f"{settings.max_elements} per tensor (SDPA_MAX_ELEMENTS)",
             )
-    return make_synthetic_qk(
+    q, k = make_synthetic_qk(
         n_q=syn.n_q,
         n_k=syn.n_k,
         d_k=syn.d_k,
@@ -74,6 +74,15 @@ def _synthetic(syn: Synthetic, settings: Settings) -> tuple[torch.Tensor, torch.
         heads=syn.heads,
         dtype=_TORCH_DTYPES[syn.dtype],
     )
+    if not (bool(torch.isfinite(q).all()) and bool(torch.isfinite(k).all())):
+        # Say which knob to turn, rather than blame a q the client never sent.
+        raise over_limit(
+            ("body", "synthetic", "std"),
+            f"values drawn with std={syn.std} overflow {syn.dtype}; use a smaller std or a "
+            "wider dtype",
+            kind="non_finite",
+        )
+    return q, k
 
 
 def prepare_analyze(body: bytes, settings: Settings) -> PreparedAnalyze:

@@ -104,8 +104,9 @@ def decode_masks(
     )
 
 
-def over_limit(loc: tuple[str | int, ...], msg: str) -> InvalidRequest:
-    return InvalidRequest(msg, errors=[FieldError(loc=loc, msg=msg, type="limit")])
+def over_limit(loc: tuple[str | int, ...], msg: str, *, kind: str = "limit") -> InvalidRequest:
+    """A 422 for one field; `kind` is the error's type."""
+    return InvalidRequest(msg, errors=[FieldError(loc=loc, msg=msg, type=kind)])
 
 
 def request_id(request: Request) -> str:

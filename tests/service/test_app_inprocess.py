@@ -1,0 +1,78 @@
+"""create_app in process (starlette's TestClient runs the lifespan): the error mapping that a
+well-behaved server never shows over HTTP — our own bug must be a generic 500 — and the
+middleware order with API keys on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+
+from service.app import create_app
+from service.errors import QueueFull
+from service.settings import Settings
+
+
+def _boom() -> None:
+    raise RuntimeError("secret internal detail /etc/passwd")
+
+
+def _full() -> None:
+    raise QueueFull("the queue is full", retry_after_s=2.5)
+
+
+@pytest.fixture(scope="module")
+def app() -> FastAPI:
+    app = create_app(Settings(device="cpu", api_keys=("k1",), max_body_bytes=2048))
+    # Routes that fail the way only a bug (or the batcher) can, added for this test only.
+    app.add_api_route("/test/boom", _boom, methods=["GET"])
+    app.add_api_route("/test/full", _full, methods=["GET"])
+    return app
+
+
+@pytest.fixture(scope="module")
+def client(app: FastAPI) -> Iterator[TestClient]:
+    with TestClient(app, raise_server_exceptions=False) as c:
+        yield c
+
+
+KEY = {"Authorization": "Bearer k1"}
+
+
+def test_an_unhandled_error_is_a_generic_500(client: TestClient) -> None:
+    response = client.get("/test/boom", headers=KEY)
+    assert response.status_code == 500
+    assert response.headers["content-type"] == "application/problem+json"
+    problem = response.json()
+    assert problem["status"] == 500
+    assert "secret" not in response.text
+    assert "Traceback" not in response.text
+    assert problem["detail"].startswith("internal server error")
+
+
+def test_service_errors_keep_their_status_and_headers(client: TestClient) -> None:
+    response = client.get("/test/full", headers=KEY)
+    assert response.status_code == 503
+    assert response.headers["retry-after"] == "3"  # whole seconds, rounded up
+    assert response.json()["title"] == "Queue full"
+
+
+def test_auth_runs_before_the_body_limit(client: TestClient) -> None:
+    # Without a key the caller learns nothing else, not even that its body is too large.
+    big = b"{" + b" " * 4096 + b"}"
+    headers = {"content-type": "application/json"}
+    assert client.post("/v1/attention", content=big, headers=headers).status_code == 401
+    assert client.post("/v1/attention", content=big, headers={**headers, **KEY}).status_code == 413
+    assert client.get("/healthz").status_code == 200  # open path
+
+
+def test_openapi_declares_the_keys_when_they_are_on(client: TestClient) -> None:
+    doc = client.get("/openapi.json", headers=KEY).json()
+    assert set(doc["components"]["securitySchemes"]) == {"bearer", "apiKey"}
+    assert doc["paths"]["/healthz"]["get"]["security"] == []
+    info = client.get("/v1/info", headers=KEY).json()
+    assert info["auth"] is True
+    assert info["limits"]["max_body_bytes"] == 2048
