@@ -10,6 +10,7 @@ from collections.abc import Iterator
 import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
+from pydantic import SecretStr
 
 from service.app import create_app
 from service.errors import QueueFull
@@ -26,7 +27,7 @@ def _full() -> None:
 
 @pytest.fixture(scope="module")
 def app() -> FastAPI:
-    app = create_app(Settings(device="cpu", api_keys=("k1",), max_body_bytes=2048))
+    app = create_app(Settings(device="cpu", api_keys=(SecretStr("k1"),), max_body_bytes=2048))
     # Routes that fail the way only a bug (or the batcher) can, added for this test only.
     app.add_api_route("/test/boom", _boom, methods=["GET"])
     app.add_api_route("/test/full", _full, methods=["GET"])
