@@ -24,6 +24,7 @@ from service.routes.attention import (
     client_closed,
     deadline_for,
     decode_masks,
+    json_response,
     over_limit,
     request_id,
     run_job,
@@ -196,9 +197,7 @@ async def analyze(request: Request) -> Response:
         compute=outcome.compute_ms,
         encode=(time.monotonic() - computed) * 1000.0,
     )
-    return Response(
-        content=content, media_type="application/json", headers={"Server-Timing": timing}
-    )
+    return json_response(content, timing=timing)
 
 
 router.add_api_route(

@@ -1,8 +1,8 @@
 """POST /v1/attention (and its alias POST /attention): one handler.
 
 The hot path avoids FastAPI's body-parameter machinery: the handler reads the raw bytes, parses
-them with orjson, validates the envelope with pydantic and decodes tensors with numpy
-(service.codec). The OpenAPI document still describes the body: the route declares it through
+them with pydantic_core.from_json, validates the envelope with pydantic and decodes tensors with
+numpy (service.codec). The OpenAPI document still describes the body: the route declares it through
 openapi_extra, and app.py adds the schemas to components.
 
 Flow: parse + decode -> sdpa_core.validate_inputs (a 422 before queueing) -> limits -> a Job
@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Final, TypeVar
 
 import anyio.to_thread
+import torch
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
@@ -71,7 +72,7 @@ async def off_loop_if(big: bool, fn: Callable[..., T], *args: Any) -> T:
 
 @dataclass(frozen=True, slots=True)
 class Masks:
-    key_lengths: Any  # torch.Tensor | None
+    key_lengths: torch.Tensor | None
     key_padding_mask: Decoded | None
     attn_mask: Decoded | None
 
@@ -135,11 +136,10 @@ def server_timing(**phases_ms: float) -> str:
     return ", ".join(f"{name};dur={ms:.3f}" for name, ms in phases_ms.items())
 
 
-def json_response(payload: Any, *, timing: str) -> Response:
+def json_response(content: bytes, *, timing: str) -> Response:
+    """A 200 with a body dumps() wrote, and the Server-Timing header."""
     return Response(
-        content=dumps(payload),
-        media_type="application/json",
-        headers={"Server-Timing": timing},
+        content=content, media_type="application/json", headers={"Server-Timing": timing}
     )
 
 
@@ -259,11 +259,9 @@ async def attention(request: Request) -> Response:
     prepared = await off_loop_if(big, prepare_attention, body, settings)
     decoded = time.monotonic()
 
+    deadline = deadline_for(prepared.timeout_ms, settings, started=started)
     try:
-        batch = await run_job(
-            request, prepared.job, deadline=deadline_for(prepared.timeout_ms, settings,
-                                                         started=started)
-        )  # fmt: skip
+        batch = await run_job(request, prepared.job, deadline=deadline)
     except ClientDisconnected:
         return client_closed()
     computed = time.monotonic()
@@ -299,9 +297,7 @@ async def attention(request: Request) -> Response:
         dispatch=max(0.0, wait_ms - batch.queue_ms - outcome.compute_ms),
         encode=(encoded - computed) * 1000.0,
     )
-    return Response(
-        content=content, media_type="application/json", headers={"Server-Timing": timing}
-    )
+    return json_response(content, timing=timing)
 
 
 _ATTENTION_BODY: Final[dict[str, Any]] = {

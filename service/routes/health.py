@@ -37,18 +37,32 @@ def _json(payload: Any) -> Response:
     return Response(content=dumps(payload), media_type="application/json")
 
 
-def _ok(schema: str, description: str) -> dict[str, Any]:
-    return {
-        "description": description,
-        "content": {"application/json": {"schema": json_ref(schema)}},
-    }
+def _ok(schema: str, description: str, example: Any) -> dict[str, Any]:
+    content = {"application/json": {"schema": json_ref(schema), "example": example}}
+    return {"description": description, "content": content}
+
+
+_INFO_EXAMPLE: Final = {
+    "version": "0.1.0",
+    "device": "cpu",
+    "torch_version": "2.13.0+cpu",
+    "dtypes": list(DTYPES),
+    "limits": {
+        "max_body_bytes": 134217728,
+        "max_elements": 67108864,
+        "max_weights_elements": 67108864,
+        "request_timeout_ms": 30000.0,
+    },
+    "batching": {"max_batch_size": 32, "max_batch_delay_ms": 0.0, "max_queue": 1024},
+    "auth": False,
+}
 
 
 @router.get(
     "/healthz",
     operation_id="healthz",
     summary="Liveness",
-    responses={200: _ok("HealthOut", "The process serves HTTP.")},
+    responses={200: _ok("HealthOut", "The process serves HTTP.", {"status": "ok"})},
     tags=["health"],
 )
 async def healthz() -> Response:
@@ -77,7 +91,7 @@ def not_ready_reason(request: Request) -> str | None:
     operation_id="readyz",
     summary="Readiness",
     responses={
-        200: _ok("HealthOut", "Warmed up on the device; accepting work."),
+        200: _ok("HealthOut", "Warmed up on the device; accepting work.", {"status": "ready"}),
         503: problem_doc("Not ready: warming up, or draining on shutdown.", retry_after=True),
     },
     tags=["health"],
@@ -93,7 +107,10 @@ async def readyz(request: Request) -> Response:
     "/v1/info",
     operation_id="info",
     summary="Version, device, limits and batching",
-    responses={200: _ok("InfoOut", "What this server runs and accepts."), 401: UNAUTHORIZED_DOC},
+    responses={
+        200: _ok("InfoOut", "What this server runs and accepts.", _INFO_EXAMPLE),
+        401: UNAUTHORIZED_DOC,
+    },
     tags=["health"],
 )
 async def info(request: Request) -> Response:
