@@ -16,6 +16,10 @@ event loop keeps serving HTTP while the device computes. ``run_batch`` returns o
 exception per item, so one bad item fails alone; if ``run_batch`` itself raises, that is our
 bug: every item of that batch gets the exception (a 500) and the worker lives on.
 
+With ``batch_cost`` and ``max_batch_cost`` a batch is also cut by size: it grows while its
+items' costs add up to at most ``max_batch_cost`` (the engine's cost is the padded score
+matrix; on a CPU its budget is cache-sized), the first item always going.
+
 Grouping and length buckets
 ---------------------------
 The group key comes from the engine (``Engine.group_key``): it covers everything that changes
@@ -43,6 +47,7 @@ import asyncio
 import enum
 import itertools
 import logging
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
@@ -81,19 +86,23 @@ class _State(enum.Enum):
 
 
 class _Pending(Generic[T, R]):
-    __slots__ = ("deadline", "enqueued", "future", "item", "key", "queue_s", "seq", "state")
+    __slots__ = (
+        "cost", "deadline", "enqueued", "future", "item", "key", "queue_s", "seq", "state",
+    )  # fmt: skip
 
     def __init__(
         self,
         *,
         item: T,
         key: Hashable,
+        cost: float,
         seq: int,
         deadline: float,
         future: asyncio.Future[BatchResult[R]],
     ) -> None:
         self.item = item
         self.key = key
+        self.cost = cost
         self.seq = seq
         self.deadline = deadline
         self.enqueued = time.monotonic()
@@ -114,6 +123,8 @@ class DynamicBatcher(Generic[T, R]):
         max_batch_delay_s: float,
         max_queue: int,
         metrics: Metrics | None = None,
+        batch_cost: Callable[[T], float] | None = None,
+        max_batch_cost: float | None = None,
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
@@ -127,6 +138,11 @@ class DynamicBatcher(Generic[T, R]):
         self._max_batch_delay_s = max_batch_delay_s
         self._max_queue = max_queue
         self._metrics = metrics
+        # Optional size accounting beyond the count (Ray Serve's batch_size_fn; BentoML #3859:
+        # a count alone lets a batch of large requests exhaust memory): a batch grows while the
+        # sum of its items' costs stays within max_batch_cost; its first item always goes.
+        self._batch_cost = batch_cost
+        self._max_batch_cost = math.inf if max_batch_cost is None else max_batch_cost
 
         # Every queued item in arrival order, and the same items per group (arrival order).
         # OrderedDicts: O(1) removal from the middle (cancel, deadline) and O(1) oldest.
@@ -215,9 +231,10 @@ class DynamicBatcher(Generic[T, R]):
             raise DeadlineExceeded("the request's deadline passed before it was queued")
 
         key = self._group_key(item)
+        cost = 0.0 if self._batch_cost is None else self._batch_cost(item)
         future: asyncio.Future[BatchResult[R]] = asyncio.get_running_loop().create_future()
         pending = _Pending(
-            item=item, key=key, seq=next(self._seq), deadline=deadline, future=future
+            item=item, key=key, cost=cost, seq=next(self._seq), deadline=deadline, future=future
         )
         self._enqueue(pending)
         try:
@@ -279,11 +296,14 @@ class DynamicBatcher(Generic[T, R]):
         key = next(iter(self._queue.values())).key
         now = time.monotonic()
         batch: list[_Pending[T, R]] = []
+        cost = 0.0
         while len(batch) < self._max_batch_size:
             group = self._groups.get(key)
             if not group:
                 break
             pending = next(iter(group.values()))
+            if batch and cost + pending.cost > self._max_batch_cost:
+                break
             self._remove(pending)
             if pending.deadline <= now:
                 self._reject("deadline")
@@ -297,6 +317,7 @@ class DynamicBatcher(Generic[T, R]):
             pending.state = _State.TAKEN
             pending.queue_s = now - pending.enqueued
             batch.append(pending)
+            cost += pending.cost
         return batch
 
     async def _wait_for_batch_to_grow(self) -> None:
@@ -304,7 +325,10 @@ class DynamicBatcher(Generic[T, R]):
         assert self._arrival is not None
         while self._queue and not self._draining:
             oldest = next(iter(self._queue.values()))
-            if len(self._groups[oldest.key]) >= self._max_batch_size:
+            group = self._groups[oldest.key]
+            if len(group) >= self._max_batch_size:
+                return
+            if sum(p.cost for p in group.values()) >= self._max_batch_cost:
                 return
             remaining = oldest.enqueued + self._max_batch_delay_s - time.monotonic()
             if remaining <= 0:

@@ -163,6 +163,38 @@ def test_size_cut_takes_up_to_max_batch_size_in_arrival_order() -> None:
     assert [r.batch_size for r in results] == [1, 3, 3, 3, 3, 3, 3, 1]
 
 
+def test_cost_cut_bounds_a_batch_by_size_and_a_large_item_goes_alone() -> None:
+    """Item 'aN:C' costs C; a batch grows while costs add up to <= 10, first item always."""
+    device = FakeDevice()
+
+    def cost(item: str) -> float:
+        return float(item.split(":")[1]) if ":" in item else 0.0
+
+    async def main() -> None:
+        b = DynamicBatcher(
+            device,
+            group_key=group_of,
+            max_batch_size=8,
+            max_batch_delay_s=0.0,
+            max_queue=64,
+            batch_cost=cost,
+            max_batch_cost=10.0,
+        )
+        first = await held_device(device, b, "x0")
+        items = ["a1:4", "a2:4", "a3:4", "a4:25", "a5:1", "a6:9", "a7:1"]
+        tasks = [submit(b, item) for item in items]
+        await until(lambda: b.depth == len(items))
+        device.release()
+        results = await asyncio.gather(first, *tasks)
+        assert [r.value for r in results] == ["X0", *(i.upper() for i in items)]
+        await b.drain(5)
+
+    run(main())
+    # 4+4 fits, +4 would not; 25 alone is over budget but a batch always takes its first item.
+    assert device.batches == [["x0"], ["a1:4", "a2:4"], ["a3:4"], ["a4:25"], ["a5:1", "a6:9"],
+                              ["a7:1"]]  # fmt: skip
+
+
 def test_batch_delay_lets_a_partial_batch_grow_and_a_full_one_go_at_once() -> None:
     device = FakeDevice()
 

@@ -62,7 +62,7 @@ def solo(job: AttentionJob) -> AttentionResult:
         attn_mask=job.attn_mask,
         scale=job.scale,
         return_weights=job.return_weights,
-        diagnostics=job.diagnostics,  # type: ignore[arg-type]
+        diagnostics=job.diagnostics,
     )
 
 
@@ -397,6 +397,30 @@ def test_memory_cap_splits_a_group_into_sub_batches() -> None:
     one = 4 * 40 * 40 * 4  # bytes of one request's float32 weights [1, 4, 40, 40]
     engine = make_engine(max_batch_score_bytes=2 * one)
     run_and_compare(engine, jobs, expect_calls=3)  # 2 + 2 + 1
+
+
+def test_batch_cost_bounds_the_padded_score_bytes() -> None:
+    """The costs of a group's members add up to at least its padded score matrix's bytes."""
+    gen = torch.Generator().manual_seed(11)
+    engine = make_engine(max_batch_score_bytes=1 << 30)
+    jobs = [make_job(gen, lead, n_q, n_kv) for lead, n_q, n_kv in SHAPES]
+    rows = sum(math.prod(job.q.shape[:-3]) for job in jobs)
+    padded = rows * 4 * max(j.q.shape[-2] for j in jobs) * max(j.k.shape[-2] for j in jobs) * 4
+    assert sum(engine.batch_cost(job) for job in jobs) >= padded
+    assert engine.batch_cost(AnalyzeJob(q=jobs[0].q, k=jobs[0].k)) == 0.0
+
+
+def test_cpu_batches_are_cache_sized_and_big_requests_run_alone() -> None:
+    """On CPU (1 MiB of scores per call): [1, 8, 256, 256] requests (2 MiB each) get a key of
+    their own; [1, 4, 64, 64] ones (64 KiB) share one, and 32 of them run as 2 calls."""
+    gen = torch.Generator().manual_seed(12)
+    engine = make_engine()
+    assert engine.max_batch_cost == 1 << 20
+    big = [make_job(gen, (1,), 256, 256, heads=8, d=8) for _ in range(2)]
+    assert engine.group_key(big[0]) != engine.group_key(big[1])
+    small = [make_job(gen, (1,), 64, 64, d=8) for _ in range(32)]
+    assert len({engine.group_key(job) for job in small}) == 1
+    run_and_compare(engine, small, expect_calls=2)
 
 
 def test_warmup_and_resolve_device() -> None:
