@@ -25,7 +25,9 @@ Plus the one-head 16k targets (N_q = N_kv = 16384, D = 64): fused and chunked+su
 Effective GFLOP/s of attention = 4*B*H*N^2*D / time (two GEMMs).
 
 Targets (issue 2): chunked one-head 16k peak growth <= 256 MiB and time <= 3x fused;
-dense+summary at N=1024, H=8 <= 1.5x bare; fused within 10% of direct SDPA.
+dense+summary at N=1024, H=8 <= 1.5x bare; fused within 10% of direct SDPA. Each ratio is
+measured in its own process with the two calls alternated (A B, B A, ...): the median of the
+per-round ratios, so that load drifting on the shared machine falls on both sides alike.
 The machine is shared (2 cores): torch runs one thread by default (--threads), the load
 average is recorded before and after, and every timing is reported both as wall time and as
 process CPU time (with one thread, CPU time is what the call costs on an idle core and is far
@@ -82,24 +84,20 @@ def _reset_hwm() -> bool:
         return False
 
 
-def run_case(case: dict[str, Any]) -> dict[str, Any]:
-    """Runs in the child: build inputs, measure memory of one call, then time it."""
+def make_fn(kind: str, case: dict[str, Any], info: dict[str, Any]) -> Any:
+    """The callable a case times, on inputs built here (seeded)."""
     import torch
     import torch.nn.functional as F  # noqa: N812
 
     sys.path.insert(0, str(ROOT))
     from sdpa_core import attention
 
-    if case.get("threads"):
-        torch.set_num_threads(int(case["threads"]))
     b, h, n, d = case["b"], case["h"], case["n"], case["d"]
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(b, h, n, d, generator=gen)
     k = torch.randn(b, h, n, d, generator=gen)
     v = torch.randn(b, h, n, d, generator=gen)
     scale = d**-0.5
-    kind = case["kind"]
-    info: dict[str, Any] = {}
 
     if kind == "fused":
 
@@ -144,6 +142,66 @@ def run_case(case: dict[str, Any]) -> dict[str, Any]:
 
     else:
         raise SystemExit(f"unknown kind {kind}")
+    return fn
+
+
+def run_pair(case: dict[str, Any]) -> dict[str, Any]:
+    """Two kinds timed alternately (A B A B ...) in one process, so that the shared machine's
+    load drifts onto both alike; the ratio is the median of per-round ratios."""
+    import torch
+
+    kind_a, kind_b = case["pair"]
+    info: dict[str, Any] = {}
+    fa, fb = make_fn(kind_a, case, info), make_fn(kind_b, case, {})
+    fa()
+    fb()
+    wall: dict[str, list[float]] = {kind_a: [], kind_b: []}
+    cpu: dict[str, list[float]] = {kind_a: [], kind_b: []}
+    budget_end = time.perf_counter() + case["min_time"]
+    rounds = 0
+    # at least `reps` rounds, more (up to 200) while the time budget lasts: small cases get
+    # many rounds, the 16k ones the minimum
+    while rounds < 3 or (rounds < max(case["reps"], 200) and time.perf_counter() < budget_end):
+        for kind, fn in (
+            ((kind_a, fa), (kind_b, fb))
+            if rounds % 2 == 0
+            else (
+                (kind_b, fb),
+                (kind_a, fa),
+            )
+        ):
+            c0 = time.process_time()
+            t0 = time.perf_counter()
+            fn()
+            wall[kind].append(time.perf_counter() - t0)
+            cpu[kind].append(time.process_time() - c0)
+        rounds += 1
+    ratios = [x / y for x, y in zip(wall[kind_a], wall[kind_b], strict=True)]
+    cpu_ratios = [x / y for x, y in zip(cpu[kind_a], cpu[kind_b], strict=True)]
+    return {
+        **case,
+        **info,
+        "rounds": rounds,
+        "median_s": {k: statistics.median(v) for k, v in wall.items()},
+        "cpu_median_s": {k: statistics.median(v) for k, v in cpu.items()},
+        "ratio": statistics.median(ratios),
+        "cpu_ratio": statistics.median(cpu_ratios),
+        "torch_threads": torch.get_num_threads(),
+    }
+
+
+def run_case(case: dict[str, Any]) -> dict[str, Any]:
+    """Runs in the child: build inputs, measure memory of one call, then time it."""
+    import torch
+
+    if case.get("threads"):
+        torch.set_num_threads(int(case["threads"]))
+    if "pair" in case:
+        return run_pair(case)
+    b, h, n, d = case["b"], case["h"], case["n"], case["d"]
+    kind = case["kind"]
+    info: dict[str, Any] = {}
+    fn = make_fn(kind, case, info)
 
     rss_before = _rss_bytes()
     reset = _reset_hwm()
@@ -231,6 +289,12 @@ def main() -> int:
     )
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--min-time", type=float, default=1.0)
+    ap.add_argument(
+        "--pair-time",
+        type=float,
+        default=5.0,
+        help="seconds of alternated rounds per target ratio (at least 3 rounds)",
+    )
     ap.add_argument("--timeout", type=float, default=600.0, help="per case, seconds")
     ap.add_argument("--no-16k-target", action="store_true")
     args = ap.parse_args()
@@ -271,7 +335,6 @@ def main() -> int:
                 f"peak +{res.get('peak_growth_mib', float('nan')):.0f} MiB",
                 flush=True,
             )
-    load_after = os.getloadavg()
 
     def find(kind: str, n: int, heads: int, pool: list[dict[str, Any]]) -> dict[str, Any] | None:
         for r in pool:
@@ -279,35 +342,70 @@ def main() -> int:
                 return r
         return None
 
-    checks: list[dict[str, Any]] = []
+    pairs: list[dict[str, Any]] = []
+    pair_specs: list[tuple[str, str, int, int, str, float]] = []
+    if not args.no_16k_target:
+        pair_specs.append(
+            ("chunked+summary", "fused", 16384, 1, "chunked 16k one head: time <= 3x fused", 3.0)
+        )
+    if 1024 in ns:
+        pair_specs.append(
+            (
+                "dense+summary",
+                "bare",
+                1024,
+                h,
+                f"dense+summary vs bare softmax at N=1024, H={h}: <= 1.5x",
+                1.5,
+            )
+        )
+    for n in ns:
+        pair_specs.append(("fused", "sdpa", n, h, f"fused vs direct SDPA at N={n}: <= 1.10x", 1.1))
+    for kind_a, kind_b, n, heads, target, limit in pair_specs:
+        res = spawn(
+            {
+                **base,
+                "h": heads,
+                "n": n,
+                "pair": [kind_a, kind_b],
+                "kind": "pair",
+                "reps": 3,
+                "min_time": args.pair_time,
+            },
+            args.timeout,
+        )
+        res["target"], res["limit"] = target, limit
+        pairs.append(res)
+        print(
+            f"{target}: {res.get('ratio', float('nan')):.2f}x wall, "
+            f"{res.get('cpu_ratio', float('nan')):.2f}x CPU {res.get('error', '')}",
+            flush=True,
+        )
+    load_after = os.getloadavg()
 
-    def ratio(target: str, a: dict[str, Any], b: dict[str, Any], limit: float) -> None:
+    checks: list[dict[str, Any]] = []
+    for p in pairs:
+        if "error" in p:
+            continue
         checks.append(
             {
-                "target": target,
-                "measured": a["median_s"] / b["median_s"],
-                "measured_cpu": a["cpu_median_s"] / b["cpu_median_s"],
-                "limit": limit,
+                "target": p["target"],
+                "measured": p["ratio"],
+                "measured_cpu": p["cpu_ratio"],
+                "limit": p["limit"],
+                "rounds": p["rounds"],
             }
         )
-
-    f16, c16 = find("fused", 16384, 1, targets), find("chunked+summary", 16384, 1, targets)
-    if f16 and c16:
-        ratio("chunked 16k one head: time <= 3x fused", c16, f16, 3.0)
-        checks.append(
+    c16 = find("chunked+summary", 16384, 1, targets)
+    if c16:
+        checks.insert(
+            1,
             {
                 "target": "chunked 16k one head: peak RSS growth <= 256 MiB",
                 "measured": c16["peak_growth_mib"],
                 "limit": 256.0,
-            }
+            },
         )
-    bare, dense = find("bare", 1024, h, rows), find("dense+summary", 1024, h, rows)
-    if bare and dense:
-        ratio(f"dense+summary vs bare softmax at N=1024, H={h}: <= 1.5x", dense, bare, 1.5)
-    for n in ns:
-        fu, sd = find("fused", n, h, rows), find("sdpa", n, h, rows)
-        if fu and sd:
-            ratio(f"fused vs direct SDPA at N={n}: <= 1.10x", fu, sd, 1.10)
     for c in checks:
         c["ok"] = c["measured"] <= c["limit"]
         if "measured_cpu" in c:
@@ -330,7 +428,10 @@ def main() -> int:
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "core.json").write_text(
-        json.dumps({"meta": meta, "rows": rows, "targets": targets, "checks": checks}, indent=2)
+        json.dumps(
+            {"meta": meta, "rows": rows, "targets": targets, "pairs": pairs, "checks": checks},
+            indent=2,
+        )
     )
     (RESULTS / "core.md").write_text(render_md(meta, rows, targets, checks, ns, h))
     print((RESULTS / "core.md").read_text())
@@ -395,8 +496,9 @@ def render_md(
         out.append("")
     if checks:
         out += [
-            "Target checks (ratios of medians; CPU = process CPU time, the steadier measure on a "
-            "loaded machine when torch runs one thread):",
+            "Target checks: each ratio is measured in one process with the two calls alternated "
+            "(A B, B A, ...), the median of per-round ratios; CPU = process CPU time, the "
+            "steadier measure on a loaded machine when torch runs one thread:",
             "",
             "| target | wall | CPU | limit | ok (wall / CPU) |",
             "|---|---|---|---|---|",

@@ -61,7 +61,7 @@ class AttentionResult:
 
 def weights_nbytes(spec: InputSpec) -> int:
     """Bytes of the B*H*N_q*N_kv weight matrix in the accumulation dtype."""
-    itemsize = torch.empty((), dtype=spec.accum_dtype).element_size()
+    itemsize = spec.accum_dtype.itemsize
     return spec.batch * spec.heads * spec.n_q * spec.n_kv * itemsize
 
 
@@ -123,6 +123,19 @@ _BACKEND_NAMES = {
 }
 
 
+_BACKEND_BY_INDEX: dict[int, str] = {}
+
+
+def _backend_name(choice: int) -> str:
+    if not _BACKEND_BY_INDEX:
+        from torch.nn.attention import SDPBackend
+
+        # a pybind11 enum (not iterable); __members__ maps names to members (torch 2.13)
+        for name, member in SDPBackend.__members__.items():
+            _BACKEND_BY_INDEX[int(member.value)] = _BACKEND_NAMES.get(name, name.lower())
+    return _BACKEND_BY_INDEX.get(choice, str(choice))
+
+
 def _sdpa_backend(
     q4: torch.Tensor,
     k4: torch.Tensor,
@@ -142,9 +155,7 @@ def _sdpa_backend(
         choice = torch._fused_sdp_choice(
             q4, k4, v4, mask, 0.0, is_causal, scale=scale, enable_gqa=enable_gqa
         )
-        from torch.nn.attention import SDPBackend
-
-        return _BACKEND_NAMES.get(SDPBackend(choice).name, SDPBackend(choice).name.lower())
+        return _backend_name(int(choice))
     except Exception:  # a private API: never let it break attention
         return None
 
@@ -305,7 +316,7 @@ def attention(
     )
 
     poisoned: torch.Tensor | None = None
-    if allow_nonfinite and not all(all_finite(x) for x in (q4, k4, v4)):
+    if allow_nonfinite and not all(all_finite(q4, k4, v4)):
         poisoned = _nonfinite_rows(q4, k4, v4, plan)  # [B, H, N_q]
         q4, k4, v4 = _sanitize(q4), _sanitize(k4), _sanitize(v4)
 

@@ -216,7 +216,8 @@ def _attend_batch(
                 else:
                     cnt = torch.full((b, h, tq), float(w), dtype=accum_dtype, device=dev)
                 cnt_safe = cnt.clamp(min=1.0)
-                bmax = torch.maximum(s.amax(-1).abs(), s.amin(-1).abs())  # zeros never win
+                lo, hi = torch.aminmax(s, dim=-1)
+                bmax = torch.maximum(hi.abs(), lo.abs())  # invisible zeros never win
                 shift = (s.sum(-1) / cnt_safe).unsqueeze(-1)  # [B, H, tq, 1]
                 s.sub_(shift)
                 if keep is not None:

@@ -85,8 +85,12 @@ class MaskPlan:
         )
 
     def causal_only_top_left(self) -> bool:
-        """True when the only mask is causal top_left: torch's is_causal can express it."""
-        return self.causal == "top_left" and not self.parts and self.bias is None
+        """True when the only mask is causal aligned top-left (bottom_right with N_q = N_kv
+        is the same mask): torch's is_causal expresses it without materializing a mask."""
+        aligned = self.causal == "top_left" or (
+            self.causal == "bottom_right" and self.n_q == self.n_kv
+        )
+        return aligned and not self.parts and self.bias is None
 
 
 def _tile(x: torch.Tensor, q0: int, q1: int, k0: int, k1: int) -> torch.Tensor:
