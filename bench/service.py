@@ -18,7 +18,10 @@ keep-alive httpx client:
 - the same for a no-op FastAPI endpoint (defined below, run by the same uvicorn) that reads the
   same request bytes and answers a tiny JSON object ("no-op"), and one that answers a body as
   large as the service's response ("no-op, same reply size");
-- in-process compute: sdpa_core.attention on the same tensors in this process (p50).
+- in-process compute: sdpa_core.attention on the same tensors in this process (p50), called on
+  a dedicated worker thread as the service's engine does. (On the main thread of a loaded 2-core
+  machine, torch's intra-op threads make small calls 10-40x slower: 8 ms instead of 0.2 ms for
+  the small payload, measured; that would flatter the service.)
 
 Requests to the service, requests to the no-op and in-process compute calls alternate in blocks,
 so drift in the shared machine's load hits all of them alike. Every loop is bounded in count and
@@ -44,6 +47,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -192,9 +196,17 @@ def timed_post(client: httpx.Client, url: str, body: bytes) -> tuple[float, http
 
 
 def timed_compute(compute: Callable[[], object]) -> float:
+    """Milliseconds of one compute() call, timed on the worker thread that runs it."""
     started = time.perf_counter()
     compute()
     return (time.perf_counter() - started) * 1000.0
+
+
+_DEVICE_THREAD = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bench-compute")
+
+
+def on_worker_thread(compute: Callable[[], object]) -> float:
+    return _DEVICE_THREAD.submit(timed_compute, compute).result()
 
 
 def measure_cell(
@@ -217,7 +229,7 @@ def measure_cell(
         for _ in range(3):  # warm-up
             timed_post(client, url, body)
     for _ in range(3):
-        compute()
+        on_worker_thread(compute)
     deadline = time.monotonic() + CELL_SECONDS
     while len(cell.e2e_ms) < count and time.monotonic() < deadline:
         for _ in range(BLOCK):
@@ -231,7 +243,7 @@ def measure_cell(
             cell.noop_same_reply_ms.append(timed_post(client, same_reply, body)[0])
         # In-process compute in the same rhythm, so that it sees the same machine load.
         for _ in range(BLOCK):
-            cell.compute_ms.append(timed_compute(compute))
+            cell.compute_ms.append(on_worker_thread(compute))
     return cell
 
 
@@ -294,7 +306,13 @@ def run(quick: bool) -> dict[str, Any]:
     large, small = results["large"], results["small"]
     large_b64 = large["encodings"]["base64"]
     bound = 1.5 * (large_b64["in_process_compute_p50_ms"] + large_b64["noop_p50_ms"])
-    speedup = large["encodings"]["json"]["e2e_p50_ms"] / large_b64["e2e_p50_ms"]
+    large_json = large["encodings"]["json"]
+    speedup = large_json["e2e_p50_ms"] / large_b64["e2e_p50_ms"]
+    # The same ratio without the compute both pay (the server's own compute phase): what the
+    # encodings cost, which is what the target is about; on a CPU the compute dominates base64.
+    speedup_ex_compute = (large_json["e2e_p50_ms"] - large_json["server_p50_ms"]["compute"]) / (
+        large_b64["e2e_p50_ms"] - large_b64["server_p50_ms"]["compute"]
+    )
     small_over = small["encodings"]["base64"]["over_noop_ms"]
     targets = {
         "large_base64_p50_ms": large_b64["e2e_p50_ms"],
@@ -302,6 +320,7 @@ def run(quick: bool) -> dict[str, Any]:
         "large_base64_ok": large_b64["e2e_p50_ms"] <= bound,
         "large_base64_vs_json_speedup": round(speedup, 2),
         "large_base64_vs_json_ok": speedup >= 10,
+        "large_base64_vs_json_speedup_excluding_compute": round(speedup_ex_compute, 2),
         "small_base64_over_noop_ms": small_over,
         "small_fused": small["encodings"]["base64"]["path"] == "fused",
         "small_over_noop_ok": small_over <= 1.0,
@@ -362,7 +381,8 @@ def to_markdown(report: dict[str, Any]) -> str:
         f"| large base64 p50 ≤ 1.5 × (in-process compute + no-op) | {t['large_base64_p50_ms']:.1f}"
         f" ≤ {t['large_base64_bound_ms']:.1f} | {ok[t['large_base64_ok']]} |",
         f"| large: base64 ≥ 10× faster than JSON lists | {t['large_base64_vs_json_speedup']:.1f}×"
-        f" | {ok[t['large_base64_vs_json_ok']]} |",
+        f" ({t['large_base64_vs_json_speedup_excluding_compute']:.1f}× without the compute both "
+        f"pay) | {ok[t['large_base64_vs_json_ok']]} |",
         f"| small (fused: {t['small_fused']}) base64 p50 ≤ no-op + 1 ms | "
         f"+{t['small_base64_over_noop_ms']:.2f} ms | {ok[t['small_over_noop_ok']]} |",
         "",
