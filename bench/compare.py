@@ -484,8 +484,11 @@ def markdown(cells: Sequence[Cell], opts: Options, meta: dict[str, Any]) -> str:
         "HTTP, no encoding. Its 'client CPU' is the compute itself.",
         "- All systems, the generator and anything else running share this machine's cores "
         f"({meta['cpus']} here): the no-op row is the ceiling of generator + one uvicorn worker, "
-        "and a ⚠ marks a cell with errors (see compare.json). Numbers move by 10-20% between runs "
-        "on a shared machine.",
+        "and a ⚠ marks a cell with errors (see compare.json). 1-minute load average at the "
+        f"start and end of the run: {meta['load_average_before'][0]:.1f} and "
+        f"{meta['load_average_after'][0]:.1f}. On a shared machine single cells move by up to "
+        "2-3× between runs: read the ratios, and re-run on a quiet machine before quoting "
+        "absolute numbers.",
     ]
     return "\n".join(lines) + "\n"
 
@@ -605,6 +608,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     opts.out.mkdir(parents=True, exist_ok=True)
     command = " ".join(["python bench/compare.py", *map(shlex.quote, opts.argv)])
     started = time.perf_counter()
+    load_before = os.getloadavg()
     cells: list[Cell] = []
     infos: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="sdpa-compare-") as tmp:
@@ -619,6 +623,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, "
         f"Python {platform.python_version()}",
         "cpus": os.cpu_count(),
+        "load_average_before": load_before,
         "load_average_after": os.getloadavg(),
         "service_device": (infos.get("service") or infos.get("service_b1") or {}).get("device"),
         "torch_threads": opts.torch_threads,
