@@ -23,7 +23,7 @@ matrix; on a CPU its budget is cache-sized), the first item always going.
 Grouping and length buckets
 ---------------------------
 The group key comes from the engine (``Engine.group_key``): it covers everything that changes
-the math (device, dtype, head dims, head counts, causal alignment, scale, masks kinds, outputs
+the math (device, dtype, head dims, head counts, causal alignment, scale, mask kinds, outputs
 asked for) plus a *length bucket* of N_q and of N_kv. See ``service.engine.length_bucket`` for
 the rule and why it bounds padding waste.
 
@@ -34,7 +34,7 @@ Every accepted item gets exactly one answer: its result, its own exception, Dead
 drain timed out), or nothing at all when its awaiting task was cancelled (the client went
 away; it is dropped before compute if still queued). An item's state moves QUEUED -> TAKEN ->
 DONE or QUEUED -> DROPPED, and only the side that moves it out of QUEUED may answer it, so the
-deadline timer on the awaiting side and the worker can never both answer one item.
+deadline timer, a cancelled client and the worker can never both answer one item.
 
 Retry-After for a full queue is the estimated time to work off the queue: (queued + in flight)
 divided by the recent throughput, an exponentially weighted mean of items per busy second over
