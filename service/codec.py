@@ -188,7 +188,7 @@ def _from_b64(
     spec = _DTYPES[dtype]
     try:
         raw = _b64decode(b64)
-    except (UnicodeEncodeError, binascii.Error):
+    except binascii.Error:
         raise _invalid((*loc, "b64"), "not valid base64 (RFC 4648, with padding)", "b64") from None
     expected = count * spec.wire.itemsize
     if len(raw) != expected:
@@ -210,9 +210,13 @@ def _from_b64(
 def _b64decode(text: str) -> bytearray:
     """Strict base64 (no whitespace, padding required) into a writable buffer, which torch may
     own without a copy (torch.from_numpy warns on read-only memory)."""
+    if not text.isascii():
+        # Checked first: decoders differ in how they refuse other characters (pybase64 1.5
+        # raises a bare ValueError for some), and base64 is ASCII by definition.
+        raise binascii.Error("non-ASCII character")
     if pybase64 is not None:
         return pybase64.b64decode_as_bytearray(text, validate=True)
-    return bytearray(binascii.a2b_base64(text.encode("ascii"), strict_mode=True))
+    return bytearray(binascii.a2b_base64(text, strict_mode=True))
 
 
 def _b64encode(buffer: memoryview) -> str:

@@ -78,6 +78,9 @@ NestedOutput = Annotated[list[Any], WithJsonSchema(NESTED_OUTPUT_SCHEMA)]
 ScalarOrNested = Annotated[Any, WithJsonSchema({"anyOf": [_NUMBER_OR_NULL, NESTED_OUTPUT_SCHEMA]})]
 
 
+B64_PATTERN: Final = r"^(?:[A-Za-z0-9+/]{4})*(?:[A-Za-z0-9+/]{2}==|[A-Za-z0-9+/]{3}=)?$"
+
+
 class _Wire(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, frozen=True)
 
@@ -109,6 +112,9 @@ class WireTensor(_Wire):
     b64: str | None = Field(
         default=None,
         description="Base64 of the little-endian row-major bytes: prod(shape) x itemsize bytes.",
+        # Documented, and enforced by the codec while decoding (a regex over megabytes here
+        # would cost more than the decoding itself).
+        json_schema_extra={"pattern": B64_PATTERN, "contentEncoding": "base64"},
     )
 
     @model_validator(mode="after")

@@ -24,7 +24,7 @@ pytestmark = [pytest.mark.xdist_group("api_server"), pytest.mark.slow]
 # Requests per operation and generation mode. Operations without inputs yield one distinct case
 # and stop early; the bodies of the three POST operations carry the count. Valid-by-schema bodies
 # are cheaper to generate than invalid ones, and reach the compute.
-EXAMPLES = {GenerationMode.POSITIVE: 250, GenerationMode.NEGATIVE: 100}
+EXAMPLES = {GenerationMode.POSITIVE: 270, GenerationMode.NEGATIVE: 70}
 MIN_TOTAL = 1000
 CHECK_NAMES = (
     "not_a_server_error",

@@ -114,6 +114,8 @@ def test_bool_masks_from_b64_and_lists() -> None:
         ({"dtype": "float32", "shape": [2], "b64": "AAAA"}, "float", ("b64",), "needs 8"),
         ({"dtype": "float32", "shape": [1], "b64": "AA$A"}, "float", ("b64",), "base64"),
         ({"dtype": "float32", "shape": [1], "b64": "AACAPw"}, "float", ("b64",), "base64"),
+        ({"dtype": "float32", "shape": [1], "b64": "\U0001f33bAAA"}, "float", ("b64",), "base64"),
+        ({"dtype": "float32", "shape": [1], "b64": "AAC\u00e9"}, "float", ("b64",), "base64"),
         ({"dtype": "float32", "shape": [3], "data": [1.0, 2.0]}, "float", ("shape",), "[2]"),
         ({"dtype": "float32", "data": [["a", "b"]]}, "float", ("data",), "numbers"),
         ({"dtype": "float32", "data": [True, False]}, "float", ("data",), "booleans"),

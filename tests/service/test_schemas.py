@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import base64
+import re
 from typing import Any
 
 import jsonschema  # type: ignore[import-untyped]
@@ -9,6 +11,7 @@ import pytest
 
 from service.errors import InvalidRequest
 from service.schemas import (
+    B64_PATTERN,
     NESTED_INPUT_SCHEMA,
     AnalyzeRequest,
     AttentionRequest,
@@ -138,3 +141,10 @@ def test_request_examples_validate() -> None:
         assert examples
         for example in examples:
             model.model_validate(example)
+
+
+def test_documented_b64_pattern_matches_python_base64() -> None:
+    for raw in (b"", b"a", b"ab", b"abc", bytes(range(256))):
+        assert re.fullmatch(B64_PATTERN, base64.b64encode(raw).decode())
+    for bad in ("AAC", "AA=A", "AA AA", "AAC\u00e9"):
+        assert not re.fullmatch(B64_PATTERN, bad)
