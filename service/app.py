@@ -80,10 +80,14 @@ async def _warm_up(app: FastAPI, engine: Engine) -> None:
 @contextlib.asynccontextmanager
 async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     settings: Settings = app.state.settings
-    engine = Engine(resolve_device(settings.device))
+    engine = Engine(resolve_device(settings.device), metrics=app.state.metrics)
     batcher = DynamicBatcher(
         engine.run_batch,
         group_key=engine.group_key,
+        # The batcher cuts batches by the engine's cost (padded score bytes) as well as by count,
+        # so it never takes more than the engine runs in one call.
+        batch_cost=engine.batch_cost,
+        max_batch_cost=engine.max_batch_cost,
         max_batch_size=settings.max_batch_size,
         max_batch_delay_s=settings.max_batch_delay_ms / 1000.0,
         max_queue=settings.max_queue,
