@@ -31,7 +31,7 @@ from torch.nn.functional import scaled_dot_product_attention
 from sdpa_core.chunked import DEFAULT_BLOCK_SIZE, chunked_attention
 from sdpa_core.dense import dense_attention
 from sdpa_core.diagnostics import Diagnostics, DiagnosticsLevel, RowStats, summarize
-from sdpa_core.errors import LimitError, SdpaError
+from sdpa_core.errors import LimitError, NonFiniteError, SdpaError
 from sdpa_core.masks import MaskPlan, build_mask_plan
 from sdpa_core.shapes import CausalArg, InputSpec, all_finite, to_4d, validate_inputs
 
@@ -234,6 +234,26 @@ def _poison(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return x.masked_fill(m, math.nan)
 
 
+def _check_no_overflow(
+    output: torch.Tensor, row_stats: RowStats | None, *, scale: float, accum_dtype: torch.dtype
+) -> None:
+    """Finite inputs can still overflow: q·k·scale beyond the accumulation dtype's range makes
+    softmax NaN (e.g. q = k = [1e20, 1e20], or scale = 1e38). Refuse the result rather than
+    return NaN; the check is one sum per tensor, like the input check."""
+    checked = [output]
+    if row_stats is not None:
+        checked += [row_stats.entropy, row_stats.max_weight]
+    if all(all_finite(*checked)):
+        return
+    raise NonFiniteError(
+        f"the scaled scores q·k·scale overflow {accum_dtype} although every input is finite; "
+        "reduce the magnitude of q, k or scale",
+        param="scale",
+        expected=f"|q·k·scale| within the range of {accum_dtype}",
+        got=scale,
+    )
+
+
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -365,6 +385,8 @@ def attention(
     if weights4 is not None:
         weights = weights4.to(spec.dtype).reshape(*spec.row_shape, spec.n_kv)
     row_stats = None if rows4 is None else rows4.reshape(spec.row_shape)
+    if not allow_nonfinite:
+        _check_no_overflow(output, row_stats, scale=scale_f, accum_dtype=spec.accum_dtype)
     diag = None
     if row_stats is not None and diagnostics != "none":
         diag = summarize(

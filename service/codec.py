@@ -184,7 +184,12 @@ def _from_b64(
     b64: str, dtype: str, shape: Sequence[int], *, loc: Loc, max_elements: int
 ) -> torch.Tensor:
     count = math.prod(shape)
-    _check_elements(count, loc=(*loc, "shape"), max_elements=max_elements)
+    # Bound the shape's extent, not just its element count: [0, 2**70] holds no element but
+    # numpy cannot even describe it. Zero dimensions count as 1 here; empty tensors are refused
+    # later with their own message.
+    _check_elements(
+        math.prod(max(dim, 1) for dim in shape), loc=(*loc, "shape"), max_elements=max_elements
+    )
     spec = _DTYPES[dtype]
     try:
         raw = _b64decode(b64)

@@ -66,6 +66,15 @@ def _synthetic(syn: Synthetic, settings: Settings) -> tuple[torch.Tensor, torch.
                 f"heads x {name} x d_k = {elements} elements exceed the limit of "
                 f"{settings.max_elements} per tensor (SDPA_MAX_ELEMENTS)",
             )
+    # Refuse work over the score limit before drawing any random numbers (the same limit
+    # prepare_analyze applies to given q and k, checked here first because drawing is costly).
+    scores = syn.heads * syn.n_q * syn.n_k
+    if scores > settings.max_weights_elements:
+        raise over_limit(
+            ("body", "synthetic"),
+            f"heads x n_q x n_k = {scores} scores exceed the limit of "
+            f"{settings.max_weights_elements} (SDPA_MAX_WEIGHTS_ELEMENTS)",
+        )
     q, k = make_synthetic_qk(
         n_q=syn.n_q,
         n_k=syn.n_k,

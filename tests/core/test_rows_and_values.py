@@ -181,6 +181,40 @@ def test_nonfinite_rejected_by_default(name: str) -> None:
 
 
 @pytest.mark.parametrize("path", PATHS)
+def test_finite_inputs_overflowing_the_scores_raise_instead_of_nan(path: str) -> None:
+    # q·k = 2e40 overflows float32 although every input is finite.
+    q = torch.full((1, 1, 2, 2), 1e20)
+    v = torch.tensor([[[[1.0, 2.0], [3.0, 4.0]]]])
+    diagnostics = "none" if path == "fused" else "summary"
+    with pytest.raises(NonFiniteError) as info:
+        attention(q, q, v, path=path, diagnostics=diagnostics)
+    assert info.value.param == "scale"
+    # With allow_nonfinite the caller asked for IEEE semantics: the NaN comes back.
+    out = attention(q, q, v, path=path, diagnostics=diagnostics, allow_nonfinite=True)
+    assert not bool(torch.isfinite(out.output).all())
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_huge_scale_never_returns_nan(path: str) -> None:
+    # Scores 6e38 overflow float32 to +inf; a path may resolve the row or refuse it, never NaN.
+    q = torch.ones(1, 1, 2, 2)
+    k = torch.tensor([[[[1.0, 1.0], [0.0, 0.0]]]])
+    v = torch.tensor([[[[1.0, 2.0], [3.0, 4.0]]]])
+    diagnostics = "none" if path == "fused" else "summary"
+    refused: NonFiniteError | None = None
+    try:
+        out = attention(q, k, v, scale=3e38, path=path, diagnostics=diagnostics)
+    except NonFiniteError as err:
+        refused = err
+    if refused is not None:
+        assert refused.param == "scale"
+    else:
+        assert bool(torch.isfinite(out.output).all())
+        # Key 0 scores +inf, key 1 scores 0: all the weight goes to key 0.
+        torch.testing.assert_close(out.output, v[..., :1, :].expand(1, 1, 2, 2))
+
+
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
 def test_nonfinite_in_masked_keys_does_not_leak(path: str, bad: float) -> None:
     """allow_nonfinite: garbage in padded keys/values never reaches any row
