@@ -230,8 +230,8 @@ def _b64encode(buffer: memoryview) -> str:
     return base64.b64encode(buffer).decode("ascii")
 
 
-def decode_int_list(value: list[Any], *, loc: Loc, max_elements: int) -> torch.Tensor:
-    """key_lengths: a nested list of integers as int64."""
+def decode_int_list(value: list[Any] | int, *, loc: Loc, max_elements: int) -> torch.Tensor:
+    """key_lengths: a nested list of integers (or one integer) as int64."""
     arr = _as_array(value, loc=loc)
     _check_elements(arr.size, loc=loc, max_elements=max_elements)
     kind = arr.dtype.kind

@@ -18,6 +18,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Annotated, Any, Final, Literal, TypeVar
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
@@ -165,13 +166,25 @@ Causal = Annotated[
     ),
 ]
 
+
+def _list_or_integer(value: Any) -> Any:
+    # One error at the field itself rather than one per union member.
+    if isinstance(value, list) or (isinstance(value, int) and not isinstance(value, bool)):
+        return value
+    raise PydanticCustomError(
+        "key_lengths_type", "expected an integer or a nested list of integers"
+    )
+
+
 KeyLengths = Annotated[
-    list[Any],
+    # A bare integer serves a 2-D q (one sequence, one head: key_lengths of shape []).
+    Any,
+    AfterValidator(_list_or_integer),
     WithJsonSchema(
         {
-            **NESTED_INT_SCHEMA,
-            "description": "Valid keys per sequence ([B]) or per head ([B, H]); keys j >= length "
-            "are padding.",
+            "anyOf": [_INTEGER, NESTED_INT_SCHEMA],
+            "description": "Valid keys per sequence ([B]) or per head ([B, H]), or one integer "
+            "for a 2-D q; keys j >= length are padding.",
         }
     ),
 ]

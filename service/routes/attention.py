@@ -78,7 +78,7 @@ class Masks:
 
 
 def decode_masks(
-    key_lengths: list[Any] | None,
+    key_lengths: list[Any] | int | None,
     key_padding_mask: Any,
     attn_mask: Any,
     *,
@@ -282,6 +282,9 @@ async def attention(request: Request) -> Response:
         "request_id": request_id(request),
     }
     out_elements = result.output.numel() + (0 if result.weights is None else result.weights.numel())
+    if result.diagnostics is not None and result.diagnostics.per_row is not None:
+        # "full" adds six per-row tensors [..., H, N_q]; at long N_q they dominate the response.
+        out_elements += 6 * result.diagnostics.per_row.entropy.numel()
     content = await off_loop_if(
         out_elements * 4 > OFFLOAD_BYTES,
         lambda: encode_attention(outcome, encoding=prepared.encoding, meta=meta),

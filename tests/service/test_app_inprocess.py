@@ -77,3 +77,23 @@ def test_openapi_declares_the_keys_when_they_are_on(client: TestClient) -> None:
     info = client.get("/v1/info", headers=KEY).json()
     assert info["auth"] is True
     assert info["limits"]["max_body_bytes"] == 2048
+
+
+def test_a_2d_query_takes_key_lengths_as_one_integer(client: TestClient) -> None:
+    # One query [1, 0] over keys [1, 0], [0, 1]; key_lengths 1 hides key 1, so by hand the
+    # weights are [1, 0] and the output is v[0] = [2, 3].
+    body = {
+        "q": [[1.0, 0.0]],
+        "k": [[1.0, 0.0], [0.0, 1.0]],
+        "v": [[2.0, 3.0], [5.0, 7.0]],
+        "key_lengths": 1,
+        "return_weights": True,
+        "response_encoding": "json",
+    }
+    response = client.post("/v1/attention", json=body, headers=KEY)
+    assert response.status_code == 200, response.text
+    assert response.json()["weights"]["data"] == [[1.0, 0.0]]
+    assert response.json()["output"]["data"] == [[2.0, 3.0]]
+    refused = client.post("/v1/attention", json={**body, "key_lengths": True}, headers=KEY)
+    assert refused.status_code == 422
+    assert all(err["loc"][:2] == ["body", "key_lengths"] for err in refused.json()["errors"])
