@@ -18,7 +18,7 @@ from starlette.responses import Response
 
 from sdpa_core import ScalingReport, make_synthetic_qk, validate_inputs
 from service.cancellation import ClientDisconnected
-from service.codec import decode_tensor, dumps, finite_or_none, loads, wire_dtype_name
+from service.codec import decode_tensor, dumps, finite_or_none, loads
 from service.engine import AnalyzeJob, AnalyzeOutcome
 from service.routes.attention import (
     client_closed,
@@ -26,7 +26,7 @@ from service.routes.attention import (
     decode_masks,
     json_response,
     over_limit,
-    request_id,
+    response_meta,
     run_job,
     server_timing,
 )
@@ -190,14 +190,13 @@ async def analyze(request: Request) -> Response:
         raise TypeError(f"engine returned {type(outcome).__name__} for an analyze job")
     request.state.batch_size = batch.batch_size
     payload = report_json(outcome.report)
-    payload["meta"] = {
-        "device": outcome.device,
-        "dtype": wire_dtype_name(prepared.job.q.dtype),
-        "batch_size": batch.batch_size,
-        "queue_ms": round(batch.queue_ms, 3),
-        "compute_ms": round(outcome.compute_ms, 3),
-        "request_id": request_id(request),
-    }
+    payload["meta"] = response_meta(
+        request,
+        batch,
+        device=outcome.device,
+        dtype=prepared.job.q.dtype,
+        compute_ms=outcome.compute_ms,
+    )
     content = dumps(payload)
     timing = server_timing(
         read=(received - started) * 1000.0,

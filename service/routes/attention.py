@@ -24,6 +24,7 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from sdpa_core import Diagnostics, InputSpec, validate_inputs
+from service.batcher import BatchResult
 from service.cancellation import ClientDisconnected, cancel_on_disconnect
 from service.codec import (
     Decoded,
@@ -123,6 +124,25 @@ async def run_job(request: Request, job: AttentionJob | AnalyzeJob, *, deadline:
     """Submit `job` to the batcher; cancel it if the client disconnects. -> BatchResult."""
     batcher = request.app.state.batcher
     return await cancel_on_disconnect(request, batcher.submit(job, deadline=deadline))
+
+
+def response_meta(
+    request: Request,
+    batch: BatchResult[Any],
+    *,
+    device: str,
+    dtype: torch.dtype,
+    compute_ms: float,
+) -> dict[str, Any]:
+    """The meta fields every computed response carries (DESIGN.md, HTTP API)."""
+    return {
+        "device": device,
+        "dtype": wire_dtype_name(dtype),
+        "batch_size": batch.batch_size,
+        "queue_ms": round(batch.queue_ms, 3),
+        "compute_ms": round(compute_ms, 3),
+        "request_id": request_id(request),
+    }
 
 
 def deadline_for(timeout_ms: float | None, settings: Settings, *, started: float) -> float:
@@ -274,12 +294,13 @@ async def attention(request: Request) -> Response:
     meta = {
         "path": result.path,
         "backend": result.backend,
-        "device": outcome.device,
-        "dtype": wire_dtype_name(prepared.job.q.dtype),
-        "batch_size": batch.batch_size,
-        "queue_ms": round(batch.queue_ms, 3),
-        "compute_ms": round(outcome.compute_ms, 3),
-        "request_id": request_id(request),
+        **response_meta(
+            request,
+            batch,
+            device=outcome.device,
+            dtype=prepared.job.q.dtype,
+            compute_ms=outcome.compute_ms,
+        ),
     }
     out_elements = result.output.numel() + (0 if result.weights is None else result.weights.numel())
     if result.diagnostics is not None and result.diagnostics.per_row is not None:
