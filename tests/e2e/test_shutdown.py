@@ -173,11 +173,10 @@ def test_a_second_signal_exits_at_once(tmp_path: Path) -> None:
         while '"msg": "draining"' not in server.log() and time.monotonic() < deadline:
             time.sleep(0.02)
         server.process.send_signal(signal.SIGINT)
-        # Far less than the queued work needs; the drain would take seconds.
         code = server.process.wait(timeout=30)
         for client in clients:
             client.join(timeout=30)
+    # 130, not the drain's 0: the second signal ended the process. (Whether the held batch was
+    # cut is a race: released by the drain, it computes in milliseconds.)
     assert code == 128 + signal.SIGINT
     assert "second signal" in server.log()
-    # The batch on the device got no answer: the connections were cut.
-    assert any(c.error is not None for c in clients)
