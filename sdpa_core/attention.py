@@ -270,13 +270,16 @@ def attention(
     allow_nonfinite: bool = False,
     path: PathName | str | None = None,
     block_size: int | None = None,
+    check_finite: bool = True,
 ) -> AttentionResult:
     """softmax(q k^T * scale + mask) v with optional weights and diagnostics.
 
     q [..., H, N_q, D], k [..., H_kv, N_kv, D], v [..., H_kv, N_kv, D_v]; see DESIGN.md for
     the mask options. memory_budget_bytes bounds the B*H*N_q*N_kv weight matrix (in the
     accumulation dtype): weights beyond it raise LimitError. path forces a path; block_size
-    is the chunked path's key block (default 512).
+    is the chunked path's key block (default 512). check_finite=False skips the input scan for
+    NaN/Inf when the caller has already checked these tensors (see validate_inputs); a result
+    that overflows is still refused.
     """
     spec = validate_inputs(
         q,
@@ -288,6 +291,7 @@ def attention(
         attn_mask=attn_mask,
         scale=scale,
         allow_nonfinite=allow_nonfinite,
+        check_finite=check_finite,
     )
     if diagnostics not in _LEVELS:
         raise SdpaError(

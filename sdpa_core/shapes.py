@@ -114,7 +114,12 @@ def all_finite(*xs: torch.Tensor) -> list[bool]:
         x.sum(dtype=torch.float32) if x.dtype in (torch.float16, torch.bfloat16) else x.sum()
         for x in xs
     ]
-    fast = torch.stack([s.to(torch.float64) for s in sums]).tolist()  # one host sync
+    if all(s.device.type == "cpu" for s in sums):
+        # No host sync to save on the CPU: reading each sum is cheaper than stacking them
+        # (measured: 8 us instead of 19 us for three [1, 4, 64, 64] tensors).
+        fast = [s.item() for s in sums]
+    else:
+        fast = torch.stack([s.to(torch.float64) for s in sums]).tolist()  # one host sync
     return [
         math.isfinite(val) or bool(torch.isfinite(x).all()) for val, x in zip(fast, xs, strict=True)
     ]
@@ -162,11 +167,15 @@ def validate_inputs(
     attn_mask: torch.Tensor | None = None,
     scale: float | None = None,
     allow_nonfinite: bool = False,
+    check_finite: bool = True,
 ) -> InputSpec:
     """Check q, k, v and every mask option; raise an SdpaError subclass on the first problem.
 
     Shapes: q [..., H, N_q, D], k [..., H_kv, N_kv, D], v [..., H_kv, N_kv, D_v] with the same
     leading dims; a 2-D q is [N_q, D] (one head). H must be a multiple of H_kv (GQA/MQA).
+    check_finite=False skips the scan of q, k, v and a float attn_mask for NaN/Inf (one read
+    of every element), for a caller that has already checked these very tensors (as
+    scipy.linalg's check_finite); the shapes and masks are still checked.
     """
     q = _check_tensor(q, "q")
     k = _check_tensor(k, "k")
@@ -268,7 +277,9 @@ def validate_inputs(
     if key_padding_mask is not None:
         _validate_key_padding_mask(key_padding_mask, q_shape, n_kv, q.device)
     if attn_mask is not None:
-        _validate_attn_mask(attn_mask, q_shape, n_kv, q.dtype, q.device, allow_nonfinite)
+        _validate_attn_mask(
+            attn_mask, q_shape, n_kv, q.dtype, q.device, allow_nonfinite or not check_finite
+        )
 
     if scale is not None:
         if isinstance(scale, bool) or not isinstance(scale, int | float):
@@ -283,7 +294,7 @@ def validate_inputs(
                 "scale must be finite", param="scale", expected="finite float", got=repr(scale)
             )
 
-    if not allow_nonfinite:
+    if check_finite and not allow_nonfinite:
         for name, x, ok in zip(("q", "k", "v"), (q, k, v), all_finite(q, k, v), strict=True):
             _check_finite(x, name, ok)
 

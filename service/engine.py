@@ -79,6 +79,11 @@ class AttentionJob:
     scale: float | None = None
     return_weights: bool = False
     diagnostics: str = "none"  # "none" | "summary" | "full"
+    # What sdpa_core.validate_inputs returned for exactly these tensors and options, when the
+    # caller (the route, to answer 422 before queueing) has run it with the finiteness check.
+    # The engine then trusts it: it neither validates the job again nor has attention() scan
+    # the inputs for NaN/Inf a second time (one read of every element each).
+    checked: InputSpec | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -305,6 +310,8 @@ class Engine:
                 expected='"none", "summary" or "full"',
                 got=repr(job.diagnostics),
             )
+        if job.checked is not None:
+            return job.checked
         return validate_inputs(
             job.q,
             job.k,
@@ -401,6 +408,7 @@ class Engine:
             return_weights=job.return_weights,
             diagnostics=job.diagnostics,
             memory_budget_bytes=self.memory_budget_bytes,
+            check_finite=job.checked is None,
         )
         if dev.type == "cpu":
             return result
@@ -465,6 +473,8 @@ class Engine:
             return_weights=first.return_weights,
             diagnostics=first.diagnostics,
             memory_budget_bytes=self.memory_budget_bytes,
+            # Padding adds only zeros and (float masks) -inf: checked members make a checked batch.
+            check_finite=any(m.job.checked is None for m in batch),
         )
         output = result.output.cpu()  # [B, H, N_q, D_v]
         weights = None if result.weights is None else result.weights.cpu()  # [B, H, N_q, N_kv]

@@ -232,6 +232,7 @@ def prepare_attention(body: bytes, settings: Settings) -> PreparedAttention:
         scale=req.scale,
         return_weights=req.return_weights,
         diagnostics=req.diagnostics,
+        checked=spec,
     )
     return PreparedAttention(
         job=job, encoding=req.response_encoding or q.encoding, timeout_ms=req.timeout_ms

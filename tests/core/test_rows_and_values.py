@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from sdpa_core import NonFiniteError, attention
+from sdpa_core import NonFiniteError, ShapeError, attention
 from tests.core.reference import (
     assert_matches_golden,
     lowp_reference,
@@ -178,6 +178,28 @@ def test_nonfinite_rejected_by_default(name: str) -> None:
     t[name][0, 1, 2, 3] = math.inf
     with pytest.raises(NonFiniteError):
         attention(t["q"], t["k"], t["v"])
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_check_finite_false_skips_only_the_input_scan(path: str) -> None:
+    gen = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(2, 3, 5, 4, generator=gen) for _ in range(3))
+    bias = torch.randn(5, 5, generator=gen)
+    bias[:, 0] = -math.inf
+    diagnostics = "none" if path == "fused" else "summary"
+    options: dict[str, Any] = {"path": path, "diagnostics": diagnostics, "attn_mask": bias}
+    # Finite inputs: the same result, bit for bit, with or without the scan.
+    checked = attention(q, k, v, **options)
+    trusted = attention(q, k, v, check_finite=False, **options)
+    assert torch.equal(checked.output, trusted.output)
+    # The shapes are still checked...
+    with pytest.raises(ShapeError):
+        attention(q, k[..., :3], v, check_finite=False, **options)
+    # ...and a caller that broke its promise still never gets a silent NaN back.
+    q_nan = q.clone()
+    q_nan[0, 1, 2, 3] = math.nan
+    with pytest.raises(NonFiniteError):
+        attention(q_nan, k, v, check_finite=False, **options)
 
 
 @pytest.mark.parametrize("path", PATHS)

@@ -25,6 +25,7 @@ from sdpa_core import (
     analyze_scaling,
     attention,
     summarize,
+    validate_inputs,
 )
 from service.engine import (
     AnalyzeJob,
@@ -218,6 +219,28 @@ def test_mixed_shapes_batched_equal_solo(options: dict[str, Any]) -> None:
     engine = make_engine()
     assert len({engine.group_key(job) for job in jobs}) == 1  # they really share one call
     run_and_compare(engine, jobs, expect_calls=1)
+
+
+@pytest.mark.parametrize("options", [{}, {"diagnostics": "full"}, {"attn_mask": "float"}])
+def test_jobs_checked_by_the_route_give_the_same_results(options: dict[str, Any]) -> None:
+    """The route validates each job (with the NaN/Inf scan) before queueing and hands the
+    engine its InputSpec; the engine trusts it instead of scanning again. Alone and batched,
+    padded or not, the results are those of unchecked jobs."""
+    gen = torch.Generator().manual_seed(12)
+    jobs = [make_job(gen, lead, n_q, n_kv, **options) for lead, n_q, n_kv in SHAPES]
+    checked = [
+        replace(
+            job,
+            checked=validate_inputs(
+                job.q, job.k, job.v, key_lengths=job.key_lengths,
+                key_padding_mask=job.key_padding_mask, attn_mask=job.attn_mask,
+            ),
+        )
+        for job in jobs
+    ]  # fmt: skip
+    engine = make_engine()
+    for batch in (checked, checked[:1]):
+        run_and_compare(engine, batch, expect_calls=None)
 
 
 def test_same_shape_requests_are_stacked_and_equal_solo() -> None:
