@@ -3,15 +3,19 @@
 A client that gives up (a timeout on its side, a closed socket) should not cost device time:
 its request is dropped from the batcher's queue before compute. ASGI tells a handler about a
 disconnect through ``receive()``: once the body was read, the next message is
-``{"type": "http.disconnect"}``, delivered when the connection closes. So the route races its
-awaitable (the batcher's submit) against that message, without polling.
+``{"type": "http.disconnect"}``, delivered when the connection closes. So a watcher task waits
+for that message, without polling, and cancels the handler's own task when it comes.
+
+The work is awaited in the handler's task itself, not in a task of its own: the answer then
+reaches the handler in one event-loop step instead of three (a task per request, and
+asyncio.wait's callbacks, cost a measurable share of a small request's overhead).
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from starlette.requests import Request
 
@@ -34,25 +38,37 @@ async def _wait_for_disconnect(request: Request) -> None:
 async def cancel_on_disconnect(request: Request, awaitable: Awaitable[R]) -> R:
     """Await `awaitable`; if the client disconnects first, cancel it and raise ClientDisconnected.
 
-    Call it after the request body was read. Cancelling the caller cancels the awaitable too.
+    Call it after the request body was read, from the task that serves the request. The
+    awaitable's own cancellation handling (the batcher drops a queued item) runs before
+    ClientDisconnected reaches the caller. A cancellation from anyone else propagates as usual.
     """
-    work: asyncio.Future[R] = asyncio.ensure_future(awaitable)
+    owner = asyncio.current_task()
+    if owner is None:  # not in a task: nothing to cancel, just wait
+        return await awaitable
+    disconnected = False
+    finished = False
+
+    def on_watcher_done(watcher: asyncio.Task[None]) -> None:
+        nonlocal disconnected
+        # `finished`: the callback may run after the work already completed (it was scheduled
+        # in the same loop step); the handler must not be cancelled while it encodes.
+        if finished or watcher.cancelled() or watcher.exception() is not None:
+            # A receive() that failed (not a disconnect) means we cannot watch: just wait.
+            return
+        disconnected = True
+        owner.cancel()
+
     watcher = asyncio.create_task(_wait_for_disconnect(request))
-    racers: set[asyncio.Future[Any]] = {work, watcher}
+    watcher.add_done_callback(on_watcher_done)
     try:
-        await asyncio.wait(racers, return_when=asyncio.FIRST_COMPLETED)
+        return await awaitable
     except asyncio.CancelledError:
-        work.cancel()
-        watcher.cancel()
+        # uncancel() == 0: the only cancellation pending was ours.
+        if disconnected and owner.uncancel() == 0:
+            raise ClientDisconnected(
+                "the client disconnected before the response was ready"
+            ) from None
         raise
-    if work.done():
+    finally:
+        finished = True
         watcher.cancel()
-        return work.result()
-    if watcher.exception() is not None:
-        # receive() failed (not a disconnect): we cannot watch, so just wait for the answer.
-        return await work
-    work.cancel()
-    # Let the cancelled work run its cleanup (the batcher drops a queued item and counts it)
-    # before the route learns about the disconnect.
-    await asyncio.wait({work})
-    raise ClientDisconnected("the client disconnected before the response was ready")
