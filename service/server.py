@@ -32,6 +32,7 @@ from datetime import UTC, datetime
 from types import FrameType
 from typing import Any
 
+import orjson
 import uvicorn
 
 from service.settings import Settings
@@ -61,7 +62,8 @@ class JsonFormatter(logging.Formatter):
             payload.update(fields)
         if record.exc_info:
             payload["exc_info"] = self.formatException(record.exc_info)
-        return json.dumps(payload, default=str, ensure_ascii=False)
+        # orjson: 0.3 us instead of 6 us (json.dumps) for an access-log line, one per request.
+        return orjson.dumps(payload, default=str).decode()
 
 
 def logging_config(level: str) -> dict[str, Any]:
@@ -163,6 +165,13 @@ def serve(settings: Settings) -> int:
 
     log_config = logging_config(settings.log_level)
     logging.config.dictConfig(log_config)
+    # Our JSON lines carry none of these, and the access log writes a record per request: skip
+    # collecting them (the logging HOWTO's "Optimization" table; _srcfile = None spares a stack
+    # walk to find the caller's file and line on every record).
+    logging.logThreads = False
+    logging.logProcesses = False
+    logging.logMultiprocessing = False
+    logging._srcfile = None
     # Python warnings (torch's UserWarnings...) as JSON lines too, not bare text on stderr.
     logging.captureWarnings(True)
     app = create_app(settings)
