@@ -292,7 +292,8 @@ class Engine:
             except Exception as exc:  # the job's own error (SdpaError -> 422)
                 results[index] = exc
                 continue
-            key = self.group_key(job)
+            # A job alone needs no key: it is its own group (and the key costs string work).
+            key = index if len(jobs) == 1 else self.group_key(job)
             groups.setdefault(key, []).append(_Member(index=index, job=job, spec=spec))
 
         for members in groups.values():
