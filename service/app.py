@@ -159,7 +159,10 @@ async def _on_unhandled(request: Request, exc: Exception) -> Response:
     rid = getattr(request.state, "request_id", None)
     logger.exception("unhandled error (request_id=%s)", rid, exc_info=exc)
     detail = "internal server error" + (f"; request id {rid}" if rid else "")
-    return problem_response(status=500, detail=detail)
+    # Starlette runs this handler in ServerErrorMiddleware, outside the access log's send
+    # wrapper: echo the id here, so that the one response an operator must trace carries it.
+    headers = {"X-Request-ID": rid} if isinstance(rid, str) else None
+    return problem_response(status=500, detail=detail, headers=headers)
 
 
 # ---- OpenAPI -------------------------------------------------------------------------------

@@ -54,6 +54,13 @@ def test_an_unhandled_error_is_a_generic_500(client: TestClient) -> None:
     assert problem["detail"].startswith("internal server error")
 
 
+def test_a_500_carries_the_request_id_it_names(client: TestClient) -> None:
+    response = client.get("/test/boom", headers={**KEY, "X-Request-ID": "trace-me-42"})
+    assert response.status_code == 500
+    assert response.headers["x-request-id"] == "trace-me-42"
+    assert response.json()["detail"] == "internal server error; request id trace-me-42"
+
+
 def test_service_errors_keep_their_status_and_headers(client: TestClient) -> None:
     response = client.get("/test/full", headers=KEY)
     assert response.status_code == 503
