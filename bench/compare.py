@@ -477,7 +477,8 @@ def markdown(cells: Sequence[Cell], opts: Options, meta: dict[str, Any]) -> str:
         "the naive app nested JSON lists (the tutorial approach), so the ratio includes the cost "
         "of the JSON encoding. Request bodies, base64 vs JSON: " + ("; ".join(sizes) or "—") + ".",
         "- The naive app computes no diagnostics; the service computes what each preset asks "
-        "(small: summary; medium: weights + summary; large: output only), so it does more work.",
+        "(small and large: output only; medium: weights + summary diagnostics), so on medium it "
+        "does more work.",
         "- The no-op endpoint reads the body and answers as many bytes as the service answers "
         "(padding), but parses, decodes, computes and encodes nothing.",
         "- In-process = sdpa_core.attention() from `concurrency` threads on prepared tensors: no "
