@@ -54,7 +54,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from service.errors import DeadlineExceeded, QueueFull, ShuttingDown
 from service.metrics import Metrics
@@ -161,6 +161,9 @@ class DynamicBatcher(Generic[T, R]):
         self._arrival: asyncio.Event | None = None
         self._worker: asyncio.Task[None] | None = None
         self._executor: ThreadPoolExecutor | None = None
+        # True from the moment a batch is handed to the device thread until run_batch returned
+        # there; written by both threads (a bool assignment is atomic under the GIL).
+        self._device_busy = False
         self._draining = False
         self._items_per_s: float | None = None
 
@@ -175,6 +178,11 @@ class DynamicBatcher(Generic[T, R]):
     def draining(self) -> bool:
         """True once drain() was called: new items are refused."""
         return self._draining
+
+    @property
+    def device_busy(self) -> bool:
+        """True while a batch computes on the device thread (after a drain timed out, too)."""
+        return self._device_busy
 
     @property
     def depth(self) -> int:
@@ -192,6 +200,13 @@ class DynamicBatcher(Generic[T, R]):
         self._arrival = asyncio.Event()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sdpa-device")
         self._worker = asyncio.create_task(self._work(), name="sdpa-batcher")
+
+    async def run_on_device(self, fn: Callable[[], Any]) -> None:
+        """Run fn() on the device thread, in turn with the batches (the warm-up: the device
+        is only ever driven from that one thread)."""
+        if self._executor is None:
+            raise RuntimeError("the batcher is not started")
+        await asyncio.wrap_future(self._executor.submit(fn))
 
     async def drain(self, timeout_s: float) -> None:
         """Refuse new items, finish queued and in-flight work within timeout_s, stop the worker.
@@ -307,7 +322,10 @@ class DynamicBatcher(Generic[T, R]):
             return []
         key = next(iter(self._queue.values())).key
         now = time.monotonic()
+        # The worker's error path answers self._in_flight: should anything below raise, the
+        # items already taken out of the queue are there, not lost with a local list.
         batch: list[_Pending[T, R]] = []
+        self._in_flight = batch
         cost = 0.0
         while len(batch) < self._max_batch_size:
             group = self._groups.get(key)
@@ -361,7 +379,6 @@ class DynamicBatcher(Generic[T, R]):
                 if self._max_batch_delay_s > 0:
                     await self._wait_for_batch_to_grow()
                 batch = self._take_batch()
-                self._in_flight = batch
                 if batch:
                     await self._execute(batch)
             except asyncio.CancelledError:
@@ -398,14 +415,20 @@ class DynamicBatcher(Generic[T, R]):
                     )
             except BaseException as exc:  # run_batch itself failed: our bug, a 500 for each item
                 # BaseException too: whatever escaped here would leave the batch unanswered and
-                # the worker waiting forever.
+                # the worker waiting forever. Handed to the awaiting tasks, a KeyboardInterrupt
+                # or SystemExit would stop the event loop and a CancelledError would pass for a
+                # cancellation: those travel wrapped.
                 logger.exception("run_batch failed for a batch of %d", len(batch))
-                results = [exc] * len(batch)
+                error = exc if isinstance(exc, Exception) else RuntimeError(f"run_batch: {exc!r}")
+                results = [error] * len(batch)
+            finally:
+                self._device_busy = False
             seconds = time.perf_counter() - started
             # RuntimeError: the loop is closed, nobody is left to answer.
             with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(self._answer_batch, batch, results, seconds, device_done)
 
+        self._device_busy = True
         self._executor.submit(on_device)
         try:
             await device_done
@@ -434,20 +457,26 @@ class DynamicBatcher(Generic[T, R]):
         device_done: asyncio.Future[None],
     ) -> None:
         """On the loop, once the device finished a batch: answer its items, free the worker."""
-        self._note_throughput(len(batch), seconds)
-        for pending, result in zip(batch, results, strict=True):
-            if pending.state is not _State.TAKEN:
-                continue  # answered already (ShuttingDown after a drain timeout)
-            if isinstance(result, BaseException):
-                self._answer_error(pending, result)
-            else:
-                pending.state = _State.DONE
-                if not pending.future.done():
-                    pending.future.set_result(
-                        BatchResult(
-                            value=result, batch_size=len(batch), queue_ms=pending.queue_s * 1e3
+        try:
+            self._note_throughput(len(batch), seconds)
+            for pending, result in zip(batch, results, strict=True):
+                if pending.state is not _State.TAKEN:
+                    continue  # answered already (ShuttingDown after a drain timeout)
+                if isinstance(result, BaseException):
+                    self._answer_error(pending, result)
+                else:
+                    pending.state = _State.DONE
+                    if not pending.future.done():
+                        pending.future.set_result(
+                            BatchResult(
+                                value=result, batch_size=len(batch), queue_ms=pending.queue_s * 1e3
+                            )
                         )
-                    )
+        except Exception as exc:  # a bug of ours; the worker must go on all the same
+            # _execute raises it, and the worker's error path answers what is left unanswered.
+            if not device_done.done():
+                device_done.set_exception(exc)
+            return
         if not device_done.done():
             device_done.set_result(None)
 

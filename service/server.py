@@ -6,7 +6,9 @@ Shutdown sequence on the first SIGTERM or SIGINT:
    503 + Retry-After (ShuttingDown); queued and in-flight work finishes within the timeout.
 2. When the drain returns, uvicorn is told to exit (should_exit): it closes the listening socket,
    lets open responses finish (at most RESPONSE_FLUSH_TIMEOUT_S), runs the lifespan shutdown
-   and serve() returns 0.
+   and serve() returns 0. If the drain timed out with a batch still computing (its requests
+   got 503), the process exits at once instead (os._exit(0)): the interpreter would otherwise
+   join the device thread and wait for that batch, without bound if a kernel hangs.
 A second signal exits at once (exit code 128 + signal number), without waiting for anything.
 
 Worst case from the first signal to the exit: drain_timeout_s + RESPONSE_FLUSH_TIMEOUT_S plus
@@ -196,4 +198,12 @@ def serve(settings: Settings) -> int:
         return code if isinstance(code, int) else 1
     if not server.started:
         return 1
+    batcher = getattr(app.state, "batcher", None)
+    if batcher is not None and batcher.device_busy:
+        # The drain timed out with a batch still computing (its requests were answered 503).
+        # The interpreter would join the device thread at exit and wait for that batch, for
+        # ever if a kernel hangs: leave without it, as the shutdown bound above promises.
+        logger.warning("exiting with a batch still on the device (the drain timed out)")
+        logging.shutdown()
+        os._exit(0)
     return 0

@@ -195,3 +195,31 @@ def test_a_second_signal_exits_at_once(tmp_path: Path) -> None:
     # cut is a race: released by the drain, it computes in milliseconds.)
     assert code == 128 + signal.SIGINT
     assert "second signal" in server.log()
+
+
+def test_a_drain_that_times_out_exits_without_waiting_for_the_device(tmp_path: Path) -> None:
+    # One request of about 90 s of CPU (chunked path: the cost grows as N^2; 1.4 s at N = 16384
+    # on this project's 2-core machine), a 1 s drain timeout. The process must not wait for
+    # the batch: its request gets 503 and the process exits long before the batch could end.
+    n = 131072
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((1, n, 1)).astype(np.float32) for _ in range(3))
+    body = {"q": _tensor(q), "k": _tensor(k), "v": _tensor(v), "diagnostics": "summary"}
+    with live_server({"SDPA_DRAIN_TIMEOUT_S": "1"}, tmp_path=tmp_path) as server:
+        client = _Client(server.url, body)
+        client.start()
+        _wait_until_admitted(server, 1)
+        signalled = time.monotonic()
+        server.process.send_signal(signal.SIGTERM)
+        code = server.process.wait(timeout=60)
+        exited_after_s = time.monotonic() - signalled
+        client.join(timeout=30)
+    assert code == 0
+    # drain (1 s) + response flush (at most 5 s) + start-up slack, against ~90 s of compute.
+    assert exited_after_s < 45, f"exit took {exited_after_s:.1f} s: it waited for the batch"
+    assert client.response is not None, client.error
+    assert client.response.status_code == 503
+    assert client.response.headers["content-type"] == "application/problem+json"
+    assert "exiting with a batch still on the device (the drain timed out)" in _log_messages(
+        server.log()
+    )

@@ -35,7 +35,8 @@ class ItemError(Exception):
 
 class FakeDevice:
     """run_batch for string items: 'name' -> 'NAME'; 'err:*' items fail alone; 'block' holds
-    the device until release(); 'boom' makes the whole call raise."""
+    the device until release(); 'boom' makes the whole call raise, 'interrupt' raise a
+    KeyboardInterrupt (a BaseException that is not an Exception)."""
 
     def __init__(self) -> None:
         self.batches: list[list[str]] = []
@@ -63,6 +64,8 @@ class FakeDevice:
             raise RuntimeError("test gate never released")
         if "boom" in items:
             raise RuntimeError("run_batch itself failed")
+        if "interrupt" in items:
+            raise KeyboardInterrupt
         return [ItemError(item) if item.startswith("err:") else item.upper() for item in items]
 
     def computed(self) -> list[str]:
@@ -296,6 +299,79 @@ def test_run_batch_raising_fails_that_batch_and_the_worker_lives_on() -> None:
     assert later.value == "D1"
 
 
+def test_a_base_exception_from_run_batch_reaches_the_items_wrapped() -> None:
+    # A KeyboardInterrupt handed to the awaiting tasks as-is would stop the event loop.
+    device = FakeDevice()
+
+    async def main() -> tuple[list[Any], BatchResult[str]]:
+        b = make(device)
+        tasks = [submit(b, "interrupt")]
+        await b.start()
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        later = await b.submit("d1", deadline=deadline_in(FAR))
+        await b.drain(5)
+        return results, later
+
+    results, later = run(main())
+    assert type(results[0]) is RuntimeError
+    assert "KeyboardInterrupt" in str(results[0])
+    assert later.value == "D1"
+
+
+def test_a_failure_while_answering_a_batch_still_answers_it_and_the_worker_lives_on() -> None:
+    device = FakeDevice()
+
+    async def main() -> tuple[list[Any], BatchResult[str]]:
+        b = make(device)
+        first = await held_device(device, b, "a0")
+        tasks = [submit(b, item) for item in ("b1", "b2")]
+        await until(lambda: b.depth == 2)
+        failures = iter([RuntimeError("bookkeeping failed")])
+
+        def note_throughput(items: int, seconds: float) -> None:
+            failure = next(failures, None)
+            if failure is not None:
+                raise failure
+
+        b._note_throughput = note_throughput  # type: ignore[method-assign]  # fault injection
+        device.release()
+        results = await asyncio.gather(first, *tasks, return_exceptions=True)
+        later = await b.submit("c1", deadline=deadline_in(FAR))
+        await b.drain(5)
+        return results, later
+
+    results, later = run(main())
+    # The first batch's answering failed: its item gets that error (a 500), once; the next
+    # batch and the next request are served as usual.
+    assert isinstance(results[0], RuntimeError)
+    assert str(results[0]) == "bookkeeping failed"
+    assert [r.value for r in results[1:]] == ["B1", "B2"]
+    assert later.value == "C1"
+
+
+def test_warm_up_work_runs_on_the_device_thread_and_device_busy_tracks_batches() -> None:
+    threads: list[int] = []
+
+    def device(items: Sequence[str]) -> list[str | BaseException]:
+        threads.append(threading.get_ident())
+        return [item.upper() for item in items]
+
+    async def main() -> tuple[bool, bool]:
+        b = make(device)
+        await b.start()
+        await b.run_on_device(lambda: threads.append(threading.get_ident()))
+        await b.submit("a1", deadline=deadline_in(FAR))
+        idle_after = b.device_busy
+        await b.drain(5)
+        return idle_after, b.device_busy
+
+    idle_after, idle_at_end = run(main())
+    assert len(threads) == 2
+    assert threads[0] == threads[1] != threading.get_ident()
+    assert idle_after is False
+    assert idle_at_end is False
+
+
 def test_deadline_passed_while_queued_is_504_and_never_computed() -> None:
     device = FakeDevice()
     metrics = Metrics()
@@ -499,8 +575,11 @@ def test_drain_timeout_answers_queued_and_in_flight_with_shutting_down() -> None
         await until(lambda: b.depth == 3)
         await b.drain(0.05)
         assert not b.running
+        # The batch still computes: service.server exits without waiting for it.
+        assert b.device_busy
         results = await asyncio.gather(first, *queued, return_exceptions=True)
         device.release()  # let the device thread finish in the background
+        await until(lambda: not b.device_busy)
         return results
 
     results = run(main())
