@@ -54,7 +54,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Generic, TypeVar
 
 from service.errors import DeadlineExceeded, QueueFull, ShuttingDown
 from service.metrics import Metrics
@@ -200,13 +200,6 @@ class DynamicBatcher(Generic[T, R]):
         self._arrival = asyncio.Event()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sdpa-device")
         self._worker = asyncio.create_task(self._work(), name="sdpa-batcher")
-
-    async def run_on_device(self, fn: Callable[[], Any]) -> None:
-        """Run fn() on the device thread, in turn with the batches (the warm-up: the device
-        is only ever driven from that one thread)."""
-        if self._executor is None:
-            raise RuntimeError("the batcher is not started")
-        await asyncio.wrap_future(self._executor.submit(fn))
 
     async def drain(self, timeout_s: float) -> None:
         """Refuse new items, finish queued and in-flight work within timeout_s, stop the worker.

@@ -349,25 +349,22 @@ def test_a_failure_while_answering_a_batch_still_answers_it_and_the_worker_lives
     assert later.value == "C1"
 
 
-def test_warm_up_work_runs_on_the_device_thread_and_device_busy_tracks_batches() -> None:
-    threads: list[int] = []
+def test_device_busy_holds_while_a_batch_computes() -> None:
+    device = FakeDevice()
 
-    def device(items: Sequence[str]) -> list[str | BaseException]:
-        threads.append(threading.get_ident())
-        return [item.upper() for item in items]
-
-    async def main() -> tuple[bool, bool]:
+    async def main() -> tuple[bool, bool, bool]:
         b = make(device)
-        await b.start()
-        await b.run_on_device(lambda: threads.append(threading.get_ident()))
-        await b.submit("a1", deadline=deadline_in(FAR))
+        assert not b.device_busy
+        first = await held_device(device, b, "a0")
+        busy = b.device_busy
+        device.release()
+        await first
         idle_after = b.device_busy
         await b.drain(5)
-        return idle_after, b.device_busy
+        return busy, idle_after, b.device_busy
 
-    idle_after, idle_at_end = run(main())
-    assert len(threads) == 2
-    assert threads[0] == threads[1] != threading.get_ident()
+    busy, idle_after, idle_at_end = run(main())
+    assert busy is True
     assert idle_after is False
     assert idle_at_end is False
 
