@@ -19,7 +19,6 @@ from collections.abc import AsyncIterator
 from importlib import metadata
 from typing import Any
 
-import anyio.to_thread
 import torch
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -64,10 +63,10 @@ def _version() -> str:
 # ---- lifespan ------------------------------------------------------------------------------
 
 
-async def _warm_up(app: FastAPI, engine: Engine) -> None:
-    """One real attention call on the device, off the loop; /readyz turns 200 after it."""
+async def _warm_up(app: FastAPI, engine: Engine, batcher: DynamicBatcher[Any, Any]) -> None:
+    """One real attention call on the device thread; /readyz turns 200 after it."""
     try:
-        await anyio.to_thread.run_sync(engine.warmup)
+        await batcher.run_on_device(engine.warmup)
     except Exception as exc:
         # Stay alive (liveness) but never ready: the log says why.
         logger.exception("warm-up on %s failed", engine.device)
@@ -97,7 +96,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     app.state.batcher = batcher
     await batcher.start()
     # Warm-up runs beside serving, so liveness answers at once and readiness tells the truth.
-    warm_up = asyncio.create_task(_warm_up(app, engine))
+    warm_up = asyncio.create_task(_warm_up(app, engine, batcher))
     try:
         yield
     finally:

@@ -369,6 +369,25 @@ def test_device_busy_holds_while_a_batch_computes() -> None:
     assert idle_at_end is False
 
 
+def test_run_on_device_uses_the_thread_that_runs_the_batches() -> None:
+    threads: list[int] = []
+
+    def device(items: Sequence[str]) -> list[str | BaseException]:
+        threads.append(threading.get_ident())
+        return [item.upper() for item in items]
+
+    async def main() -> None:
+        b = make(device)
+        await b.start()
+        await b.run_on_device(lambda: threads.append(threading.get_ident()))
+        await b.submit("a1", deadline=deadline_in(FAR))
+        await b.drain(5)
+
+    run(main())
+    assert len(threads) == 2
+    assert threads[0] == threads[1] != threading.get_ident()
+
+
 def test_deadline_passed_while_queued_is_504_and_never_computed() -> None:
     device = FakeDevice()
     metrics = Metrics()
