@@ -2,19 +2,37 @@
 
 from __future__ import annotations
 
+import re
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Final, Literal
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 MiB = 1024 * 1024
+# An API key travels in a header (Authorization: Bearer <key>, or X-API-Key), which the server
+# reads as Latin-1 while the configured key is UTF-8: only printable ASCII reads the same both
+# ways. A key outside it could never match what a client sends, so it fails start-up instead.
+_API_KEY: Final = re.compile(r"[\x20-\x7e]+")
+
+
+def _check_api_keys(keys: Iterable[str], *, source: str) -> None:
+    for number, key in enumerate(keys, start=1):
+        if not _API_KEY.fullmatch(key):
+            # The key itself is a secret: say which one by position only.
+            raise ValueError(
+                f"{source}: key #{number} holds a character other than printable ASCII (0x20-0x7E)"
+            )
 
 
 class Settings(BaseSettings):
     """Every knob of the service. Bounds are validated: a bad value fails start-up."""
 
-    model_config = SettingsConfigDict(env_prefix="SDPA_", extra="forbid", frozen=True)
+    # hide_input_in_errors: a start-up error must not print SDPA_API_KEYS back.
+    model_config = SettingsConfigDict(
+        env_prefix="SDPA_", extra="forbid", frozen=True, hide_input_in_errors=True
+    )
 
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)
@@ -50,12 +68,32 @@ class Settings(BaseSettings):
             return tuple(key.strip() for key in value.split(",") if key.strip())
         return value
 
+    @field_validator("api_keys")
+    @classmethod
+    def _visible_ascii_api_keys(cls, value: tuple[SecretStr, ...]) -> tuple[SecretStr, ...]:
+        _check_api_keys((key.get_secret_value() for key in value), source="SDPA_API_KEYS")
+        return value
+
+    @model_validator(mode="after")
+    def _api_keys_file_is_usable(self) -> Settings:
+        self._file_api_keys()  # read and checked now, so that a bad file fails start-up
+        return self
+
+    def _file_api_keys(self) -> list[str]:
+        if self.api_keys_file is None:
+            return []
+        try:
+            text = self.api_keys_file.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            msg = f"SDPA_API_KEYS_FILE: cannot read {self.api_keys_file}: {exc}"
+            raise ValueError(msg) from None
+        keys = [line.strip() for line in text.splitlines()]
+        keys = [key for key in keys if key and not key.startswith("#")]
+        _check_api_keys(keys, source=f"SDPA_API_KEYS_FILE ({self.api_keys_file})")
+        return keys
+
     def resolved_api_keys(self) -> frozenset[str]:
         """All configured keys: SDPA_API_KEYS plus the lines of SDPA_API_KEYS_FILE."""
         keys = {key.get_secret_value() for key in self.api_keys}
-        if self.api_keys_file is not None:
-            for line in self.api_keys_file.read_text(encoding="utf-8").splitlines():
-                line = line.strip()
-                if line and not line.startswith("#"):
-                    keys.add(line)
+        keys.update(self._file_api_keys())
         return frozenset(keys)

@@ -8,6 +8,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
 import torch
@@ -53,6 +54,39 @@ def test_serve_with_a_bad_setting_exits_2_without_serving(
     monkeypatch.setenv("SDPA_MAX_BATCH_SIZE", "0")
     assert main(["serve", "--port", str(free_port())]) == 2
     assert "max_batch_size" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("where", "secret"),
+    [("env", "good-key,clé-secrète"), ("file", "# comment\ngood-key\nclé-secrète\n")],
+)
+def test_serve_refuses_an_api_key_no_client_could_send_without_printing_it(
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    where: str,
+    secret: str,
+) -> None:
+    # The server reads header values as Latin-1 and keys are UTF-8: "é" could never match.
+    if where == "env":
+        monkeypatch.setenv("SDPA_API_KEYS", secret)
+    else:
+        key_file = tmp_path / "keys"
+        key_file.write_text(secret, encoding="utf-8")
+        monkeypatch.setenv("SDPA_API_KEYS_FILE", str(key_file))
+    assert main(["serve", "--port", str(free_port())]) == 2
+    err = capsys.readouterr().err
+    assert "key #2 holds a character other than printable ASCII" in err
+    assert "secr" not in err  # neither the key nor the keys beside it
+    assert "good-key" not in err
+
+
+def test_serve_refuses_an_unreadable_api_keys_file(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    monkeypatch.setenv("SDPA_API_KEYS_FILE", str(tmp_path / "missing"))
+    assert main(["serve", "--port", str(free_port())]) == 2
+    assert "SDPA_API_KEYS_FILE: cannot read" in capsys.readouterr().err
 
 
 # --- healthcheck ------------------------------------------------------------------------------
