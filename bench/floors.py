@@ -23,7 +23,6 @@ Writes bench/results/floors.json and bench/results/floors.md.
 from __future__ import annotations
 
 import asyncio
-import base64
 import json
 import os
 import platform
@@ -40,29 +39,24 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:  # run as a script: make `service` importable
     sys.path.insert(0, str(REPO_ROOT))
 
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import uvloop  # noqa: E402
 
 from sdpa_core import attention  # noqa: E402
+from service.loadtest import PRESETS  # noqa: E402
 from service.routes.attention import prepare_attention  # noqa: E402
 from service.settings import Settings  # noqa: E402
 
 RESULTS = REPO_ROOT / "bench" / "results"
-SHAPE = (1, 4, 64, 64)
 CALLS = 1500
 PAUSE_S = 0.002
 
 
 def small_body() -> tuple[bytes, list[torch.Tensor]]:
-    rng = np.random.default_rng(0)
-    arrays = [rng.standard_normal(SHAPE, dtype=np.float32) for _ in range(3)]
-    wire = {
-        name: {"dtype": "float32", "shape": list(SHAPE), "b64": base64.b64encode(a).decode()}
-        for name, a in zip("qkv", arrays, strict=True)
-    }
-    body = json.dumps({**wire, "diagnostics": "none", "response_encoding": "base64"}).encode()
-    return body, [torch.from_numpy(a) for a in arrays]
+    """The small payload as sdpa-loadtest and bench/service.py send it, and its tensors."""
+    preset = PRESETS["small"]
+    body = json.dumps(preset.request(encoding="base64")).encode()
+    return body, [torch.from_numpy(a) for a in preset.arrays()]
 
 
 def p50_us(call: Callable[[], object], *, pause_s: float) -> float:
@@ -134,7 +128,7 @@ def run() -> dict[str, Any]:
             "torch_threads": torch.get_num_threads(),
             "load_average": os.getloadavg()[0],
         },
-        "shape": list(SHAPE),
+        "shape": list(PRESETS["small"].shape),
         "calls": CALLS,
         "pause_ms": PAUSE_S * 1e3,
         "p50_us": {k: {n: round(x, 1) for n, x in v.items()} for k, v in figures.items()},

@@ -393,8 +393,7 @@ class DynamicBatcher(Generic[T, R]):
     async def _execute(self, batch: list[_Pending[T, R]]) -> None:
         assert self._executor is not None
         loop = asyncio.get_running_loop()
-        items = [pending.item for pending in batch]
-        self._in_flight = batch
+        items = [pending.item for pending in batch]  # batch is self._in_flight (_take_batch)
         if self._metrics is not None:
             self._metrics.batch_size.observe(len(batch))
             for pending in batch:

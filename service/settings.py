@@ -7,7 +7,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Annotated, Final, Literal
 
-from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic import Field, PrivateAttr, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 MiB = 1024 * 1024
@@ -74,14 +74,17 @@ class Settings(BaseSettings):
         _check_api_keys((key.get_secret_value() for key in value), source="SDPA_API_KEYS")
         return value
 
+    # The keys of api_keys_file, read and checked once, when the settings are validated.
+    _file_keys: tuple[str, ...] = PrivateAttr(default=())
+
     @model_validator(mode="after")
     def _api_keys_file_is_usable(self) -> Settings:
-        self._file_api_keys()  # read and checked now, so that a bad file fails start-up
+        self._file_keys = self._read_api_keys_file()  # a bad file fails start-up
         return self
 
-    def _file_api_keys(self) -> list[str]:
+    def _read_api_keys_file(self) -> tuple[str, ...]:
         if self.api_keys_file is None:
-            return []
+            return ()
         try:
             text = self.api_keys_file.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as exc:
@@ -90,10 +93,10 @@ class Settings(BaseSettings):
         keys = [line.strip() for line in text.splitlines()]
         keys = [key for key in keys if key and not key.startswith("#")]
         _check_api_keys(keys, source=f"SDPA_API_KEYS_FILE ({self.api_keys_file})")
-        return keys
+        return tuple(keys)
 
     def resolved_api_keys(self) -> frozenset[str]:
         """All configured keys: SDPA_API_KEYS plus the lines of SDPA_API_KEYS_FILE."""
         keys = {key.get_secret_value() for key in self.api_keys}
-        keys.update(self._file_api_keys())
+        keys.update(self._file_keys)
         return frozenset(keys)
