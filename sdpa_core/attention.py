@@ -160,45 +160,101 @@ def _sdpa_backend(
         return None
 
 
-def fused_attention(
-    q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, plan: MaskPlan, *, scale: float
+# A mask the kernels cannot express as is_causal (padding, bottom-right causal, attn_mask) is
+# materialized: building it (the causal part, each AND) and torch's SDPA turning the bool mask
+# into a float one of the same shape cost about 3 + itemsize bytes per (query, key) pair, per
+# distinct batch row and head. A
+# whole N_q x N_kv mask would make a request of a few megabytes cost gigabytes (N_q = 8192,
+# N_kv = 16384 with key_lengths: 642 MB, measured). Past this many bytes the queries run in
+# tiles of rows instead (each query row is independent), so the mask is O(tile x N_kv).
+FUSED_MASK_TILE_BYTES = 64 << 20
+
+
+def _mask_rows_per_tile(plan: MaskPlan, itemsize: int, budget_bytes: int) -> int:
+    """Query rows whose materialized mask (the bools, the float copy) fits the budget."""
+    pieces = [*plan.parts, *(() if plan.bias is None else (plan.bias,))]
+    batch = max((p.shape[0] for p in pieces), default=1)
+    heads = max((p.shape[1] for p in pieces), default=1)
+    row_bytes = batch * heads * plan.n_kv * (3 + itemsize)
+    return max(1, budget_bytes // max(row_bytes, 1))
+
+
+def _masked_sdpa(
+    q4: torch.Tensor,
+    k4: torch.Tensor,
+    v4: torch.Tensor,
+    vis: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    *,
+    scale: float,
+    enable_gqa: bool,
+    want_backend: bool,
 ) -> tuple[torch.Tensor, str | None]:
-    """torch SDPA on [B, H, N, D] inputs; fully masked rows forced to 0 on every backend."""
-    enable_gqa = q4.shape[1] != k4.shape[1]
-    mask: torch.Tensor | None = None
-    vis: torch.Tensor | None = None
-    is_causal = False
-    if plan.causal_only_top_left():
-        # is_causal is torch's top-left alignment; it never empties a row, and lets the
-        # kernels skip masked blocks. It is never combined with attn_mask (torch rejects it).
-        is_causal = True
-    elif not plan.is_empty:
-        vis = plan.full()  # bool [B|1, H|1, N_q|1, N_kv]
-        if plan.bias is None:
-            mask = vis
-        elif vis is None:
-            mask = plan.bias
-        else:
-            mask = torch.where(vis, plan.bias, -math.inf)  # bias where visible, -inf elsewhere
+    """SDPA of some query rows under their mask rows; fully masked rows are 0.
+
+    -> (output rows, the backend torch picks for them when want_backend, else None)"""
+    if bias is None:
+        mask = vis
+    elif vis is None:
+        mask = bias
+    else:
+        mask = torch.where(vis, bias, -math.inf)  # bias where visible, -inf elsewhere
     out = scaled_dot_product_attention(
-        q4,
-        k4,
-        v4,
-        attn_mask=mask,
-        dropout_p=0.0,
-        is_causal=is_causal,
-        scale=scale,
-        enable_gqa=enable_gqa,
-    )  # [B, H, N_q, D_v]
+        q4, k4, v4, attn_mask=mask, dropout_p=0.0, scale=scale, enable_gqa=enable_gqa
+    )
     if vis is not None:
-        empty = ~vis.any(-1, keepdim=True)  # [B|1, H|1, N_q|1, 1]
+        empty = ~vis.any(-1, keepdim=True)  # [B|1, H|1, rows|1, 1]
         # torch >= 2.5 already returns 0 here on math / flash / efficient; cuDNN is not
         # covered upstream (kernel-anchors 1.3), so make it a guarantee of ours.
         if bool(empty.any()):
             out = out.masked_fill(empty, 0.0)
-    backend = _sdpa_backend(
-        q4, k4, v4, mask, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa
-    )
+    if not want_backend:
+        return out, None
+    return out, _sdpa_backend(q4, k4, v4, mask, is_causal=False, scale=scale, enable_gqa=enable_gqa)
+
+
+def fused_attention(
+    q4: torch.Tensor,
+    k4: torch.Tensor,
+    v4: torch.Tensor,
+    plan: MaskPlan,
+    *,
+    scale: float,
+) -> tuple[torch.Tensor, str | None]:
+    """torch SDPA on [B, H, N, D] inputs; fully masked rows forced to 0 on every backend.
+
+    A materialized mask larger than FUSED_MASK_TILE_BYTES runs in tiles of query rows."""
+    enable_gqa = q4.shape[1] != k4.shape[1]
+    if plan.is_empty or plan.causal_only_top_left():
+        # is_causal is torch's top-left alignment; it never empties a row, and lets the
+        # kernels skip masked blocks. It is never combined with attn_mask (torch rejects it).
+        is_causal = not plan.is_empty
+        out = scaled_dot_product_attention(
+            q4, k4, v4, dropout_p=0.0, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa
+        )  # [B, H, N_q, D_v]
+        return out, _sdpa_backend(
+            q4, k4, v4, None, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa
+        )
+
+    n_q, n_kv = plan.n_q, plan.n_kv
+    rows = _mask_rows_per_tile(plan, q4.element_size(), FUSED_MASK_TILE_BYTES)
+    if rows >= n_q:
+        return _masked_sdpa(
+            q4, k4, v4, plan.full(), plan.bias_block(0, n_q, 0, n_kv),
+            scale=scale, enable_gqa=enable_gqa, want_backend=True,
+        )  # fmt: skip
+    b, h, _, _ = q4.shape
+    out = torch.empty(b, h, n_q, v4.shape[-1], dtype=q4.dtype, device=q4.device)
+    backend: str | None = None
+    for q0 in range(0, n_q, rows):
+        q1 = min(q0 + rows, n_q)
+        out[:, :, q0:q1], tile_backend = _masked_sdpa(
+            q4[:, :, q0:q1], k4, v4, plan.block(q0, q1, 0, n_kv),
+            plan.bias_block(q0, q1, 0, n_kv), scale=scale, enable_gqa=enable_gqa,
+            want_backend=q0 == 0,
+        )  # fmt: skip
+        if q0 == 0:  # every tile has the same kind of mask: the first one tells the backend
+            backend = tile_backend
     return out, backend
 
 
