@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import enum
 import itertools
 import logging
@@ -77,6 +78,22 @@ class BatchResult(Generic[R]):
     value: R
     batch_size: int
     queue_ms: float
+
+
+def _one_error_each(error: Exception, count: int) -> list[BaseException]:
+    """A copy of `error` per item, each caused by it: one exception object raised in several
+    tasks would gather all their tracebacks (each raise extends __traceback__), and its
+    handlers would log one another's frames. The copies keep the type, so the app still maps
+    it to the same status (a device out-of-memory stays a 503)."""
+    errors: list[BaseException] = []
+    for _ in range(count):
+        try:
+            twin = copy.copy(error)
+        except Exception:  # an exception class whose constructor copy cannot call
+            twin = RuntimeError(f"run_batch failed: {error!r}")
+        twin.__cause__ = error
+        errors.append(twin)
+    return errors
 
 
 def _queued_too_long() -> DeadlineExceeded:
@@ -419,7 +436,7 @@ class DynamicBatcher(Generic[T, R]):
                 # cancellation: those travel wrapped.
                 logger.exception("run_batch failed for a batch of %d", len(batch))
                 error = exc if isinstance(exc, Exception) else RuntimeError(f"run_batch: {exc!r}")
-                results = [error] * len(batch)
+                results = _one_error_each(error, len(batch))
             finally:
                 self._device_busy = False
             seconds = time.perf_counter() - started

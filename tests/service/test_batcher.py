@@ -292,9 +292,16 @@ def test_run_batch_raising_fails_that_batch_and_the_worker_lives_on() -> None:
     results, later = run(main())
     assert device.batches == [["a0"], ["boom", "b1"], ["c1"], ["d1"]]
     assert results[0].value == "A0"
-    # Every item of the failing batch gets the batch's exception; other batches are untouched.
-    assert isinstance(results[1], RuntimeError)
-    assert isinstance(results[2], RuntimeError)
+    # Every item of the failing batch gets the batch's exception, as its own object (raised in
+    # its own task, it collects only its own traceback); other batches are untouched.
+    boom, b1 = results[1], results[2]
+    assert type(boom) is RuntimeError
+    assert type(b1) is RuntimeError
+    assert str(boom) == str(b1) == "run_batch itself failed"
+    assert boom is not b1
+    assert isinstance(boom.__cause__, RuntimeError)
+    assert boom.__cause__ is b1.__cause__
+    assert boom.__cause__ not in (boom, b1)
     assert results[3].value == "C1"
     assert later.value == "D1"
 
