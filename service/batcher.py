@@ -9,7 +9,8 @@ waits for a batch while the device is idle, and no group can starve another: wha
 holds the oldest request runs next. ``max_batch_delay_s`` only bounds an optional wait for a
 partial batch to grow (0, the default, never waits; the wait is counted from the oldest
 request's arrival, so a request that already queued behind a busy device never waits more).
-Nothing polls: the worker sleeps on an ``asyncio.Event`` that every arrival sets.
+Nothing polls: the worker sleeps on an ``asyncio.Event`` that every arrival sets (with a batch
+delay, every departure from the queue too: the oldest item may have changed).
 
 The batch runs ``run_batch`` on a dedicated single-thread executor (the device thread), so the
 event loop keeps serving HTTP while the device computes. ``run_batch`` returns one result or
@@ -320,6 +321,10 @@ class DynamicBatcher(Generic[T, R]):
         if not group:
             del self._groups[pending.key]
         self._set_depth()
+        if self._arrival is not None and self._max_batch_delay_s > 0:
+            # A worker waiting for the oldest item's group to grow must look again: the oldest
+            # may have left (client gone, deadline), and the new oldest group may be full.
+            self._arrival.set()
 
     def _fail_queued(self) -> None:
         for pending in list(self._queue.values()):

@@ -219,6 +219,30 @@ def test_batch_delay_lets_a_partial_batch_grow_and_a_full_one_go_at_once() -> No
     assert {r.batch_size for r in results} == {3}
 
 
+def test_a_full_group_goes_at_once_when_the_oldest_item_it_waited_behind_leaves() -> None:
+    device = FakeDevice()
+
+    async def main() -> list[BatchResult[str]]:
+        # a1 is the oldest, so the worker waits (up to 60 s) for its group to grow; the b group
+        # fills meanwhile. When a1's client goes away, b is the oldest group and full: it must
+        # run at once, not after a1's delay (the test would hit its timeout).
+        b = make(device, max_batch_size=2, max_batch_delay_s=60.0)
+        await b.start()
+        a1 = submit(b, "a1")
+        for _ in range(20):
+            await asyncio.sleep(0)
+        bs = [submit(b, "b1"), submit(b, "b2")]
+        await until(lambda: b.depth == 3)
+        a1.cancel()
+        results = await asyncio.wait_for(asyncio.gather(*bs), timeout=30)
+        await b.drain(5)
+        return list(results)
+
+    results = run(main())
+    assert device.batches == [["b1", "b2"]]
+    assert [r.batch_size for r in results] == [2, 2]
+
+
 def test_batch_delay_is_bounded_for_a_batch_that_never_fills() -> None:
     device = FakeDevice()
 
