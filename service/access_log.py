@@ -9,8 +9,8 @@ For every HTTP request it
   them as one JSON line). Never the body, the query string or any header value but the id:
   tensors and keys cannot reach the log;
 - records sdpa_requests_total{route,status} and sdpa_request_duration_seconds{route}, labelled
-  by the route TEMPLATE (scope["route"].path, set by the router) so that label cardinality
-  stays bounded; requests that match no route are labelled "unmatched".
+  by the route TEMPLATE (scope["route"].path, set by the router; a mounted app's mount path) so
+  that label cardinality stays bounded; requests that match no route are labelled "unmatched".
 """
 
 from __future__ import annotations
@@ -48,10 +48,20 @@ def request_id_from(scope: Scope) -> str:
 
 
 def route_template(scope: Scope) -> str:
-    """The matched route's path template ("/v1/attention"), or "unmatched"."""
+    """The matched route's path template ("/v1/attention"), the path of a mounted app
+    ("/docs-assets"), or "unmatched"."""
     route = scope.get("route")
     path = getattr(route, "path", None)
-    return str(path) if isinstance(path, str) and path else UNMATCHED_ROUTE
+    if isinstance(path, str) and path:
+        return path
+    # A Mount sets no route; it appends its own path to root_path (app_root_path keeps the
+    # server's, e.g. behind a proxy) and names its app as the endpoint.
+    root_path, app_root_path = scope.get("root_path", ""), scope.get("app_root_path")
+    if "endpoint" in scope and isinstance(app_root_path, str) and isinstance(root_path, str):
+        mount = root_path.removeprefix(app_root_path)
+        if mount:
+            return mount
+    return UNMATCHED_ROUTE
 
 
 class AccessLogMiddleware:

@@ -23,6 +23,7 @@ import torch
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
+from fastapi_offline import FastAPIOffline
 from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
@@ -41,6 +42,9 @@ from service.schemas import REQUEST_MODELS, RESPONSE_MODELS, field_errors
 from service.settings import Settings
 
 logger = logging.getLogger("sdpa.app")
+
+# Where the docs pages' scripts and styles are served (GET /docs, GET /redoc use them).
+DOCS_ASSETS = "/docs-assets"
 
 DESCRIPTION = """\
 Scaled dot-product attention as an HTTP service that explains itself: outputs, attention
@@ -203,11 +207,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     metrics = Metrics()
     api_keys = settings.resolved_api_keys()
 
-    app = FastAPI(
+    # A FastAPI app whose /docs and /redoc pages load Swagger UI and ReDoc from this service
+    # (DOCS_ASSETS), not from a CDN: they work on a cluster without internet access.
+    app = FastAPIOffline(
         title="sdpa-service",
         version=_version(),
         description=DESCRIPTION,
         lifespan=_lifespan,
+        static_url=DOCS_ASSETS,
     )
     app.state.settings = settings
     app.state.metrics = metrics

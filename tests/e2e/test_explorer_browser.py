@@ -494,3 +494,40 @@ def test_npy_parser_reads_every_float_layout(
         # C order, exact values.
         expected = np.ascontiguousarray(source).astype(np.float64).ravel()
         np.testing.assert_array_equal(np.asarray(parsed["values"], dtype=np.float64), expected)
+
+
+# ---- the API docs pages (no internet here: a CDN script would never load) ------------------
+
+
+def test_swagger_ui_renders_every_operation_offline(driver: WebDriver, server: LiveServer) -> None:
+    driver.get(f"{server.url}/docs")
+    want = {"/v1/attention", "/attention", "/v1/analyze", "/healthz", "/readyz", "/v1/info"}
+
+    def rendered_paths(d: WebDriver) -> set[str]:
+        found = d.find_elements(By.CSS_SELECTOR, ".opblock-summary-path")
+        return {element.text.strip() for element in found}
+
+    WebDriverWait(driver, RUN_TIMEOUT_S).until(lambda d: rendered_paths(d) >= want)
+    # Open POST /v1/attention: its request body example is the one the service documents.
+    operation = driver.find_element(By.ID, "operations-attention-attention")
+    operation.find_element(By.CSS_SELECTOR, ".opblock-summary").click()
+    example = WebDriverWait(driver, RUN_TIMEOUT_S).until(
+        lambda d: d.find_element(
+            By.CSS_SELECTOR, "#operations-attention-attention .body-param__example"
+        )
+    )
+    body = json.loads(example.text)
+    openapi = httpx.get(f"{server.url}/openapi.json", timeout=30).json()
+    documented = openapi["paths"]["/v1/attention"]["post"]["requestBody"]["content"]
+    assert body == documented["application/json"]["example"]
+
+
+def test_redoc_renders_offline(driver: WebDriver, server: LiveServer) -> None:
+    driver.get(f"{server.url}/redoc")
+    title = WebDriverWait(driver, RUN_TIMEOUT_S).until(
+        lambda d: d.find_element(By.CSS_SELECTOR, "h1")
+    )
+    assert title.text.startswith("sdpa-service")
+    WebDriverWait(driver, RUN_TIMEOUT_S).until(
+        lambda d: "Scaled dot-product attention" in d.find_element(By.TAG_NAME, "body").text
+    )
