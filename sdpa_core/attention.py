@@ -160,23 +160,27 @@ def _sdpa_backend(
         return None
 
 
-# A mask the kernels cannot express as is_causal (padding, bottom-right causal, attn_mask) is
-# materialized: building it (the causal part, each AND) and torch's SDPA turning the bool mask
-# into a float one of the same shape cost about 3 + itemsize bytes per (query, key) pair, per
-# distinct batch row and head. A
-# whole N_q x N_kv mask would make a request of a few megabytes cost gigabytes (N_q = 8192,
-# N_kv = 16384 with key_lengths: 642 MB, measured). Past this many bytes the queries run in
-# tiles of rows instead (each query row is independent), so the mask is O(tile x N_kv).
+# A mask the kernels cannot express as is_causal (bottom-right causal, causal with padding, a
+# per-query attn_mask) is materialized over N_q x N_kv: building it (the causal part, each AND)
+# and torch's SDPA turning the bool mask into a float one of the same shape cost about
+# 3 + itemsize bytes per (query, key) pair, per distinct batch row and head. Whole, it made a
+# request of 1.3 MB cost 642 MB (bottom-right causal with key_lengths, N_q = 8192, N_kv = 16384;
+# measured). Past this many bytes the queries run in tiles of rows instead (each query row is
+# independent), so the mask stays O(tile x N_kv).
 FUSED_MASK_TILE_BYTES = 64 << 20
 
 
 def _mask_rows_per_tile(plan: MaskPlan, itemsize: int, budget_bytes: int) -> int:
-    """Query rows whose materialized mask (the bools, the float copy) fits the budget."""
+    """Query rows whose materialized mask (the bools, the float copy) fits the budget; every
+    row when the mask has no query dimension (padding alone: [B, 1|H, 1, N_kv])."""
     pieces = [*plan.parts, *(() if plan.bias is None else (plan.bias,))]
+    per_query = plan.causal != "none" or any(p.shape[2] != 1 for p in pieces)
+    if not per_query:
+        return plan.n_q
     batch = max((p.shape[0] for p in pieces), default=1)
     heads = max((p.shape[1] for p in pieces), default=1)
     row_bytes = batch * heads * plan.n_kv * (3 + itemsize)
-    return max(1, budget_bytes // max(row_bytes, 1))
+    return max(1, budget_bytes // row_bytes)
 
 
 def _masked_sdpa(

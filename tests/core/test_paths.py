@@ -28,6 +28,8 @@ from tests.core.reference import (
 # The module (sdpa_core re-exports the function under the same name).
 ATTENTION_MODULE = sys.modules["sdpa_core.attention"]
 
+FUSED_BUDGET_DEFAULT = ATTENTION_MODULE.FUSED_MASK_TILE_BYTES
+
 AXES: dict[str, tuple[Any, ...]] = {
     "path": ("fused", "dense", "chunked"),
     "causal": ("none", "top_left", "bottom_right"),
@@ -450,3 +452,38 @@ def test_fused_mask_memory_stays_bounded(tmp_path: Path) -> None:
     )
     grown_mb = int(done.stdout.strip())
     assert grown_mb < 200, f"peak memory grew by {grown_mb} MB"
+
+
+@pytest.mark.parametrize(
+    ("options", "budget", "calls"),
+    [
+        # Padding alone is [B, 1, 1, N_kv]: no query dimension to tile, one call at any budget.
+        ({"key_lengths": [9, 4]}, 1, 1),
+        # Bottom-right causal with padding: 2 x 11 x (3 + 4) = 154 bytes per query row.
+        ({"causal": "bottom_right", "key_lengths": [9, 4]}, 3 * 154, 3),  # rows 0-2, 3-5, 6
+        ({"causal": "bottom_right", "key_lengths": [9, 4]}, FUSED_BUDGET_DEFAULT, 1),
+    ],
+)
+def test_fused_tiles_only_masks_with_a_query_dimension(
+    monkeypatch: pytest.MonkeyPatch, options: dict[str, Any], budget: int, calls: int
+) -> None:
+    """How many SDPA calls the fused path makes: one per query tile, and a single call when the
+    mask is the same for every query row (it is never materialized over N_q)."""
+    real = ATTENTION_MODULE.scaled_dot_product_attention
+    seen: list[int] = []
+
+    def counted(q: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        seen.append(q.shape[-2])
+        return real(q, *args, **kwargs)
+
+    monkeypatch.setattr(ATTENTION_MODULE, "FUSED_MASK_TILE_BYTES", budget)
+    monkeypatch.setattr(ATTENTION_MODULE, "scaled_dot_product_attention", counted)
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 4, 7, 8, generator=gen)
+    k, v = torch.randn(2, 4, 11, 8, generator=gen), torch.randn(2, 4, 11, 8, generator=gen)
+    res = attention(q, k, v, **options)
+    assert res.path == "fused"
+    assert len(seen) == calls
+    assert sum(seen) == 7  # every query row exactly once
+    monkeypatch.undo()
+    torch.testing.assert_close(res.output, attention(q, k, v, **options).output)
