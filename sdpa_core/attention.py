@@ -160,27 +160,54 @@ def _sdpa_backend(
         return None
 
 
-# A mask the kernels cannot express as is_causal (bottom-right causal, causal with padding, a
-# per-query attn_mask) is materialized over N_q x N_kv: building it (the causal part, each AND)
-# and torch's SDPA turning the bool mask into a float one of the same shape cost about
-# 3 + itemsize bytes per (query, key) pair, per distinct batch row and head. Whole, it made a
-# request of 1.3 MB cost 642 MB (bottom-right causal with key_lengths, N_q = 8192, N_kv = 16384;
-# measured). Past this many bytes the queries run in tiles of rows instead (each query row is
-# independent), so the mask stays O(tile x N_kv).
-FUSED_MASK_TILE_BYTES = 64 << 20
+# What one fused call may hold beyond its inputs and output. Two things can grow with
+# N_q x N_kv there:
+# - a mask the kernels cannot take as is_causal (bottom-right causal, causal with padding, a
+#   per-query attn_mask) is materialized: building it (the causal part, each AND), torch turning
+#   the bool mask into a float one and some CUDA kernels padding it cost about 3 + 2 x itemsize
+#   bytes per element of its broadcast shape. Whole, it made a request of 1.3 MB cost 642 MB
+#   (bottom-right causal with key_lengths, N_q = 8192, N_kv = 16384; measured);
+# - when torch falls back to its math kernel (on CPU: GQA with a mask, or D_v != D), the scores
+#   are materialized: about three [B, H, rows, N_kv] tensors (scores, scores + mask, softmax) in
+#   float32 at least (748 MB for D_v = 16, H = 8 in the case above; measured).
+# Past this many bytes the queries run in tiles of rows (each query row is independent).
+FUSED_TILE_BYTES = 64 << 20
+_MATH_SCORE_COPIES = 3
 
 
-def _mask_rows_per_tile(plan: MaskPlan, itemsize: int, budget_bytes: int) -> int:
-    """Query rows whose materialized mask (the bools, the float copy) fits the budget; every
-    row when the mask has no query dimension (padding alone: [B, 1|H, 1, N_kv])."""
+def _mask_bytes_per_row(plan: MaskPlan, itemsize: int) -> int:
+    """Bytes per query row of the mask fused_attention materializes (0 when it has no query
+    dimension, e.g. padding alone: [B, 1|H, 1, N_kv], or when there is none)."""
     pieces = [*plan.parts, *(() if plan.bias is None else (plan.bias,))]
-    per_query = plan.causal != "none" or any(p.shape[2] != 1 for p in pieces)
-    if not per_query:
-        return plan.n_q
+    causal = plan.causal != "none"
+    if not causal and not any(p.shape[2] != 1 for p in pieces):
+        return 0
     batch = max((p.shape[0] for p in pieces), default=1)
     heads = max((p.shape[1] for p in pieces), default=1)
-    row_bytes = batch * heads * plan.n_kv * (3 + itemsize)
-    return max(1, budget_bytes // row_bytes)
+    keys = plan.n_kv if causal or any(p.shape[3] != 1 for p in pieces) else 1
+    return batch * heads * keys * (3 + 2 * itemsize)
+
+
+def _fused_rows_per_call(
+    q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, plan: MaskPlan, *, scale: float
+) -> int:
+    """Query rows one SDPA call may take so that its mask and, should torch fall back to the
+    math kernel, its scores stay within FUSED_TILE_BYTES (N_q: one call for everything)."""
+    b, h, n_q, _ = q4.shape
+    mask_row = _mask_bytes_per_row(plan, q4.element_size())
+    scores_row = b * h * plan.n_kv * max(q4.element_size(), 4) * _MATH_SCORE_COPIES
+    if n_q * (mask_row + scores_row) <= FUSED_TILE_BYTES:
+        return n_q  # fits whatever kernel runs: no need to ask torch
+    # Ask torch which kernel one row would get (None: it cannot tell, assume the worst).
+    probe_vis = None if plan.is_empty else plan.block(0, 1, 0, plan.n_kv)
+    probe_bias = plan.bias_block(0, 1, 0, plan.n_kv)
+    probe = probe_bias if probe_vis is None else probe_vis
+    backend = _sdpa_backend(
+        q4[:, :, :1], k4, v4, probe, is_causal=False, scale=scale,
+        enable_gqa=q4.shape[1] != k4.shape[1],
+    )  # fmt: skip
+    row = mask_row + (scores_row if backend in (None, "math") else 0)
+    return n_q if row == 0 else max(1, FUSED_TILE_BYTES // row)
 
 
 def _masked_sdpa(
@@ -207,11 +234,10 @@ def _masked_sdpa(
         q4, k4, v4, attn_mask=mask, dropout_p=0.0, scale=scale, enable_gqa=enable_gqa
     )
     if vis is not None:
-        empty = ~vis.any(-1, keepdim=True)  # [B|1, H|1, rows|1, 1]
         # torch >= 2.5 already returns 0 here on math / flash / efficient; cuDNN is not
-        # covered upstream (kernel-anchors 1.3), so make it a guarantee of ours.
-        if bool(empty.any()):
-            out = out.masked_fill(empty, 0.0)
+        # covered upstream (kernel-anchors 1.3), so make it a guarantee of ours. Unconditional:
+        # checking first would cost a host sync per call on a GPU.
+        out = out.masked_fill(~vis.any(-1, keepdim=True), 0.0)  # [B|1, H|1, rows|1, 1]
     if not want_backend:
         return out, None
     return out, _sdpa_backend(q4, k4, v4, mask, is_causal=False, scale=scale, enable_gqa=enable_gqa)
@@ -227,9 +253,11 @@ def fused_attention(
 ) -> tuple[torch.Tensor, str | None]:
     """torch SDPA on [B, H, N, D] inputs; fully masked rows forced to 0 on every backend.
 
-    A materialized mask larger than FUSED_MASK_TILE_BYTES runs in tiles of query rows."""
+    Runs in tiles of query rows when one call could hold more than FUSED_TILE_BYTES."""
     enable_gqa = q4.shape[1] != k4.shape[1]
-    if plan.is_empty or plan.causal_only_top_left():
+    n_q, n_kv = plan.n_q, plan.n_kv
+    rows = _fused_rows_per_call(q4, k4, v4, plan, scale=scale)
+    if rows >= n_q and (plan.is_empty or plan.causal_only_top_left()):
         # is_causal is torch's top-left alignment; it never empties a row, and lets the
         # kernels skip masked blocks. It is never combined with attn_mask (torch rejects it).
         is_causal = not plan.is_empty
@@ -239,14 +267,13 @@ def fused_attention(
         return out, _sdpa_backend(
             q4, k4, v4, None, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa
         )
-
-    n_q, n_kv = plan.n_q, plan.n_kv
-    rows = _mask_rows_per_tile(plan, q4.element_size(), FUSED_MASK_TILE_BYTES)
     if rows >= n_q:
         return _masked_sdpa(
             q4, k4, v4, plan.full(), plan.bias_block(0, n_q, 0, n_kv),
             scale=scale, enable_gqa=enable_gqa, want_backend=True,
         )  # fmt: skip
+    # Tiles: each with its own rows of the mask (a tile cannot use is_causal, which torch
+    # aligns to the tile's own first row).
     b, h, _, _ = q4.shape
     out = torch.empty(b, h, n_q, v4.shape[-1], dtype=q4.dtype, device=q4.device)
     backend: str | None = None
