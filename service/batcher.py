@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import copy
 import enum
 import itertools
 import logging
@@ -82,19 +81,27 @@ class BatchResult(Generic[R]):
 
 
 def _one_error_each(error: Exception, count: int) -> list[BaseException]:
-    """A copy of `error` per item, each caused by it: one exception object raised in several
+    """A twin of `error` per item, each caused by it: one exception object raised in several
     tasks would gather all their tracebacks (each raise extends __traceback__), and its
-    handlers would log one another's frames. The copies keep the type, so the app still maps
-    it to the same status (a device out-of-memory stays a 503)."""
-    errors: list[BaseException] = []
-    for _ in range(count):
-        try:
-            twin = copy.copy(error)
-        except Exception:  # an exception class whose constructor copy cannot call
-            twin = RuntimeError(f"run_batch failed: {error!r}")
+    handlers would log one another's frames."""
+    return [_twin(error) for _ in range(count)]
+
+
+def _twin(error: Exception) -> BaseException:
+    """A new exception of the same type, args and attributes, caused by `error`. Built without
+    calling __init__, which may take keyword-only arguments (SdpaError's param, a 503's
+    retry_after_s): the type is what the app maps to a status. Should even that fail, a
+    RuntimeError (a 500) caused by it; never an exception here, or the batch would go
+    unanswered."""
+    try:
+        twin = type(error).__new__(type(error), *error.args)
+        twin.__dict__.update(error.__dict__)
         twin.__cause__ = error
-        errors.append(twin)
-    return errors
+        return twin
+    except BaseException:
+        fallback = RuntimeError(f"run_batch failed with {type(error).__name__}")
+        fallback.__cause__ = error
+        return fallback
 
 
 def _queued_too_long() -> DeadlineExceeded:

@@ -33,6 +33,25 @@ class ItemError(Exception):
     """An item's own failure (like an SdpaError for one request)."""
 
 
+class KeywordError(Exception):
+    """An exception whose constructor takes a keyword-only argument (as SdpaError's param)."""
+
+    def __init__(self, message: str, *, code: int) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class UncopyableError(Exception):
+    """An exception that cannot even be allocated without its keyword argument."""
+
+    def __new__(cls, *args: object, code: int) -> UncopyableError:
+        return super().__new__(cls, *args)
+
+    def __init__(self, message: str, *, code: int) -> None:
+        super().__init__(message)
+        self.code = code
+
+
 class FakeDevice:
     """run_batch for string items: 'name' -> 'NAME'; 'err:*' items fail alone; 'block' holds
     the device until release(); 'boom' makes the whole call raise, 'interrupt' raise a
@@ -66,6 +85,10 @@ class FakeDevice:
             raise RuntimeError("run_batch itself failed")
         if "interrupt" in items:
             raise KeyboardInterrupt
+        if "kwboom" in items:
+            raise KeywordError("run_batch failed", code=7)
+        if "uncopyable" in items:
+            raise UncopyableError("run_batch failed", code=8)
         return [ItemError(item) if item.startswith("err:") else item.upper() for item in items]
 
     def computed(self) -> list[str]:
@@ -328,6 +351,40 @@ def test_run_batch_raising_fails_that_batch_and_the_worker_lives_on() -> None:
     assert boom.__cause__ not in (boom, b1)
     assert results[3].value == "C1"
     assert later.value == "D1"
+
+
+@pytest.mark.parametrize(("item", "kind"), [("kwboom", KeywordError), ("uncopyable", RuntimeError)])
+def test_each_item_of_a_failed_batch_gets_its_own_error_of_the_same_type(
+    item: str, kind: type[Exception]
+) -> None:
+    """The app maps an error to a status by its type (a 422, a 503...): the per-item twins keep
+    it even when the constructor takes keyword-only arguments; only an exception that cannot be
+    allocated without them becomes a RuntimeError. Either way every item is answered."""
+    device = FakeDevice()
+
+    async def main() -> list[Any]:
+        b = make(device)
+        first = await held_device(device, b, "x0")
+        tasks = [submit(b, name) for name in (item, f"{item[0]}2")]
+        await until(lambda: b.depth == 2)
+        device.release()
+        results = await asyncio.wait_for(
+            asyncio.gather(first, *tasks, return_exceptions=True), timeout=30
+        )
+        await b.drain(5)
+        return list(results)
+
+    _, one, two = run(main())
+    assert type(one) is kind
+    assert type(two) is kind
+    assert one is not two
+    assert type(one.__cause__) in (KeywordError, UncopyableError)
+    assert one.__cause__ is two.__cause__
+    if kind is KeywordError:
+        assert str(one) == "run_batch failed"
+        assert one.code == two.code == 7
+    else:
+        assert "UncopyableError" in str(one)
 
 
 def test_a_base_exception_from_run_batch_reaches_the_items_wrapped() -> None:
