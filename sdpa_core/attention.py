@@ -198,15 +198,22 @@ def _fused_rows_per_call(
     scores_row = b * h * plan.n_kv * max(q4.element_size(), 4) * _MATH_SCORE_COPIES
     if n_q * (mask_row + scores_row) <= FUSED_TILE_BYTES:
         return n_q  # fits whatever kernel runs: no need to ask torch
-    # Ask torch which kernel one row would get (None: it cannot tell, assume the worst).
-    probe_vis = None if plan.is_empty else plan.block(0, 1, 0, plan.n_kv)
-    probe_bias = plan.bias_block(0, 1, 0, plan.n_kv)
-    probe = probe_bias if probe_vis is None else probe_vis
-    backend = _sdpa_backend(
-        q4[:, :, :1], k4, v4, probe, is_causal=False, scale=scale,
-        enable_gqa=q4.shape[1] != k4.shape[1],
-    )  # fmt: skip
-    row = mask_row + (scores_row if backend in (None, "math") else 0)
+    enable_gqa = q4.shape[1] != k4.shape[1]
+    if plan.is_empty or plan.causal_only_top_left():
+        # One call with is_causal (or no mask at all) materializes no mask: only torch's math
+        # kernel would grow. Tiles would need explicit rows of the causal mask.
+        backend = _sdpa_backend(
+            q4, k4, v4, None, is_causal=not plan.is_empty, scale=scale, enable_gqa=enable_gqa
+        )
+        row = 0 if backend not in (None, "math") else mask_row + scores_row
+    else:
+        # Ask torch which kernel one row with its mask would get (None: it cannot tell).
+        vis = plan.block(0, 1, 0, plan.n_kv)
+        probe = plan.bias_block(0, 1, 0, plan.n_kv) if vis is None else vis
+        backend = _sdpa_backend(
+            q4[:, :, :1], k4, v4, probe, is_causal=False, scale=scale, enable_gqa=enable_gqa
+        )
+        row = mask_row + (scores_row if backend in (None, "math") else 0)
     return n_q if row == 0 else max(1, FUSED_TILE_BYTES // row)
 
 

@@ -471,6 +471,8 @@ _CAUSAL_PADDED = {"causal": "bottom_right", "key_lengths": [9, 4]}
     [
         # Padding alone is [B, 1, 1, N_kv]: nothing grows with N_q, one call at any budget.
         ({"key_lengths": [9, 4]}, 8, 1, 1),
+        # Top-left causal on a kernel that takes is_causal: no mask at all, one call too.
+        ({"causal": True}, 8, 1, 1),
         (_CAUSAL_PADDED, 8, 3 * 242, 3),  # rows 0-2, 3-5, 6
         (_CAUSAL_PADDED, 8, FUSED_BUDGET_DEFAULT, 1),
         # A bias without a key dimension is never widened to N_kv: 7 rows fit 7 x 88 bytes.
