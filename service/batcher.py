@@ -80,19 +80,13 @@ class BatchResult(Generic[R]):
     queue_ms: float
 
 
-def _one_error_each(error: Exception, count: int) -> list[BaseException]:
-    """A twin of `error` per item, each caused by it: one exception object raised in several
-    tasks would gather all their tracebacks (each raise extends __traceback__), and its
-    handlers would log one another's frames."""
-    return [_twin(error) for _ in range(count)]
-
-
 def _twin(error: Exception) -> BaseException:
-    """A new exception of the same type, args and attributes, caused by `error`. Built without
-    calling __init__, which may take keyword-only arguments (SdpaError's param, a 503's
-    retry_after_s): the type is what the app maps to a status. Should even that fail, a
-    RuntimeError (a 500) caused by it; never an exception here, or the batch would go
-    unanswered."""
+    """A new exception of the same type, args and attributes, caused by `error`: each item of a
+    failed batch gets its own (one object raised in several tasks would gather all their
+    tracebacks, and its handlers would log one another's frames). Built without calling
+    __init__, which may take keyword-only arguments (SdpaError's param, a 503's retry_after_s):
+    the type is what the app maps to a status. Should even that fail, a RuntimeError (a 500)
+    caused by it; never an exception here, or the batch would go unanswered."""
     try:
         twin = type(error).__new__(type(error), *error.args)
         twin.__dict__.update(error.__dict__)
@@ -448,7 +442,7 @@ class DynamicBatcher(Generic[T, R]):
                 # cancellation: those travel wrapped.
                 logger.exception("run_batch failed for a batch of %d", len(batch))
                 error = exc if isinstance(exc, Exception) else RuntimeError(f"run_batch: {exc!r}")
-                results = _one_error_each(error, len(batch))
+                results = [_twin(error) for _ in batch]
             finally:
                 self._device_busy = False
             seconds = time.perf_counter() - started
