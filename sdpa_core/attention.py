@@ -167,9 +167,10 @@ def _sdpa_backend(
 #   the bool mask into a float one and some CUDA kernels padding it cost about 3 + 2 x itemsize
 #   bytes per element of its broadcast shape. Whole, it made a request of 1.3 MB cost 642 MB
 #   (bottom-right causal with key_lengths, N_q = 8192, N_kv = 16384; measured);
-# - when torch falls back to its math kernel (on CPU: GQA with a mask, or D_v != D), the scores
-#   are materialized: about three [B, H, rows, N_kv] tensors (scores, scores + mask, softmax) in
-#   float32 at least (748 MB for D_v = 16, H = 8 in the case above; measured).
+# - when torch falls back to its math kernel (on CPU for instance D_v != D, or GQA with some
+#   masks), the scores are materialized: about three [B, H, rows, N_kv] tensors (scores,
+#   scores + mask, softmax) in float32 at least (9.9 GB for D_v = 16, H = 8 in the case above,
+#   inputs of 14 MB; measured).
 # Past this many bytes the queries run in tiles of rows (each query row is independent).
 FUSED_TILE_BYTES = 64 << 20
 _MATH_SCORE_COPIES = 3
