@@ -1,7 +1,9 @@
 """sdpa_core: scaled dot-product attention with every mask, three paths and diagnostics.
 
 Pure compute (torch, numpy, stdlib): importing it never loads fastapi, pydantic, httpx or the
-service package.
+service package. Besides attention() and analyze_scaling(), it exports the one owner of each
+rule a caller might otherwise re-derive: the default scale, causal normalization, the
+accumulation dtype, key padding, the diagnostics levels and the diagnostic field lists.
 """
 
 from __future__ import annotations
@@ -13,14 +15,20 @@ from sdpa_core.analysis import (
     analyze_scaling,
     make_synthetic_qk,
 )
-from sdpa_core.attention import AttentionResult, attention, choose_path, weights_nbytes
+from sdpa_core.attention import PATHS, AttentionResult, attention, choose_path, weights_nbytes
 from sdpa_core.chunked import DEFAULT_BLOCK_SIZE
 from sdpa_core.diagnostics import (
+    DIAGNOSTICS_LEVELS,
+    PER_HEAD_FIELDS,
+    PER_ROW_FIELDS,
+    ROW_STATS_FIELDS,
+    SUMMARY_FIELDS,
     Diagnostics,
     DiagnosticsSummary,
     PerHeadStats,
     PerRowStats,
     RowStats,
+    check_diagnostics_level,
     summarize,
 )
 from sdpa_core.errors import (
@@ -31,11 +39,34 @@ from sdpa_core.errors import (
     SdpaError,
     ShapeError,
 )
-from sdpa_core.shapes import SUPPORTED_DTYPES, InputSpec, validate_inputs
+from sdpa_core.fused import DEFAULT_FUSED_TILE_BYTES
+from sdpa_core.masks import (
+    attn_mask_4d,
+    key_lengths_by_head,
+    key_padding,
+    key_padding_from_lengths,
+)
+from sdpa_core.shapes import (
+    SUPPORTED_DTYPES,
+    InputSpec,
+    accumulation_dtype,
+    default_scale,
+    normalize_causal,
+    resolve_scale,
+    score_matrix_nbytes,
+    validate_inputs,
+)
 
 __all__ = [
     "DEFAULT_BLOCK_SIZE",
+    "DEFAULT_FUSED_TILE_BYTES",
+    "DIAGNOSTICS_LEVELS",
+    "PATHS",
+    "PER_HEAD_FIELDS",
+    "PER_ROW_FIELDS",
+    "ROW_STATS_FIELDS",
     "STANDARD_STRATEGIES",
+    "SUMMARY_FIELDS",
     "SUPPORTED_DTYPES",
     "AttentionResult",
     "DTypeError",
@@ -52,10 +83,20 @@ __all__ = [
     "SdpaError",
     "ShapeError",
     "StrategyResult",
+    "accumulation_dtype",
     "analyze_scaling",
     "attention",
+    "attn_mask_4d",
+    "check_diagnostics_level",
     "choose_path",
+    "default_scale",
+    "key_lengths_by_head",
+    "key_padding",
+    "key_padding_from_lengths",
     "make_synthetic_qk",
+    "normalize_causal",
+    "resolve_scale",
+    "score_matrix_nbytes",
     "summarize",
     "validate_inputs",
     "weights_nbytes",

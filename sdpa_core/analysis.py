@@ -14,11 +14,12 @@ from dataclasses import dataclass
 
 import torch
 
+from sdpa_core.attention import prepare_inputs
 from sdpa_core.chunked import DEFAULT_BLOCK_SIZE, chunked_attention
 from sdpa_core.diagnostics import summarize
 from sdpa_core.errors import SdpaError
-from sdpa_core.masks import build_mask_plan
-from sdpa_core.shapes import CausalArg, to_4d, validate_inputs
+from sdpa_core.masks import KeyLengths
+from sdpa_core.shapes import CausalArg
 
 STANDARD_STRATEGIES: tuple[str, ...] = ("none", "sqrt_dk", "dk", "dk_quarter", "two_sqrt_dk")
 
@@ -142,17 +143,43 @@ def analyze_scaling(
     *,
     strategies: Sequence[StrategySpec] | None = None,
     causal: CausalArg = False,
-    key_lengths: torch.Tensor | list[int] | tuple[int, ...] | int | None = None,
+    key_lengths: KeyLengths | None = None,
     key_padding_mask: torch.Tensor | None = None,
     attn_mask: torch.Tensor | None = None,
     block_size: int = DEFAULT_BLOCK_SIZE,
 ) -> ScalingReport:
-    """Compare score divisors on q [..., H, N_q, d_k] and k [..., H_kv, N_kv, d_k].
+    """Compare how score divisors shape the softmax of q k^T.
 
-    Masks follow attention()'s rules; a float attn_mask is added after dividing the scores.
+    For each strategy the scores q.k / divisor go through the softmax on the chunked path
+    (O(N) memory, no N_q x N_kv matrix) and the same row statistics as attention()'s
+    diagnostics are pooled over the visible entries.
+
+    Args:
+        q: queries [..., H, N_q, d_k] (float16, bfloat16, float32 or float64).
+        k: keys [..., H_kv, N_kv, d_k], q's dtype, device and leading dims (GQA allowed).
+        strategies: None for the five standard divisors ("none" 1, "sqrt_dk", "dk",
+            "dk_quarter" d_k^0.25, "two_sqrt_dk"); else standard names and/or custom
+            (name, divisor) pairs, evaluated in that order (custom pairs alone come after
+            the five standard ones). Names unique; divisors finite and non-zero.
+        causal: as for attention(): False, True / "top_left" or "bottom_right".
+        key_lengths: as for attention(): per sequence or per head; keys past it are padding.
+        key_padding_mask: as for attention(): bool, True = padding.
+        attn_mask: as for attention(); a float mask is added after dividing the scores.
+        block_size: the chunked path's key block.
+
+    Returns:
+        ScalingReport: d_k, the raw score variance over visible entries, recommended_divisor
+        (the standard deviation of the raw scores: the divisor that makes the scaled score
+        variance 1) and one StrategyResult per strategy (score_variance, entropy,
+        normalized_entropy, max_weight, saturated_fraction, grad_health).
+
+    Raises:
+        SdpaError: a malformed strategy list (unknown name, bad divisor, duplicate names), or
+            any input error attention() would raise for q, k and these masks (ShapeError,
+            DTypeError, MaskError, NonFiniteError).
     """
     v = k.new_zeros((*k.shape[:-1], 1))  # the output is not needed, only the row statistics
-    spec = validate_inputs(
+    inputs = prepare_inputs(
         q,
         k,
         v,
@@ -161,24 +188,17 @@ def analyze_scaling(
         key_padding_mask=key_padding_mask,
         attn_mask=attn_mask,
     )
+    spec = inputs.spec
     pairs = resolve_strategies(strategies, spec.d)
-    plan = build_mask_plan(
-        spec,
-        key_lengths=key_lengths,
-        key_padding_mask=key_padding_mask,
-        attn_mask=attn_mask,
-        device=q.device,
-    )
-    q4, k4, v4 = to_4d(q), to_4d(k), to_4d(v)
     results: list[StrategyResult] = []
     raw_var = 0.0
     for name, divisor in pairs:
         scale = 1.0 / divisor
         _, rows = chunked_attention(
-            q4,
-            k4,
-            v4,
-            plan,
+            inputs.q4,
+            inputs.k4,
+            inputs.v4,
+            inputs.plan,
             scale=scale,
             accum_dtype=spec.accum_dtype,
             need_stats=True,

@@ -2,7 +2,7 @@
 
 Queries are processed in tiles and keys in blocks of `block_size`, so the largest buffers are
 two [B, H, tile_q, block] scratch tiles: O(N) memory in the sequence length. Per row the
-state is (m, l, t, a2, a3, acc) of kernel-anchors section 7.2:
+online state is (m, l, t, a2, a3, acc), updated for each key block of scores s_j:
 
     m' = max(m, max_j s_j);  alpha = e^(m - m')
     t  <- alpha (t + l (m - m')) + sum e^(s_j - m') (s_j - m')   (shifted first moment)
@@ -16,8 +16,9 @@ that leave out one row max (which contributes exactly 1 to each): on a saturated
 keep every digit (see the finalize step). Raw-score moments (count, mean, M2) are exact
 two-pass moments per block merged across blocks with Chan's formula.
 
-The dense path is the same routine with one query tile and one key block, keeping the
-normalized exponentials as the weights, so both paths share every formula.
+The dense path is the same routine (attend_tiles) with one key block, keeping the normalized
+exponentials as the weights, so both paths share every formula. Which (query, key) pairs are
+visible, tile by tile, comes from the MaskPlan (masks.py), never from this module.
 
 Allocation matters on CPU: a fresh multi-MiB buffer costs page faults that exceed the
 arithmetic on it, so the tiles are allocated once and reused (matmul/exp with out=).
@@ -30,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sdpa_core.diagnostics import RowStats
+from sdpa_core.diagnostics import ROW_STATS_FIELDS, RowStats
 from sdpa_core.masks import MaskPlan
 
 DEFAULT_BLOCK_SIZE = 512
@@ -89,54 +90,7 @@ def _new_state(
     )
 
 
-def _causal_state(plan: MaskPlan, q0: int, q1: int, k0: int, k1: int) -> str:
-    """'all', 'none' or 'some': causal visibility of a tile, decided from indices alone."""
-    if plan.causal == "none":
-        return "all"
-    off = plan.causal_offset
-    if k1 - 1 <= q0 + off:
-        return "all"
-    if k0 > q1 - 1 + off:
-        return "none"
-    return "some"
-
-
-def _block_visibility(
-    plan: MaskPlan, q0: int, q1: int, k0: int, k1: int
-) -> tuple[bool, torch.Tensor | None]:
-    """(skip, vis): skip when no pair of the tile is visible; vis None when all are."""
-    cstate = _causal_state(plan, q0, q1, k0, k1)
-    if cstate == "none":
-        return True, None
-    vis = plan.causal_block(q0, q1, k0, k1) if cstate == "some" else None
-    for part in plan.parts:
-        piece = part
-        if piece.shape[2] != 1:
-            piece = piece[:, :, q0:q1]
-        if piece.shape[3] != 1:
-            piece = piece[:, :, :, k0:k1]
-        vis = piece if vis is None else vis & piece
-    if vis is None:
-        return False, None
-    if not bool(vis.any()):
-        return True, None
-    if bool(vis.all()):
-        return False, None
-    return False, vis
-
-
-def _bias_block(plan: MaskPlan, q0: int, q1: int, k0: int, k1: int) -> torch.Tensor | None:
-    b = plan.bias
-    if b is None:
-        return None
-    if b.shape[2] != 1:
-        b = b[:, :, q0:q1]
-    if b.shape[3] != 1:
-        b = b[:, :, :, k0:k1]
-    return b
-
-
-def _attend_batch(
+def attend_tiles(
     q4: torch.Tensor,
     k4: torch.Tensor,
     v4: torch.Tensor,
@@ -149,7 +103,12 @@ def _attend_batch(
     tile_q: int,
     keep_weights: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None, RowStats | None]:
-    """attend_tiles on one batch chunk (plan already sliced to it)."""
+    """Attention over [B, H, N, D] inputs in (tile_q x block_size) tiles.
+
+    Returns output [B, H, N_q, D_v], the weights [B, H, N_q, N_kv] (only with keep_weights,
+    which needs block_size >= N_kv) and RowStats [B, H, N_q] when need_stats; all in
+    accum_dtype.
+    """
     b, h, n_q, _ = q4.shape
     h_kv, n_kv, d_v = k4.shape[1], k4.shape[2], v4.shape[-1]
     dev = q4.device
@@ -172,20 +131,12 @@ def _attend_batch(
     out = torch.empty(b, h, n_q, d_v, dtype=accum_dtype, device=dev)
     # The weights are written tile by tile straight into the matrix we hand out.
     weights = torch.empty(b, h, n_q, n_kv, dtype=accum_dtype, device=dev) if keep_weights else None
-    stat_names = (
-        "visible_keys",
-        "entropy",
-        "max_weight",
-        "lse",
-        "grad_health",
-        "jacobian_fro",
-        "score_mean_raw",
-        "score_m2_raw",
-        "score_abs_max_raw",
-    )
     rows: dict[str, torch.Tensor] = {}
     if need_stats:
-        rows = {name: torch.empty(b, h, n_q, dtype=accum_dtype, device=dev) for name in stat_names}
+        rows = {
+            name: torch.empty(b, h, n_q, dtype=accum_dtype, device=dev)  # [B, H, N_q]
+            for name in ROW_STATS_FIELDS
+        }
 
     buffers: dict[tuple[str, int, int], torch.Tensor] = {}
 
@@ -209,7 +160,7 @@ def _attend_batch(
         for k0 in range(0, n_kv, bk):
             k1 = min(k0 + bk, n_kv)
             w = k1 - k0
-            skip, vis = _block_visibility(plan, q0, q1, k0, k1)
+            skip, vis = plan.sparse_block(q0, q1, k0, k1)
             if skip:
                 continue
             wrote_weights = True
@@ -256,7 +207,7 @@ def _attend_batch(
 
             if not fold:
                 s.mul_(scale)
-            bias = _bias_block(plan, q0, q1, k0, k1)
+            bias = plan.bias_block(q0, q1, k0, k1)
             if bias is not None:
                 s.add_(bias.to(accum_dtype))
             if vis is not None:
@@ -366,73 +317,6 @@ def _attend_batch(
     return out, weights, row_stats
 
 
-def attend_tiles(
-    q4: torch.Tensor,
-    k4: torch.Tensor,
-    v4: torch.Tensor,
-    plan: MaskPlan,
-    *,
-    scale: float,
-    accum_dtype: torch.dtype,
-    need_stats: bool,
-    block_size: int,
-    tile_q: int | None = None,
-    keep_weights: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None, RowStats | None]:
-    """Attention over [B, H, N, D] inputs in (tile_q x block_size) tiles.
-
-    Returns output [B, H, N_q, D_v], the weights [B, H, N_q, N_kv] (only with keep_weights,
-    which needs block_size >= N_kv) and RowStats [B, H, N_q] when need_stats; all in
-    accum_dtype.
-
-    With tile_q None (the chunked path) the tile sizes depend on H, N and block_size but
-    not on the batch size: sequences are processed in batch chunks, so a row of a batched
-    call goes through the same tile shapes as in a solo call.
-    """
-    b, h, n_q, _ = q4.shape
-    bk = min(block_size, k4.shape[2])
-
-    def run(
-        qs: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, pl: MaskPlan, tq: int
-    ) -> tuple[torch.Tensor, torch.Tensor | None, RowStats | None]:
-        return _attend_batch(
-            qs,
-            ks,
-            vs,
-            pl,
-            scale=scale,
-            accum_dtype=accum_dtype,
-            need_stats=need_stats,
-            block_size=block_size,
-            tile_q=tq,
-            keep_weights=keep_weights,
-        )
-
-    if tile_q is not None:
-        return run(q4, k4, v4, plan, tile_q)
-    tq = min(n_q, max(16, TILE_ELEMENTS // (h * bk)))
-    b_chunk = max(1, TILE_ELEMENTS // (h * tq * bk))
-    if b_chunk >= b:
-        return run(q4, k4, v4, plan, tq)
-    outs: list[torch.Tensor] = []
-    weights: list[torch.Tensor] = []
-    rows: list[RowStats] = []
-    for b0 in range(0, b, b_chunk):
-        b1 = min(b0 + b_chunk, b)
-        o, w, r = run(q4[b0:b1], k4[b0:b1], v4[b0:b1], plan.batch_slice(b0, b1), tq)
-        outs.append(o)
-        if w is not None:
-            weights.append(w)
-        if r is not None:
-            rows.append(r)
-    row_stats = None
-    if rows:
-        row_stats = RowStats(
-            **{name: torch.cat([r.as_dict()[name] for r in rows]) for name in rows[0].as_dict()}
-        )
-    return torch.cat(outs), (torch.cat(weights) if weights else None), row_stats
-
-
 def chunked_attention(
     q4: torch.Tensor,
     k4: torch.Tensor,
@@ -443,18 +327,35 @@ def chunked_attention(
     accum_dtype: torch.dtype,
     need_stats: bool,
     block_size: int = DEFAULT_BLOCK_SIZE,
-    tile_q: int | None = None,
 ) -> tuple[torch.Tensor, RowStats | None]:
-    """The chunked path: output [B, H, N_q, D_v] and RowStats [B, H, N_q] (accum dtype)."""
-    out, _, rows = attend_tiles(
-        q4,
-        k4,
-        v4,
-        plan,
-        scale=scale,
-        accum_dtype=accum_dtype,
-        need_stats=need_stats,
-        block_size=block_size,
-        tile_q=tile_q,
-    )
-    return out, rows
+    """The chunked path: output [B, H, N_q, D_v] and RowStats [B, H, N_q] (accum dtype).
+
+    The tile sizes depend on H, N and block_size but not on the batch size: sequences are
+    processed in batch chunks, so a row of a batched call goes through the same tile shapes
+    as in a solo call (the batching engine relies on it).
+    """
+    b, h, n_q, _ = q4.shape
+    bk = min(block_size, k4.shape[2])
+    tq = min(n_q, max(16, TILE_ELEMENTS // (h * bk)))
+    b_chunk = max(1, TILE_ELEMENTS // (h * tq * bk))
+    outs: list[torch.Tensor] = []
+    rows: list[RowStats] = []
+    for b0 in range(0, b, b_chunk):
+        b1 = min(b0 + b_chunk, b)
+        whole = b0 == 0 and b1 == b  # one chunk: no slicing, no concatenation
+        out, _, row_stats = attend_tiles(
+            q4 if whole else q4[b0:b1],
+            k4 if whole else k4[b0:b1],
+            v4 if whole else v4[b0:b1],
+            plan if whole else plan.batch_slice(b0, b1),
+            scale=scale,
+            accum_dtype=accum_dtype,
+            need_stats=need_stats,
+            block_size=block_size,
+            tile_q=tq,
+        )
+        outs.append(out)
+        if row_stats is not None:
+            rows.append(row_stats)
+    output = outs[0] if len(outs) == 1 else torch.cat(outs)  # [B, H, N_q, D_v]
+    return output, (RowStats.cat(rows) if rows else None)

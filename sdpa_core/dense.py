@@ -1,8 +1,9 @@
 """The dense path: explicit scores and softmax, the only path that returns the weights.
 
-It is the tiled routine of chunked.py run with one key block (the whole row), writing the
-normalized exponentials straight into the weight matrix, so dense and chunked share every
-formula. Query tiles keep the score scratch cache-sized.
+It is the tiled routine of the chunked path (attend_tiles) run with one key block (the whole
+row), writing the normalized exponentials straight into the weight matrix, so dense and
+chunked share every formula and read their visibility from the same MaskPlan. Query tiles
+keep the score scratch cache-sized.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ def dense_attention(
         scale=scale,
         accum_dtype=accum_dtype,
         need_stats=need_stats,
-        block_size=k4.shape[2],
+        block_size=k4.shape[2],  # one key block: the whole row
         tile_q=dense_tile_q(q4, k4),
         keep_weights=need_weights,
     )

@@ -21,15 +21,29 @@ Definitions (rows with at least one visible key are "active"; every mean is over
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
-from typing import Literal, TypeAlias
+from typing import Any, Literal, TypeAlias
 
 import torch
 
 from sdpa_core.errors import SdpaError
 
 DiagnosticsLevel: TypeAlias = Literal["none", "summary", "full"]
+DIAGNOSTICS_LEVELS: tuple[DiagnosticsLevel, ...] = ("none", "summary", "full")
 SATURATION_THRESHOLD = 0.99
+
+
+def check_diagnostics_level(level: object) -> DiagnosticsLevel:
+    """level when it is one of DIAGNOSTICS_LEVELS, else an SdpaError (param "diagnostics")."""
+    if level not in DIAGNOSTICS_LEVELS:
+        raise SdpaError(
+            "unknown diagnostics level",
+            param="diagnostics",
+            expected=" | ".join(DIAGNOSTICS_LEVELS),
+            got=repr(level),
+        )
+    return level
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,13 +65,29 @@ class RowStats:
     score_m2_raw: torch.Tensor
     score_abs_max_raw: torch.Tensor
 
-    def index(self, idx: object) -> RowStats:
+    def apply(self, fn: Callable[[str, torch.Tensor], torch.Tensor]) -> RowStats:
+        """A RowStats whose every field is fn(field name, tensor)."""
+        return RowStats(**{f.name: fn(f.name, getattr(self, f.name)) for f in fields(self)})
+
+    def index(self, idx: Any) -> RowStats:
         """Apply the same tensor index to every field, e.g. (b, slice(None), slice(0, n))."""
-        return RowStats(**{f.name: getattr(self, f.name)[idx] for f in fields(self)})
+        return self.apply(lambda _, t: t[idx])
 
     def reshape(self, shape: tuple[int, ...]) -> RowStats:
         """Reshape every field (used to give results q's own leading dims)."""
-        return RowStats(**{f.name: getattr(self, f.name).reshape(shape) for f in fields(self)})
+        return self.apply(lambda _, t: t.reshape(shape))
+
+    def to(self, device: torch.device | str) -> RowStats:
+        """Every field moved to device (e.g. "cpu" after a GPU call)."""
+        return self.apply(lambda _, t: t.to(device))
+
+    @staticmethod
+    def cat(parts: Sequence[RowStats]) -> RowStats:
+        """Row statistics of consecutive batch chunks concatenated along dim 0 (one part:
+        itself, no copy)."""
+        if len(parts) == 1:
+            return parts[0]
+        return parts[0].apply(lambda name, _: torch.cat([getattr(p, name) for p in parts]))
 
     def as_dict(self) -> dict[str, torch.Tensor]:
         """Field name -> tensor, in field order."""
@@ -141,6 +171,22 @@ class Diagnostics:
         }
 
 
+def _field_names(cls: type) -> tuple[str, ...]:
+    return tuple(f.name for f in fields(cls))
+
+
+# The one list of diagnostic fields, read off the dataclasses themselves so that the two cannot
+# disagree. Wire models, clients and the explorer are checked against these tuples.
+SUMMARY_FIELDS: tuple[str, ...] = _field_names(DiagnosticsSummary)
+"""The summary's scalars, in order (PerHeadStats has the same fields, per head)."""
+PER_HEAD_FIELDS: tuple[str, ...] = _field_names(PerHeadStats)
+"""The per-head statistics ([..., H] tensors): the summary's fields, per head."""
+PER_ROW_FIELDS: tuple[str, ...] = _field_names(PerRowStats)
+"""The per-row tensors [..., H, N_q] of level "full", in order."""
+ROW_STATS_FIELDS: tuple[str, ...] = _field_names(RowStats)
+"""The fields of RowStats, the per-row raw material every path produces."""
+
+
 def _row_derived(rs: RowStats) -> dict[str, torch.Tensor]:
     """Per-row quantities derived from RowStats (float64), 0 on fully masked rows."""
     vis = rs.visible_keys
@@ -154,59 +200,55 @@ def _row_derived(rs: RowStats) -> dict[str, torch.Tensor]:
         "normalized_entropy": torch.where(vis > 1, ent / log_n, zero),
         "effective_keys": torch.where(active, torch.exp(ent), zero),
         "max_weight": torch.where(active, rs.max_weight.to(torch.float64), zero),
-        "saturated": (active & (rs.max_weight >= SATURATION_THRESHOLD)).to(torch.float64),
+        "saturated_fraction": (active & (rs.max_weight >= SATURATION_THRESHOLD)).to(torch.float64),
         "grad_health": torch.where(active, rs.grad_health.to(torch.float64), zero),
         "jacobian_fro": torch.where(active, rs.jacobian_fro.to(torch.float64), zero),
     }
 
 
+# Summary fields that are plain means over the active rows of a per-row quantity.
 _ROW_MEAN_FIELDS = (
     "entropy",
     "normalized_entropy",
     "effective_keys",
     "max_weight",
+    "saturated_fraction",
     "grad_health",
     "jacobian_fro",
 )
 
 
-def _reduce(
-    rs: RowStats, derived: dict[str, torch.Tensor], dim: int | None
+def _pool(
+    rs: RowStats, derived: dict[str, torch.Tensor], dim: int | None, *, scale: float
 ) -> dict[str, torch.Tensor]:
-    """Pool rows over `dim` (-1: per head) or over everything (None), in float64."""
+    """The summary's statistics, keyed and ordered as SUMMARY_FIELDS, pooled over `dim`
+    (-1: per head, [..., H]) or over every row (None: 0-d), in float64 (masked_rows int64)."""
 
     def total(x: torch.Tensor) -> torch.Tensor:
         return x.sum() if dim is None else x.sum(dim)
 
     active = derived["active"]
-    n_active = total(active.to(torch.float64))
-    denom = n_active.clamp(min=1.0)
-    out: dict[str, torch.Tensor] = {}
-    for name in _ROW_MEAN_FIELDS:
-        out[name] = total(derived[name]) / denom
-    out["saturated_fraction"] = total(derived["saturated"]) / denom
+    denom = total(active.to(torch.float64)).clamp(min=1.0)  # active rows
+    stats = {name: total(derived[name]) / denom for name in _ROW_MEAN_FIELDS}
 
     # Chan's parallel merge of per-row (n_i, mean_i, M2_i), written in closed form:
     # n = sum n_i, mean = sum n_i mean_i / n, M2 = sum M2_i + sum n_i (mean_i - mean)^2.
     n_i = rs.visible_keys.to(torch.float64)
     mean_i = torch.where(active, rs.score_mean_raw.to(torch.float64), 0.0)
     m2_i = torch.where(active, rs.score_m2_raw.to(torch.float64), 0.0)
-    n = total(n_i)
-    n_safe = n.clamp(min=1.0)
+    n_safe = total(n_i).clamp(min=1.0)
     mean = total(n_i * mean_i) / n_safe
     mean_b = mean if dim is None else mean.unsqueeze(-1)
-    m2 = total(m2_i) + total(n_i * (mean_i - mean_b) ** 2)
-    out["score_mean_raw"] = mean
-    out["score_variance_raw"] = m2 / n_safe
+    variance = (total(m2_i) + total(n_i * (mean_i - mean_b) ** 2)) / n_safe
     absmax = torch.where(active, rs.score_abs_max_raw.to(torch.float64), 0.0)
-    out["score_abs_max_raw"] = absmax.amax() if dim is None else absmax.amax(dim)
-    out["masked_rows"] = total((~active).to(torch.int64))
-    return out
-
-
-def _canonical(rs: RowStats) -> RowStats:
-    """Contiguous copies so that equal rows reduce in the same order whatever their origin."""
-    return RowStats(**{f.name: getattr(rs, f.name).contiguous() for f in fields(rs)})
+    stats["score_mean_raw"] = mean
+    stats["score_variance_raw"] = variance
+    stats["score_variance_scaled"] = (scale * scale) * variance
+    stats["score_abs_max_scaled"] = abs(scale) * (
+        absmax.amax() if dim is None else absmax.amax(dim)
+    )
+    stats["masked_rows"] = total((~active).to(torch.int64))
+    return {name: stats[name] for name in SUMMARY_FIELDS}
 
 
 def summarize(
@@ -225,79 +267,27 @@ def summarize(
             expected='"summary" or "full"',
             got=repr(level),
         )
-    rs = _canonical(row_stats)
+    # Contiguous copies so that equal rows reduce in the same order whatever their origin.
+    rs = row_stats.apply(lambda _, t: t.contiguous())
     derived = _row_derived(rs)
-    scale_sq = scale * scale
-    abs_scale = abs(scale)
 
-    pooled = _reduce(rs, derived, None)
-    # One host transfer for every scalar (one sync on CUDA).
-    names = [
-        *_ROW_MEAN_FIELDS,
-        "saturated_fraction",
-        "score_mean_raw",
-        "score_variance_raw",
-        "score_abs_max_raw",
-    ]
-    values = torch.stack([pooled[n] for n in names]).tolist()
-    scalars = dict(zip(names, values, strict=True))
-    masked_rows = int(pooled["masked_rows"])
-    summary = DiagnosticsSummary(
-        entropy=scalars["entropy"],
-        normalized_entropy=scalars["normalized_entropy"],
-        effective_keys=scalars["effective_keys"],
-        max_weight=scalars["max_weight"],
-        saturated_fraction=scalars["saturated_fraction"],
-        score_mean_raw=scalars["score_mean_raw"],
-        score_variance_raw=scalars["score_variance_raw"],
-        score_variance_scaled=scale_sq * scalars["score_variance_raw"],
-        score_abs_max_scaled=abs_scale * scalars["score_abs_max_raw"],
-        grad_health=scalars["grad_health"],
-        jacobian_fro=scalars["jacobian_fro"],
-        masked_rows=masked_rows,
-    )
-
-    head = _reduce(rs, derived, -1)
-    per_head = PerHeadStats(
-        entropy=head["entropy"],
-        normalized_entropy=head["normalized_entropy"],
-        effective_keys=head["effective_keys"],
-        max_weight=head["max_weight"],
-        saturated_fraction=head["saturated_fraction"],
-        score_mean_raw=head["score_mean_raw"],
-        score_variance_raw=head["score_variance_raw"],
-        score_variance_scaled=scale_sq * head["score_variance_raw"],
-        score_abs_max_scaled=abs_scale * head["score_abs_max_raw"],
-        grad_health=head["grad_health"],
-        jacobian_fro=head["jacobian_fro"],
-        masked_rows=head["masked_rows"],
-    )
+    pooled = _pool(rs, derived, None, scale=scale)
+    # One host transfer for every scalar (one sync on CUDA); masked_rows is exact in float64.
+    values = torch.stack([pooled[n].to(torch.float64) for n in SUMMARY_FIELDS]).tolist()
+    scalars: dict[str, Any] = dict(zip(SUMMARY_FIELDS, values, strict=True))
+    scalars["masked_rows"] = int(scalars["masked_rows"])
+    summary = DiagnosticsSummary(**scalars)
+    per_head = PerHeadStats(**_pool(rs, derived, -1, scale=scale))
 
     per_row = None
     if level == "full":
-        lse = torch.where(derived["active"], rs.lse, -math.inf)
+        accum = rs.entropy.dtype
         per_row = PerRowStats(
-            entropy=derived["entropy"].to(rs.entropy.dtype),
-            normalized_entropy=derived["normalized_entropy"].to(rs.entropy.dtype),
-            max_weight=derived["max_weight"].to(rs.entropy.dtype),
-            effective_keys=derived["effective_keys"].to(rs.entropy.dtype),
-            lse=lse,
+            entropy=derived["entropy"].to(accum),
+            normalized_entropy=derived["normalized_entropy"].to(accum),
+            max_weight=derived["max_weight"].to(accum),
+            effective_keys=derived["effective_keys"].to(accum),
+            lse=torch.where(derived["active"], rs.lse, -math.inf),
             visible_keys=rs.visible_keys,
         )
     return Diagnostics(summary=summary, per_head=per_head, per_row=per_row)
-
-
-def empty_row_stats(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> RowStats:
-    """RowStats of rows that see no key (every statistic 0, lse -inf)."""
-    zeros = torch.zeros(shape, dtype=dtype, device=device)
-    return RowStats(
-        visible_keys=torch.zeros(shape, dtype=torch.int64, device=device),
-        entropy=zeros,
-        max_weight=zeros.clone(),
-        lse=torch.full(shape, -math.inf, dtype=dtype, device=device),
-        grad_health=zeros.clone(),
-        jacobian_fro=zeros.clone(),
-        score_mean_raw=zeros.clone(),
-        score_m2_raw=zeros.clone(),
-        score_abs_max_raw=zeros.clone(),
-    )

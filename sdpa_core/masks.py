@@ -1,11 +1,16 @@
 """Every mask option -> one boolean visibility (True = the query may attend to the key).
 
-Masks combine by logical AND, as booleans, never by adding large negative numbers (fp16
-overflow, -inf + -inf; kernel-anchors pitfall 4). A float attn_mask is kept as an additive
-bias for the visible entries; its -inf entries become "not visible".
+This module is the one owner of key padding and of mask tiles: every path (fused, dense,
+chunked) and the non-finite policy read their visibility from a MaskPlan, and a caller that
+pads batches (the service's batching engine) builds its key padding with key_padding() and
+key_padding_from_lengths().
 
-The plan keeps each part in its smallest broadcastable 4-D shape (key lengths are
-[B, 1|H, 1, N_kv], causal is generated from indices) so that the chunked path can build one
+Masks combine by logical AND, as booleans, never by adding large negative numbers: in float16
+finfo.min + finfo.min overflows to -inf, and -inf + -inf rows turn into NaN. A float attn_mask
+is kept as an additive bias for the visible entries; its -inf entries become "not visible".
+
+The plan keeps each part in its smallest broadcastable 4-D shape (key padding is
+[B|1, H|1, 1, N_kv], causal is generated from indices) so that a path can build one
 [.., tile_q, tile_k] block at a time and never holds an N_q x N_kv matrix.
 """
 
@@ -13,10 +18,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal, TypeAlias
 
 import torch
 
-from sdpa_core.shapes import CausalMode, InputSpec, as_key_lengths
+from sdpa_core.shapes import CausalMode, InputSpec
+
+KeyLengths: TypeAlias = torch.Tensor | list[int] | tuple[int, ...] | int
+CausalState: TypeAlias = Literal["all", "none", "some"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +54,18 @@ class MaskPlan:
         """Query i sees keys j <= i + offset (top_left: 0; bottom_right: N_kv - N_q)."""
         return self.n_kv - self.n_q if self.causal == "bottom_right" else 0
 
+    def causal_state(self, q0: int, q1: int, k0: int, k1: int) -> CausalState:
+        """Causal visibility of rows [q0, q1) x keys [k0, k1), decided from indices alone:
+        "all" (every pair visible, or no causal mask), "none" (no pair) or "some"."""
+        if self.causal == "none":
+            return "all"
+        off = self.causal_offset
+        if k1 - 1 <= q0 + off:
+            return "all"
+        if k0 > q1 - 1 + off:
+            return "none"
+        return "some"
+
     def causal_block(self, q0: int, q1: int, k0: int, k1: int) -> torch.Tensor | None:
         """Causal visibility of rows [q0, q1) x keys [k0, k1): [1, 1, q1-q0, k1-k0] or None."""
         if self.causal == "none":
@@ -55,7 +76,32 @@ class MaskPlan:
 
     def block(self, q0: int, q1: int, k0: int, k1: int) -> torch.Tensor | None:
         """Combined visibility of one tile, broadcastable to [B, H, q1-q0, k1-k0]; None = all."""
-        mask = self.causal_block(q0, q1, k0, k1)
+        return self._and_parts(self.causal_block(q0, q1, k0, k1), q0, q1, k0, k1)
+
+    def sparse_block(self, q0: int, q1: int, k0: int, k1: int) -> tuple[bool, torch.Tensor | None]:
+        """(skip, vis) of one tile for a loop over key blocks: skip when no pair of the tile is
+        visible, vis None when every pair is (then no mask needs applying).
+
+        Causality is decided from the indices alone (a tile it hides entirely is skipped, one
+        it leaves whole needs no causal block); other masks are read (one host sync).
+        """
+        state = self.causal_state(q0, q1, k0, k1)
+        if state == "none":
+            return True, None
+        causal = self.causal_block(q0, q1, k0, k1) if state == "some" else None
+        vis = self._and_parts(causal, q0, q1, k0, k1)
+        if vis is None:
+            return False, None
+        if not bool(vis.any()):
+            return True, None
+        if bool(vis.all()):
+            return False, None
+        return False, vis
+
+    def _and_parts(
+        self, mask: torch.Tensor | None, q0: int, q1: int, k0: int, k1: int
+    ) -> torch.Tensor | None:
+        """mask AND every part's tile (None = all visible)."""
         for part in self.parts:
             piece = _tile(part, q0, q1, k0, k1)
             mask = piece if mask is None else mask & piece
@@ -102,8 +148,94 @@ def _tile(x: torch.Tensor, q0: int, q1: int, k0: int, k1: int) -> torch.Tensor:
     return x
 
 
-def _to_4d_mask(mask: torch.Tensor, spec: InputSpec) -> torch.Tensor:
-    """A mask broadcastable to q.shape[:-1] + (N_kv,) as a 4-D [B|1, H|1, N_q|1, N_kv|1]."""
+def _within_lengths(lengths: torch.Tensor, n_kv: int) -> torch.Tensor:
+    """lengths [..., 1] -> bool [..., N_kv]: True where key j < the length (the one rule of
+    key_lengths: keys at or past a sequence's length are padding)."""
+    keys = torch.arange(n_kv, device=lengths.device)  # [N_kv]
+    return keys < lengths  # [..., N_kv]
+
+
+def key_padding_from_lengths(lengths: torch.Tensor, n_kv: int) -> torch.Tensor:
+    """Key padding of sequences of the given lengths: bool [..., N_kv], True = padding.
+
+    lengths: integers of any shape [...]; key j of a sequence is padding when j >= its length.
+    """
+    return ~_within_lengths(lengths.unsqueeze(-1), n_kv)
+
+
+def _per_head(option: torch.Tensor, spec: InputSpec, *, trailing: int) -> bool:
+    """Whether key_lengths (trailing=0) or key_padding_mask (trailing=1, for N_kv) is given per
+    head ([..., H]) rather than per sequence: by its rank, as validate_inputs accepted it."""
+    return option.dim() - trailing > len(spec.batch_shape) and not spec.two_d
+
+
+def _lengths_4d(
+    spec: InputSpec, key_lengths: KeyLengths, device: torch.device | None
+) -> torch.Tensor:
+    """Validated key_lengths as int64 [B|1, H|1, 1, 1], ready to compare with key indices."""
+    if isinstance(key_lengths, torch.Tensor):
+        kl = key_lengths.to(device=device or key_lengths.device, dtype=torch.int64)
+    else:
+        kl = torch.as_tensor(key_lengths, dtype=torch.int64, device=device)
+    if kl.dim() == 0:  # one length for every sequence
+        return kl.reshape(1, 1, 1, 1)
+    return kl.reshape(spec.batch, spec.heads if _per_head(kl, spec, trailing=0) else 1, 1, 1)
+
+
+def key_lengths_by_head(
+    spec: InputSpec, key_lengths: KeyLengths, *, device: torch.device | None = None
+) -> torch.Tensor:
+    """Validated key_lengths as int64 [B, H|1] (H when given per head; [1, 1] for a single
+    length shared by every sequence), on device (default: key_lengths' own, or the CPU)."""
+    return _lengths_4d(spec, key_lengths, device)[:, :, 0, 0]
+
+
+def _key_visibility(
+    spec: InputSpec,
+    *,
+    key_lengths: KeyLengths | None,
+    key_padding_mask: torch.Tensor | None,
+    device: torch.device | None,
+) -> torch.Tensor | None:
+    """bool [B|1, H|1, 1, N_kv], True = visible (the complement of key_padding), or None."""
+    vis: torch.Tensor | None = None
+    if key_lengths is not None:
+        kl = _lengths_4d(spec, key_lengths, device)  # [B|1, H|1, 1, 1]
+        # A length equal to N_kv pads nothing; leave it out then (cheaper fused calls).
+        if int(kl.min()) < spec.n_kv:
+            vis = _within_lengths(kl, spec.n_kv)  # [B|1, H|1, 1, N_kv]
+    if key_padding_mask is not None:
+        width = spec.heads if _per_head(key_padding_mask, spec, trailing=1) else 1
+        kpm = key_padding_mask.reshape(spec.batch, width, 1, spec.n_kv)  # [B, H|1, 1, N_kv]
+        if device is not None and kpm.device != device:
+            kpm = kpm.to(device)
+        vis = ~kpm if vis is None else vis & ~kpm
+    return vis
+
+
+def key_padding(
+    spec: InputSpec,
+    *,
+    key_lengths: KeyLengths | None = None,
+    key_padding_mask: torch.Tensor | None = None,
+    device: torch.device | None = None,
+) -> torch.Tensor | None:
+    """The key padding of validated inputs: bool [B|1, H|1, N_kv], True = padding, or None
+    when no key is padding.
+
+    A key is padding when it lies at or past its sequence's key length or key_padding_mask
+    marks it (True = padding, nn.MultiheadAttention's convention); the head dim is H when
+    either option is given per head. device defaults to that of the options given.
+    """
+    vis = _key_visibility(
+        spec, key_lengths=key_lengths, key_padding_mask=key_padding_mask, device=device
+    )
+    return None if vis is None else ~vis.squeeze(2)
+
+
+def attn_mask_4d(mask: torch.Tensor, spec: InputSpec) -> torch.Tensor:
+    """A validated attn_mask (broadcastable to q.shape[:-1] + (N_kv,)) as a 4-D view
+    [B|1, H|1, N_q|1, N_kv|1] of the normalized [B, H, N_q, N_kv] scores."""
     full_rank = len(spec.row_shape) + 1
     m = mask.reshape((1,) * (full_rank - mask.dim()) + tuple(mask.shape))
     if spec.two_d:
@@ -118,7 +250,7 @@ def _to_4d_mask(mask: torch.Tensor, spec: InputSpec) -> torch.Tensor:
 def build_mask_plan(
     spec: InputSpec,
     *,
-    key_lengths: torch.Tensor | list[int] | tuple[int, ...] | int | None,
+    key_lengths: KeyLengths | None,
     key_padding_mask: torch.Tensor | None,
     attn_mask: torch.Tensor | None,
     device: torch.device,
@@ -126,27 +258,15 @@ def build_mask_plan(
     """Turn every (validated) mask option into a MaskPlan."""
     parts: list[torch.Tensor] = []
     bias: torch.Tensor | None = None
-    n_batch_dims = len(spec.batch_shape)
 
-    if key_lengths is not None:
-        kl = as_key_lengths(key_lengths, device)
-        per_head = kl.dim() > n_batch_dims and not spec.two_d
-        if kl.dim() == 0:  # one length for every sequence
-            kl4 = kl.reshape(1, 1, 1, 1)
-        else:
-            kl4 = kl.reshape(spec.batch, spec.heads if per_head else 1, 1, 1)  # [B, H|1, 1, 1]
-        keys = torch.arange(spec.n_kv, device=device)  # [N_kv]
-        # A length equal to N_kv masks nothing; skip the part then (cheaper fused calls).
-        if int(kl.min()) < spec.n_kv:
-            parts.append(keys < kl4)  # [B, H|1, 1, N_kv]
-
-    if key_padding_mask is not None:
-        per_head = key_padding_mask.dim() - 1 > n_batch_dims and not spec.two_d
-        kpm = key_padding_mask.reshape(spec.batch, spec.heads if per_head else 1, 1, spec.n_kv)
-        parts.append(~kpm)  # [B, H|1, 1, N_kv]; True = padding in the MHA convention
+    keys = _key_visibility(
+        spec, key_lengths=key_lengths, key_padding_mask=key_padding_mask, device=device
+    )
+    if keys is not None:
+        parts.append(keys)  # [B|1, H|1, 1, N_kv]
 
     if attn_mask is not None:
-        m4 = _to_4d_mask(attn_mask, spec)  # [B|1, H|1, N_q|1, N_kv|1]
+        m4 = attn_mask_4d(attn_mask, spec)  # [B|1, H|1, N_q|1, N_kv|1]
         if m4.dtype == torch.bool:
             parts.append(m4)
         else:

@@ -13,6 +13,7 @@ from typing import Literal, TypeAlias
 import torch
 
 from sdpa_core.errors import DTypeError, MaskError, NonFiniteError, SdpaError, ShapeError
+from sdpa_core.nonfinite import check_finite_bias, check_finite_inputs
 
 CausalMode: TypeAlias = Literal["none", "top_left", "bottom_right"]
 CausalArg: TypeAlias = bool | str | None
@@ -24,6 +25,31 @@ SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (
     torch.float64,
 )
 _DTYPE_NAMES = ("float16", "bfloat16", "float32", "float64")
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype softmax and statistics accumulate in: float64 for float64 inputs, else float32.
+
+    float16 and bfloat16 inputs are upcast: their exponentials and row sums would lose the
+    digits the diagnostics need. The weight matrix of the dense path is held in this dtype too.
+    """
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def default_scale(d: int) -> float:
+    """The softmax scale when none is given: 1 / sqrt(d) for head dim d (torch SDPA's default)."""
+    return 1.0 / math.sqrt(d)
+
+
+def resolve_scale(scale: float | None, d: int) -> float:
+    """The scale attention() uses: the one given, or default_scale(d) when it is None."""
+    return default_scale(d) if scale is None else float(scale)
+
+
+def score_matrix_nbytes(*, batch: int, heads: int, n_q: int, n_kv: int, dtype: torch.dtype) -> int:
+    """Bytes of a [batch, heads, n_q, n_kv] score or weight matrix for inputs of `dtype`
+    (held in accumulation_dtype(dtype))."""
+    return batch * heads * n_q * n_kv * accumulation_dtype(dtype).itemsize
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,8 +69,8 @@ class InputSpec:
     d_v: int
     dtype: torch.dtype
     causal: CausalMode
-    # Not in DESIGN's list but needed to shape results like the input: a 2-D q ([N_q, D]) has
-    # no head dim, unlike a 3-D [1, N_q, D] q that also has heads == 1.
+    # Needed to shape results like the input: a 2-D q ([N_q, D]) has no head dim, unlike a
+    # 3-D [1, N_q, D] q that also has heads == 1.
     two_d: bool = False
 
     @property
@@ -70,7 +96,7 @@ class InputSpec:
     @property
     def accum_dtype(self) -> torch.dtype:
         """Softmax and statistics accumulate in float32, or float64 for float64 inputs."""
-        return torch.float64 if self.dtype == torch.float64 else torch.float32
+        return accumulation_dtype(self.dtype)
 
 
 def normalize_causal(causal: CausalArg) -> CausalMode:
@@ -99,42 +125,6 @@ def _check_tensor(x: object, name: str) -> torch.Tensor:
             "must be a torch.Tensor", param=name, expected="torch.Tensor", got=type(x).__name__
         )
     return x
-
-
-def all_finite(*xs: torch.Tensor) -> list[bool]:
-    """For each (non-empty) tensor: True when it holds no NaN or Inf.
-
-    Fast path: a finite sum proves every entry finite (a NaN or an Inf anywhere makes the sum
-    NaN or Inf). It is one read pass with no temporaries, where torch.isfinite(x).all()
-    allocates and runs several: it matters for the fused path's overhead budget. Only a
-    non-finite sum (a real NaN/Inf, or a sum that overflowed) takes the exact check. Half
-    types sum in float32 so that large but finite tensors rarely overflow.
-    """
-    sums = [
-        x.sum(dtype=torch.float32) if x.dtype in (torch.float16, torch.bfloat16) else x.sum()
-        for x in xs
-    ]
-    if all(s.device.type == "cpu" for s in sums):
-        # No host sync to save on the CPU: reading each sum is cheaper than stacking them
-        # (measured: 8 us instead of 19 us for three [1, 4, 64, 64] tensors).
-        fast = [s.item() for s in sums]
-    else:
-        fast = torch.stack([s.to(torch.float64) for s in sums]).tolist()  # one host sync
-    return [
-        math.isfinite(val) or bool(torch.isfinite(x).all()) for val, x in zip(fast, xs, strict=True)
-    ]
-
-
-def _check_finite(x: torch.Tensor, name: str, ok: bool) -> None:
-    if ok:
-        return
-    bad = int((~torch.isfinite(x)).sum())
-    raise NonFiniteError(
-        "contains NaN or Inf (pass allow_nonfinite=True to accept them)",
-        param=name,
-        expected="finite values",
-        got=f"{bad} non-finite of {x.numel()}",
-    )
 
 
 def _check_no_empty(x: torch.Tensor, name: str, dim_names: tuple[str, ...]) -> None:
@@ -237,29 +227,17 @@ def validate_inputs(
                     expected=f"batch dims {tuple(lead)}",
                     got=f"{tuple(x.shape[:-3])}",
                 )
-    if k.shape[-1] != q.shape[-1]:
-        raise ShapeError(
-            "k's head dim must equal q's",
-            param="k",
-            expected=f"D = {q.shape[-1]}",
-            got=f"D = {k.shape[-1]}",
-        )
-    if v.shape[-2] != k.shape[-2]:
-        raise ShapeError(
-            "v must have as many keys as k",
-            param="v",
-            expected=f"N_kv = {k.shape[-2]}",
-            got=f"N_kv = {v.shape[-2]}",
-        )
     heads = q.shape[-3] if nd >= 3 else 1
     kv_heads = k.shape[-3] if nd >= 3 else 1
-    if nd >= 3 and v.shape[-3] != kv_heads:
-        raise ShapeError(
-            "v must have as many heads as k",
-            param="v",
-            expected=f"H_kv = {kv_heads}",
-            got=f"H_kv = {v.shape[-3]}",
-        )
+    # (param, what must match, its name, expected, got); v's heads only exist from 3-D on.
+    agreements = [
+        ("k", "k's head dim must equal q's", "D", q.shape[-1], k.shape[-1]),
+        ("v", "v must have as many keys as k", "N_kv", k.shape[-2], v.shape[-2]),
+        ("v", "v must have as many heads as k", "H_kv", kv_heads, v.shape[-3] if nd >= 3 else 1),
+    ]
+    for param, message, dim, want, got in agreements:
+        if got != want:
+            raise ShapeError(message, param=param, expected=f"{dim} = {want}", got=f"{dim} = {got}")
     if heads % kv_heads != 0:
         raise ShapeError(
             "query heads must be a multiple of kv heads (GQA)",
@@ -295,8 +273,7 @@ def validate_inputs(
             )
 
     if check_finite and not allow_nonfinite:
-        for name, x, ok in zip(("q", "k", "v"), (q, k, v), all_finite(q, k, v), strict=True):
-            _check_finite(x, name, ok)
+        check_finite_inputs(q=q, k=k, v=v)
 
     return InputSpec(
         batch_shape=tuple(lead),
@@ -312,44 +289,26 @@ def validate_inputs(
     )
 
 
-def as_key_lengths(
-    key_lengths: torch.Tensor | list[int] | tuple[int, ...] | int, device: torch.device
-) -> torch.Tensor:
-    """key_lengths as an int64 tensor on device (validated by validate_inputs)."""
-    if isinstance(key_lengths, torch.Tensor):
-        return key_lengths.to(device=device, dtype=torch.int64)
-    return torch.as_tensor(key_lengths, dtype=torch.int64, device=device)
-
-
 def _validate_key_lengths(
     key_lengths: object, q_shape: tuple[int, ...], n_kv: int, device: torch.device
 ) -> None:
-    if isinstance(key_lengths, torch.Tensor):
-        kl = key_lengths
-        if kl.dtype == torch.bool or kl.is_floating_point() or kl.is_complex():
-            raise MaskError(
-                "key_lengths must be integers",
-                param="key_lengths",
-                expected="an integer tensor",
-                got=_dtype_name(kl.dtype),
-            )
-    else:
-        try:
-            kl = torch.as_tensor(key_lengths)
-        except (TypeError, ValueError, RuntimeError) as exc:
-            raise MaskError(
-                "key_lengths must be integers",
-                param="key_lengths",
-                expected="integers",
-                got=type(key_lengths).__name__,
-            ) from exc
-        if kl.dtype == torch.bool or kl.is_floating_point() or kl.is_complex():
-            raise MaskError(
-                "key_lengths must be integers",
-                param="key_lengths",
-                expected="integers",
-                got=_dtype_name(kl.dtype),
-            )
+    expected = "an integer tensor" if isinstance(key_lengths, torch.Tensor) else "integers"
+    try:
+        kl = key_lengths if isinstance(key_lengths, torch.Tensor) else torch.as_tensor(key_lengths)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise MaskError(
+            "key_lengths must be integers",
+            param="key_lengths",
+            expected=expected,
+            got=type(key_lengths).__name__,
+        ) from exc
+    if kl.dtype == torch.bool or kl.is_floating_point() or kl.is_complex():
+        raise MaskError(
+            "key_lengths must be integers",
+            param="key_lengths",
+            expected=expected,
+            got=_dtype_name(kl.dtype),
+        )
     per_seq, per_head = _per_sequence_or_head(q_shape, ())
     shape = tuple(kl.shape)
     if shape not in (per_seq, per_head, ()):  # a scalar applies to every sequence
@@ -369,16 +328,29 @@ def _validate_key_lengths(
         )
 
 
+def _mask_tensor(mask: object, param: str, kind: str) -> torch.Tensor:
+    """mask itself when it is a tensor, else a MaskError naming param."""
+    if not isinstance(mask, torch.Tensor):
+        raise MaskError(
+            f"{param} must be a tensor", param=param, expected=kind, got=type(mask).__name__
+        )
+    return mask
+
+
+def _check_on_device(mask: torch.Tensor, param: str, device: torch.device) -> None:
+    if mask.device != device:
+        raise MaskError(
+            f"{param} must be on q's device",
+            param=param,
+            expected=str(device),
+            got=str(mask.device),
+        )
+
+
 def _validate_key_padding_mask(
     mask: object, q_shape: tuple[int, ...], n_kv: int, device: torch.device
 ) -> None:
-    if not isinstance(mask, torch.Tensor):
-        raise MaskError(
-            "key_padding_mask must be a tensor",
-            param="key_padding_mask",
-            expected="bool tensor",
-            got=type(mask).__name__,
-        )
+    mask = _mask_tensor(mask, "key_padding_mask", "bool tensor")
     if mask.dtype != torch.bool:
         raise DTypeError(
             "key_padding_mask must be boolean (True = padding)",
@@ -386,13 +358,7 @@ def _validate_key_padding_mask(
             expected="bool",
             got=_dtype_name(mask.dtype),
         )
-    if mask.device != device:
-        raise MaskError(
-            "key_padding_mask must be on q's device",
-            param="key_padding_mask",
-            expected=str(device),
-            got=str(mask.device),
-        )
+    _check_on_device(mask, "key_padding_mask", device)
     per_seq, per_head = _per_sequence_or_head(q_shape, (n_kv,))
     if tuple(mask.shape) not in (per_seq, per_head):
         raise MaskError(
@@ -411,13 +377,7 @@ def _validate_attn_mask(
     device: torch.device,
     allow_nonfinite: bool,
 ) -> None:
-    if not isinstance(mask, torch.Tensor):
-        raise MaskError(
-            "attn_mask must be a tensor",
-            param="attn_mask",
-            expected="bool or float tensor",
-            got=type(mask).__name__,
-        )
+    mask = _mask_tensor(mask, "attn_mask", "bool or float tensor")
     if mask.dtype != torch.bool and mask.dtype not in (torch.float32, dtype):
         raise DTypeError(
             "attn_mask must be bool (True = attend) or float (additive bias)",
@@ -425,13 +385,7 @@ def _validate_attn_mask(
             expected=f"bool, float32 or {_dtype_name(dtype)}",
             got=_dtype_name(mask.dtype),
         )
-    if mask.device != device:
-        raise MaskError(
-            "attn_mask must be on q's device",
-            param="attn_mask",
-            expected=str(device),
-            got=str(mask.device),
-        )
+    _check_on_device(mask, "attn_mask", device)
     target = (*q_shape[:-1], n_kv)
     ok = mask.dim() <= len(target) and all(
         m in (1, t) for m, t in zip(reversed(mask.shape), reversed(target), strict=False)
@@ -444,15 +398,7 @@ def _validate_attn_mask(
             got=f"shape {list(mask.shape)}",
         )
     if mask.dtype != torch.bool and not allow_nonfinite:
-        # -inf is the additive way of saying "not visible"; NaN and +inf have no meaning.
-        bad = torch.isnan(mask) | (mask == math.inf)
-        if bool(bad.any()):
-            raise NonFiniteError(
-                "float attn_mask may hold -inf (not visible) but not NaN or +inf",
-                param="attn_mask",
-                expected="finite values or -inf",
-                got=f"{int(bad.sum())} NaN/+inf entries",
-            )
+        check_finite_bias(mask)
 
 
 def to_4d(x: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,18 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sdpa_core import RowStats, attention, summarize
+from sdpa_core import (
+    PER_HEAD_FIELDS,
+    PER_ROW_FIELDS,
+    ROW_STATS_FIELDS,
+    SUMMARY_FIELDS,
+    DiagnosticsSummary,
+    PerHeadStats,
+    PerRowStats,
+    RowStats,
+    attention,
+    summarize,
+)
 from tests.core.reference import reference_attention, reference_rows, visibility
 
 STAT_PATHS = ("dense", "chunked")
@@ -295,34 +306,54 @@ def test_property_chunked_equals_dense(problem: dict[str, Any]) -> None:
         assert chunk.diagnostics.summary.as_dict()[name] == pytest.approx(val, rel=1e-4, abs=1e-5)
 
 
+# The diagnostic fields written out by hand: the API's contract, checked against the code.
+SUMMARY_BY_HAND = [
+    "entropy",
+    "normalized_entropy",
+    "effective_keys",
+    "max_weight",
+    "saturated_fraction",
+    "score_mean_raw",
+    "score_variance_raw",
+    "score_variance_scaled",
+    "score_abs_max_scaled",
+    "grad_health",
+    "jacobian_fro",
+    "masked_rows",
+]
+PER_ROW_BY_HAND = [
+    "entropy",
+    "normalized_entropy",
+    "max_weight",
+    "effective_keys",
+    "lse",
+    "visible_keys",
+]
+
+
+def test_field_lists_are_the_dataclasses() -> None:
+    """The exported field tuples (what wire models, clients and the explorer are checked
+    against) are the contract's names, in order, and the dataclasses' own fields."""
+    assert list(SUMMARY_FIELDS) == SUMMARY_BY_HAND
+    assert PER_HEAD_FIELDS == SUMMARY_FIELDS
+    assert list(PER_ROW_FIELDS) == PER_ROW_BY_HAND
+    assert tuple(f.name for f in fields(DiagnosticsSummary)) == SUMMARY_FIELDS
+    assert tuple(f.name for f in fields(PerHeadStats)) == PER_HEAD_FIELDS
+    assert tuple(f.name for f in fields(PerRowStats)) == PER_ROW_FIELDS
+    assert tuple(f.name for f in fields(RowStats)) == ROW_STATS_FIELDS
+    for names in (SUMMARY_FIELDS, PER_HEAD_FIELDS, PER_ROW_FIELDS, ROW_STATS_FIELDS):
+        assert isinstance(names, tuple)
+        assert all(isinstance(n, str) for n in names)
+
+
 def test_summary_fields_and_as_dict_order() -> None:
     q = torch.randn(2, 3, 4)
     res = attention(q, q, q, diagnostics="full")
     assert res.diagnostics is not None
     assert res.diagnostics.per_row is not None
-    assert list(res.diagnostics.summary.as_dict()) == [
-        "entropy",
-        "normalized_entropy",
-        "effective_keys",
-        "max_weight",
-        "saturated_fraction",
-        "score_mean_raw",
-        "score_variance_raw",
-        "score_variance_scaled",
-        "score_abs_max_scaled",
-        "grad_health",
-        "jacobian_fro",
-        "masked_rows",
-    ]
+    assert list(res.diagnostics.summary.as_dict()) == SUMMARY_BY_HAND
     assert list(res.diagnostics.per_head.as_dict()) == list(res.diagnostics.summary.as_dict())
-    assert list(res.diagnostics.per_row.as_dict()) == [
-        "entropy",
-        "normalized_entropy",
-        "max_weight",
-        "effective_keys",
-        "lse",
-        "visible_keys",
-    ]
+    assert list(res.diagnostics.per_row.as_dict()) == PER_ROW_BY_HAND
     assert isinstance(res.diagnostics.summary.masked_rows, int)
     assert res.diagnostics.per_head.entropy.shape == (2,)
     assert res.diagnostics.per_row.entropy.shape == (2, 3)

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import math
-import sys
 
 import pytest
 import torch
 
-from sdpa_core import attention
+from sdpa_core import attention, default_scale
+from sdpa_core.attention import prepare_inputs
+from sdpa_core.fused import fused_attention
 from tests.core.reference import (
     assert_matches_golden,
     lowp_reference,
@@ -81,25 +82,24 @@ def test_cuda_fully_masked_rows_are_zero(path: str, dtype: torch.dtype) -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
 @pytest.mark.parametrize("n_q", [33, 65])
-def test_cuda_fused_query_tiles_match_reference(
-    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, n_q: int
-) -> None:
+def test_cuda_fused_query_tiles_match_reference(dtype: torch.dtype, n_q: int) -> None:
     """The fused path's query tiles on CUDA (a tiny budget: tiles of one row), bottom-right
     causal with key lengths and N_q > N_kv (fully masked first rows), N_kv not a multiple of 8
     (the memory-efficient kernel pads such masks)."""
-    monkeypatch.setattr(sys.modules["sdpa_core.attention"], "FUSED_TILE_BYTES", 1)
     n_kv = 45
     gen = torch.Generator().manual_seed(n_q)
     q = torch.randn(2, 4, n_q, 64, generator=gen).to(dtype)
     k = torch.randn(2, 2, n_kv, 64, generator=gen).to(dtype)
     v = torch.randn(2, 2, n_kv, 64, generator=gen).to(dtype)
     kl = [n_kv, 7]
-    res = attention(
-        q.cuda(), k.cuda(), v.cuda(), causal="bottom_right", key_lengths=torch.tensor(kl).cuda()
+    options = {"causal": "bottom_right", "key_lengths": torch.tensor(kl).cuda()}
+    assert attention(q.cuda(), k.cuda(), v.cuda(), **options).path == "fused"
+    inputs = prepare_inputs(q.cuda(), k.cuda(), v.cuda(), **options)
+    out4, _ = fused_attention(
+        inputs.q4, inputs.k4, inputs.v4, inputs.plan, scale=default_scale(64), tile_bytes=1
     )
-    assert res.path == "fused"
     vis = visibility(b=2, h=4, n_q=n_q, n_kv=n_kv, causal="bottom_right", key_lengths=kl)
     ref = reference_attention(q, k, v, vis)
-    out = res.output.cpu()
+    out = out4.cpu()
     assert_matches_golden(out, ref.out, lowp_reference(q, k, v, vis))
     assert torch.all(out[~vis.any(-1)] == 0)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import sdpa_core
 
@@ -44,6 +45,35 @@ def test_public_names() -> None:
         "NonFiniteError",
         "PerHeadStats",
         "PerRowStats",
+        # the one owner of each rule callers must not re-derive
+        "default_scale",
+        "resolve_scale",
+        "normalize_causal",
+        "accumulation_dtype",
+        "score_matrix_nbytes",
+        "key_padding",
+        "key_padding_from_lengths",
+        "key_lengths_by_head",
+        "attn_mask_4d",
+        "DIAGNOSTICS_LEVELS",
+        "check_diagnostics_level",
+        "PATHS",
+        "SUMMARY_FIELDS",
+        "PER_HEAD_FIELDS",
+        "PER_ROW_FIELDS",
+        "ROW_STATS_FIELDS",
+        "DEFAULT_FUSED_TILE_BYTES",
     ):
         assert name in sdpa_core.__all__
         assert hasattr(sdpa_core, name)
+
+
+def test_every_exported_name_exists() -> None:
+    assert sorted(set(sdpa_core.__all__)) == sorted(sdpa_core.__all__)
+    for name in sdpa_core.__all__:
+        assert hasattr(sdpa_core, name), name
+
+
+def test_ships_type_information() -> None:
+    """PEP 561: py.typed beside __init__.py tells type checkers to read the inline hints."""
+    assert (Path(sdpa_core.__file__).parent / "py.typed").is_file()

@@ -15,8 +15,11 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from torch.nn.functional import scaled_dot_product_attention
 
-from sdpa_core import attention
+from sdpa_core import DEFAULT_FUSED_TILE_BYTES, attention, default_scale
+from sdpa_core.attention import prepare_inputs
+from sdpa_core.fused import SdpaFunction, fused_attention
 from tests.core.reference import (
     assert_matches_golden,
     lowp_reference,
@@ -24,11 +27,6 @@ from tests.core.reference import (
     reference_rows,
     visibility,
 )
-
-# The module (sdpa_core re-exports the function under the same name).
-ATTENTION_MODULE = sys.modules["sdpa_core.attention"]
-
-FUSED_BUDGET_DEFAULT = ATTENTION_MODULE.FUSED_TILE_BYTES
 
 AXES: dict[str, tuple[Any, ...]] = {
     "path": ("fused", "dense", "chunked"),
@@ -153,6 +151,19 @@ def make_inputs(
     return Inputs(q, k, v, kwargs, vis, bias)
 
 
+def check_output(inp: Inputs, output: torch.Tensor, *, scale: float | None = None) -> Any:
+    """dtype and shape of q, the float64 reference within tolerance, fully masked rows exactly
+    0. Returns the reference."""
+    assert output.dtype == inp.q.dtype
+    assert output.shape == (*inp.q.shape[:-1], inp.v.shape[-1])
+    ref = reference_attention(inp.q, inp.k, inp.v, inp.visible, scale=scale, bias=inp.bias)
+    lowp = lowp_reference(inp.q, inp.k, inp.v, inp.visible, scale=scale, bias=inp.bias)
+    assert_matches_golden(output, ref.out, lowp)
+    empty_rows = ~inp.visible.any(-1)  # [B, H, N_q]
+    assert torch.all(output.reshape(ref.out.shape)[empty_rows] == 0)
+    return ref
+
+
 def check_against_reference(inp: Inputs, path: str, *, scale: float | None = None) -> None:
     """Output (every path), weights (dense) and row diagnostics (dense, chunked)."""
     wants_stats = path != "fused"
@@ -168,13 +179,7 @@ def check_against_reference(inp: Inputs, path: str, *, scale: float | None = Non
         **inp.kwargs,
     )
     assert res.path == path
-    assert res.output.dtype == inp.q.dtype
-    assert res.output.shape == (*inp.q.shape[:-1], inp.v.shape[-1])
-    ref = reference_attention(inp.q, inp.k, inp.v, inp.visible, scale=scale, bias=inp.bias)
-    lowp = lowp_reference(inp.q, inp.k, inp.v, inp.visible, scale=scale, bias=inp.bias)
-    assert_matches_golden(res.output, ref.out, lowp)
-    empty_rows = ~inp.visible.any(-1)  # [B, H, N_q]
-    assert torch.all(res.output.reshape(ref.out.shape)[empty_rows] == 0)
+    ref = check_output(inp, res.output, scale=scale)
 
     if path == "dense":
         assert res.weights is not None
@@ -391,19 +396,37 @@ def test_dense_tiles_over_queries_with_long_keys(heads: tuple[int, int]) -> None
         torch.testing.assert_close(chunk.row_stats.as_dict()[name], val, rtol=1e-4, atol=1e-5)
 
 
+def fused_with_budget(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    tile_bytes: int,
+    sdpa: SdpaFunction = scaled_dot_product_attention,
+    **options: Any,
+) -> tuple[torch.Tensor, str | None]:
+    """The fused path run directly with a tile budget (and a kernel to call): the output
+    shaped as attention()'s and the backend name."""
+    inputs = prepare_inputs(q, k, v, **options)
+    out4, backend = fused_attention(
+        inputs.q4, inputs.k4, inputs.v4, inputs.plan,
+        scale=default_scale(inputs.spec.d), tile_bytes=tile_bytes, sdpa=sdpa,
+    )  # fmt: skip
+    return out4.reshape(*inputs.spec.row_shape, inputs.spec.d_v), backend
+
+
 @pytest.mark.parametrize("budget", [1, 3000])
 @pytest.mark.parametrize(
     ("causal", "n_q"), [("bottom_right", 7), ("bottom_right", 13), ("top_left", 8)]
 )
 @pytest.mark.parametrize("mask", ["bool", "float"])
 def test_fused_runs_large_masks_in_query_tiles(
-    monkeypatch: pytest.MonkeyPatch, budget: int, causal: str, n_q: int, mask: str
+    budget: int, causal: str, n_q: int, mask: str
 ) -> None:
     """Past the budget the fused path runs tiles of query rows (1 row, or 2 and a short last
     tile: GQA with a mask runs on torch's math kernel here, 1298 bytes a row): every row still
     equals the float64 reference, fully masked rows (bottom-right causal with N_q > N_kv, zero
     key lengths) are exactly 0."""
-    monkeypatch.setattr(ATTENTION_MODULE, "FUSED_TILE_BYTES", budget)
     inp = make_inputs(
         causal=causal,
         n_q=n_q,
@@ -414,13 +437,13 @@ def test_fused_runs_large_masks_in_query_tiles(
         dtype=torch.float32,
         seed=n_q,
     )
-    check_against_reference(inp, "fused")
-    tiled = attention(inp.q, inp.k, inp.v, **inp.kwargs)
-    monkeypatch.undo()
+    tiled, tiled_backend = fused_with_budget(inp.q, inp.k, inp.v, tile_bytes=budget, **inp.kwargs)
+    check_output(inp, tiled)
     whole = attention(inp.q, inp.k, inp.v, **inp.kwargs)
-    assert tiled.backend is not None
-    assert tiled.backend == whole.backend  # the first tile's backend is the one reported
-    torch.testing.assert_close(tiled.output, whole.output, rtol=1e-6, atol=1e-6)
+    assert whole.path == "fused"
+    assert tiled_backend is not None
+    assert tiled_backend == whole.backend  # the first tile's backend is the one reported
+    torch.testing.assert_close(tiled, whole.output, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize(
@@ -474,7 +497,7 @@ _CAUSAL_PADDED = {"causal": "bottom_right", "key_lengths": [9, 4]}
         # Top-left causal on a kernel that takes is_causal: no mask at all, one call too.
         ({"causal": True}, 8, 1, 1),
         (_CAUSAL_PADDED, 8, 3 * 242, 3),  # rows 0-2, 3-5, 6
-        (_CAUSAL_PADDED, 8, FUSED_BUDGET_DEFAULT, 1),
+        (_CAUSAL_PADDED, 8, DEFAULT_FUSED_TILE_BYTES, 1),
         # A bias without a key dimension is never widened to N_kv: 7 rows fit 7 x 88 bytes.
         ({"attn_mask": "bias_per_query"}, 8, 7 * 88, 1),
         # No mask, but the math kernel (D_v != D): its scores set the tiles, and tiles of a
@@ -485,7 +508,6 @@ _CAUSAL_PADDED = {"causal": "bottom_right", "key_lengths": [9, 4]}
     ],
 )
 def test_fused_tiles_follow_what_grows_with_the_queries(
-    monkeypatch: pytest.MonkeyPatch,
     options: dict[str, Any],
     d_v: int,
     budget: int,
@@ -494,28 +516,24 @@ def test_fused_tiles_follow_what_grows_with_the_queries(
     """How many SDPA calls the fused path makes for a budget: one per tile of query rows, a
     single one when the mask has no query dimension; each result equals the untiled call and
     the float64 reference."""
-    real = ATTENTION_MODULE.scaled_dot_product_attention
     seen: list[int] = []
 
     def counted(q: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         seen.append(q.shape[-2])
-        return real(q, *args, **kwargs)
+        return scaled_dot_product_attention(q, *args, **kwargs)
 
     gen = torch.Generator().manual_seed(5)
     q = torch.randn(2, 4, 7, 8, generator=gen)
     k, v = torch.randn(2, 4, 11, 8, generator=gen), torch.randn(2, 4, 11, d_v, generator=gen)
     if options.get("attn_mask") == "bias_per_query":
         options = {"attn_mask": torch.randn(2, 4, 7, 1, generator=gen)}
-    monkeypatch.setattr(ATTENTION_MODULE, "FUSED_TILE_BYTES", budget)
-    monkeypatch.setattr(ATTENTION_MODULE, "scaled_dot_product_attention", counted)
-    res = attention(q, k, v, **options)
-    assert res.path == "fused"
+    tiled, backend = fused_with_budget(q, k, v, tile_bytes=budget, sdpa=counted, **options)
     assert len(seen) == calls
     assert sum(seen) == 7  # every query row exactly once
-    monkeypatch.undo()
     whole = attention(q, k, v, **options)
-    torch.testing.assert_close(res.output, whole.output)
-    assert res.backend == whole.backend
+    assert whole.path == "fused"
+    torch.testing.assert_close(tiled, whole.output)
+    assert backend == whole.backend
     causal = options.get("causal", False)
     kl = options.get("key_lengths")
     bias = options.get("attn_mask")
@@ -524,4 +542,4 @@ def test_fused_tiles_follow_what_grows_with_the_queries(
         key_lengths=kl, attn_mask=bias,
     )  # fmt: skip
     ref = reference_attention(q, k, v, vis, bias=bias)
-    assert_matches_golden(res.output, ref.out, None)
+    assert_matches_golden(tiled, ref.out, None)
