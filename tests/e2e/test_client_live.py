@@ -1,4 +1,4 @@
-"""service.client against a real `sdpa-service serve` on loopback.
+"""sdpa_client against a real `sdpa-service serve` on loopback.
 
 The truth is sdpa_core itself, called in the test on the same inputs: the client's decoded
 numpy arrays must equal what the library computes in-process (and both are checked against a
@@ -14,14 +14,14 @@ import numpy as np
 import pytest
 import torch
 
-from sdpa_core import analyze_scaling, attention, make_synthetic_qk
-from service.client import (
+from sdpa_client import (
     AsyncSDPAClient,
-    DiagnosticsSummary,
     SDPAAuthError,
     SDPAClient,
     SDPAValidationError,
+    SummaryStats,
 )
+from sdpa_core import analyze_scaling, attention, make_synthetic_qk
 from tests.support.live_server import LiveServer, live_server
 
 pytestmark = pytest.mark.xdist_group("client-live")
@@ -76,7 +76,7 @@ def test_attention_equals_sdpa_core(client: SDPAClient, encoding: str) -> None:
     assert result.diagnostics is not None
     assert ref.diagnostics is not None
     summary = result.diagnostics.summary
-    assert isinstance(summary, DiagnosticsSummary)
+    assert isinstance(summary, SummaryStats)
     for name, expected in ref.diagnostics.summary.as_dict().items():
         assert getattr(summary, name) == pytest.approx(expected, rel=1e-6, abs=1e-9), name
     assert summary.masked_rows == 4 * 16

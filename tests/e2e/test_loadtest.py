@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from service.loadtest import LatencySummary, LoadPlan, LoadReport, Sender, run_load
+from sdpa_client.loadgen import LatencySummary, LoadPlan, LoadReport, Sender, run_load
 from tests.support.live_server import REPO_ROOT, LiveServer, live_server
 
 pytestmark = pytest.mark.xdist_group("loadtest-live")
@@ -118,7 +118,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
 
 def loadtest(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "service.loadtest", "--no-progress", *args],
+        [sys.executable, "-m", "sdpa_client.loadtest", "--no-progress", *args],
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,

@@ -1,0 +1,212 @@
+"""The HTTP clients: `SDPAClient` (blocking) and `AsyncSDPAClient` (asyncio), over httpx.
+
+    with SDPAClient("http://127.0.0.1:8000", api_key="...") as client:
+        result = client.attention(q, k, v, causal=True, diagnostics="summary")
+        result.output                       # np.ndarray [..., H, N_q, D_v]
+        result.diagnostics.summary.entropy
+        result.meta.batch_size              # how many requests the server batched this one with
+
+Both have the same methods (`sdpa_client.calls.Endpoints`; the async ones return coroutines),
+and the same retries (`sdpa_client.retry`); they differ only in how they send and sleep. Each
+object keeps one httpx connection pool: create one client and reuse it, and close it (or use it
+as a context manager).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from typing import Any, Generic, Self, TypeVar
+
+import httpx
+
+from sdpa_client.calls import Call, Endpoints
+from sdpa_client.codec import encode_body
+from sdpa_client.retry import Attempts, RetryPolicy
+from sdpa_client.types import AnalyzeResponse, AttentionResponse
+from sdpa_client.version import __version__
+
+DEFAULT_TIMEOUT = httpx.Timeout(connect=5.0, read=60.0, write=60.0, pool=10.0)
+_READ_MARGIN_S = 5.0  # beyond a server-side timeout_ms, so that the server's 504 arrives first
+
+T = TypeVar("T")
+HttpT = TypeVar("HttpT", bound=httpx.Client | httpx.AsyncClient)
+TransportT = TypeVar("TransportT")
+SleepT = TypeVar("SleepT")
+
+
+class _Connection(Generic[HttpT, TransportT, SleepT]):
+    """What both clients hold: the settings, the httpx client, and how a Call becomes a request."""
+
+    def __init__(
+        self,
+        base_url: str = "http://127.0.0.1:8000",
+        *,
+        api_key: str | None = None,
+        timeout: float | httpx.Timeout = DEFAULT_TIMEOUT,
+        retry: RetryPolicy | None = None,
+        headers: Mapping[str, str] | None = None,
+        transport: TransportT | None = None,
+        sleep: SleepT | None = None,
+        rng: random.Random | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """Open a connection pool to one server (connections are made on first use).
+
+        Args:
+            base_url: e.g. "http://127.0.0.1:8000".
+            api_key: sent as "Authorization: Bearer <key>".
+            timeout: seconds, or an httpx.Timeout (default: connect 5 s, read and write 60 s).
+                A call with timeout_ms waits at least timeout_ms + 5 s for its answer.
+            retry: the RetryPolicy (default: 4 attempts within 60 s); `NO_RETRY` sends once.
+            headers: more headers for every request.
+            transport: an httpx transport in place of the network (httpx.MockTransport in
+                tests; an async one for AsyncSDPAClient).
+            sleep: waits between retries in place of time.sleep (asyncio.sleep for
+                AsyncSDPAClient), e.g. a fake that records the delays.
+            rng: the source of retry jitter (a seeded random.Random for reproducible waits).
+            clock: monotonic seconds, for the retries' total time budget.
+
+        Raises:
+            ValueError: a malformed base_url.
+        """
+        self.base_url = base_url.rstrip("/")
+        self.timeout = timeout if isinstance(timeout, httpx.Timeout) else httpx.Timeout(timeout)
+        self.retry = retry if retry is not None else RetryPolicy()
+        self._sleep = sleep
+        self._rng = rng or random.Random()
+        self._clock = clock
+        sent_headers = {"user-agent": f"sdpa-client/{__version__}"}
+        if api_key:
+            sent_headers["authorization"] = f"Bearer {api_key}"
+        sent_headers.update(headers or {})
+        self._http: HttpT = self._open(transport, sent_headers)
+
+    def _open(self, transport: TransportT | None, headers: dict[str, str]) -> HttpT:
+        raise NotImplementedError
+
+    def _prepare(self, call: Call[Any]) -> tuple[httpx.Request, Attempts]:
+        """The request to send (built once: a retry repeats the same bytes) and its attempts."""
+        headers: dict[str, str] = {}
+        content = None
+        if call.body is not None:
+            headers["content-type"] = "application/json"
+            content = encode_body(call.body)
+        if call.request_id is not None:
+            headers["x-request-id"] = call.request_id
+        request = self._http.build_request(
+            call.method, call.path, content=content, headers=headers,
+            timeout=self._timeout_for(call.timeout_ms),
+        )  # fmt: skip
+        attempts = Attempts(
+            self.retry, retryable=call.retryable, answers=call.answers, rng=self._rng,
+            clock=self._clock,
+        )  # fmt: skip
+        return request, attempts
+
+    def _timeout_for(self, timeout_ms: float | None) -> httpx.Timeout:
+        if timeout_ms is None or self.timeout.read is None:
+            return self.timeout
+        read = max(self.timeout.read, timeout_ms / 1000.0 + _READ_MARGIN_S)
+        return httpx.Timeout(
+            connect=self.timeout.connect, read=read, write=self.timeout.write,
+            pool=self.timeout.pool,
+        )  # fmt: skip
+
+
+class SDPAClient(
+    Endpoints[AttentionResponse, AnalyzeResponse, dict[str, Any], bool],
+    _Connection[httpx.Client, httpx.BaseTransport, Callable[[float], None]],
+):
+    """Blocking client of sdpa-service; its methods wait for the answer."""
+
+    def _open(self, transport: httpx.BaseTransport | None, headers: dict[str, str]) -> httpx.Client:
+        return httpx.Client(
+            base_url=self.base_url, timeout=self.timeout, headers=headers, transport=transport
+        )
+
+    def _dispatch(self, make: Callable[[], Call[T]]) -> T:
+        call = make()
+        request, attempts = self._prepare(call)
+        sleep = self._sleep or time.sleep
+        while (delay := attempts.judge(self._try(request))) is not None:
+            sleep(delay)
+        return call.read(attempts.answer)
+
+    def _try(self, request: httpx.Request) -> httpx.Response | httpx.TransportError:
+        try:
+            return self._http.send(request)
+        except httpx.TransportError as exc:
+            return exc
+
+    def close(self) -> None:
+        """Close the connection pool; the client cannot be used after it.
+
+        Returns:
+            None.
+
+        Raises:
+            Nothing of its own; closing twice is harmless.
+        """
+        self._http.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+class AsyncSDPAClient(
+    Endpoints[
+        Coroutine[Any, Any, AttentionResponse],
+        Coroutine[Any, Any, AnalyzeResponse],
+        Coroutine[Any, Any, dict[str, Any]],
+        Coroutine[Any, Any, bool],
+    ],
+    _Connection[httpx.AsyncClient, httpx.AsyncBaseTransport, Callable[[float], Awaitable[None]]],
+):
+    """asyncio client of sdpa-service; its methods return coroutines (await them)."""
+
+    def _open(
+        self, transport: httpx.AsyncBaseTransport | None, headers: dict[str, str]
+    ) -> httpx.AsyncClient:
+        return httpx.AsyncClient(
+            base_url=self.base_url, timeout=self.timeout, headers=headers, transport=transport
+        )
+
+    def _dispatch(self, make: Callable[[], Call[T]]) -> Coroutine[Any, Any, T]:
+        return self._exchange(make)
+
+    async def _exchange(self, make: Callable[[], Call[T]]) -> T:
+        call = make()
+        request, attempts = self._prepare(call)
+        sleep = self._sleep or asyncio.sleep
+        while (delay := attempts.judge(await self._try(request))) is not None:
+            await sleep(delay)
+        return call.read(attempts.answer)
+
+    async def _try(self, request: httpx.Request) -> httpx.Response | httpx.TransportError:
+        try:
+            return await self._http.send(request)
+        except httpx.TransportError as exc:
+            return exc
+
+    async def aclose(self) -> None:
+        """Close the connection pool (a coroutine); the client cannot be used after it.
+
+        Returns:
+            None, once the connections are closed.
+
+        Raises:
+            Nothing of its own; closing twice is harmless.
+        """
+        await self._http.aclose()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()

@@ -1,0 +1,94 @@
+"""The payloads of a load test: standard attention requests (presets) or a body from a file.
+
+A payload is encoded once, before the run, so that the generator's cost per request is the HTTP
+exchange only.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import numpy.typing as npt
+
+from sdpa_client.calls import build_attention_body
+from sdpa_client.codec import Encoding, encode_body
+
+
+@dataclass(frozen=True, slots=True)
+class Preset:
+    """A standard attention request: q, k, v of shape [batch, heads, n, d] (float32)."""
+
+    name: str
+    batch: int
+    heads: int
+    n: int
+    d: int
+    return_weights: bool
+    diagnostics: Literal["none", "summary", "full"]
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        return (self.batch, self.heads, self.n, self.d)
+
+    def arrays(
+        self, *, seed: int = 0
+    ) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.float32], npt.NDArray[np.float32]]:
+        """q, k, v drawn from N(0, 1), seeded: the same bytes for every system and run."""
+        rng = np.random.default_rng(seed)
+        q, k, v = (rng.standard_normal(self.shape, dtype=np.float32) for _ in range(3))
+        return q, k, v  # [B, H, N, D] each
+
+    def request(self, *, encoding: Encoding, seed: int = 0) -> dict[str, Any]:
+        """The JSON body of this preset's /v1/attention request."""
+        q, k, v = self.arrays(seed=seed)
+        return build_attention_body(
+            q, k, v, return_weights=self.return_weights, diagnostics=self.diagnostics,
+            encoding=encoding,
+        )  # fmt: skip
+
+    def describe(self) -> str:
+        """One line: shape, weights, diagnostics."""
+        parts = [f"B={self.batch} H={self.heads} N={self.n} D={self.d}"]
+        parts.append("weights" if self.return_weights else "no weights")
+        parts.append(f"diagnostics={self.diagnostics}")
+        return ", ".join(parts)
+
+
+# The three payloads of bench/service.py (the service issue's definitions): only medium asks for
+# weights and diagnostics; small and large take the fused kernel's path, output only.
+PRESETS: dict[str, Preset] = {
+    "small": Preset("small", 1, 4, 64, 64, return_weights=False, diagnostics="none"),
+    "medium": Preset("medium", 1, 8, 256, 64, return_weights=True, diagnostics="summary"),
+    "large": Preset("large", 1, 8, 1024, 64, return_weights=False, diagnostics="none"),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Payload:
+    """One pre-encoded request: sent as-is, as many times as the run needs."""
+
+    name: str
+    path: str
+    body: bytes
+    description: str = ""
+
+    @classmethod
+    def from_preset(
+        cls, preset: Preset, *, encoding: Encoding = "base64", seed: int = 0,
+        path: str = "/v1/attention",
+    ) -> Payload:  # fmt: skip
+        body = encode_body(preset.request(encoding=encoding, seed=seed))
+        return cls(preset.name, path, body, f"{preset.describe()}, {encoding}")
+
+    @classmethod
+    def from_file(cls, file: Path, *, path: str = "/v1/attention") -> Payload:
+        body = file.read_bytes()
+        try:
+            json.loads(body)
+        except ValueError as exc:
+            raise ValueError(f"{file}: not JSON ({exc})") from exc
+        return cls(file.name, path, body, f"request file {file}")

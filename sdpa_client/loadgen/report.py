@@ -1,0 +1,75 @@
+"""What a load test writes: the text report, per-request CSV and a latency histogram (PNG)."""
+
+from __future__ import annotations
+
+import csv
+import importlib
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, TextIO
+
+from sdpa_client.loadgen.run import LoadReport, RequestRecord
+
+
+def write_csv(records: Sequence[RequestRecord], out: TextIO) -> None:
+    writer = csv.writer(out)
+    writer.writerow(["index", "start_s", "latency_ms", "status", "error"])
+    for i, r in enumerate(records):
+        writer.writerow(
+            [i, f"{r.start_s:.6f}", f"{r.latency_s * 1000:.3f}", r.status, r.error or ""]
+        )
+
+
+def require_matplotlib() -> Any:
+    try:
+        matplotlib = importlib.import_module("matplotlib")
+    except ImportError as exc:
+        raise SystemExit(
+            "sdpa-loadtest: --histogram needs matplotlib: pip install matplotlib"
+        ) from exc
+    matplotlib.use("Agg")
+    return importlib.import_module("matplotlib.pyplot")
+
+
+def write_histogram(report: LoadReport, path: Path, *, title: str) -> None:
+    plt = require_matplotlib()
+    latencies = [r.latency_s * 1000 for r in report.records if r.error is None]
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    if latencies:
+        ax.hist(latencies, bins=min(100, max(10, len(latencies) // 20)), color="#4477aa")
+        lat = report.latency
+        for label, value, style in (("p50", lat.p50_ms, "-"), ("p90", lat.p90_ms, "--"),
+                                    ("p99", lat.p99_ms, ":")):  # fmt: skip
+            ax.axvline(value, color="#cc3311", linestyle=style, label=f"{label} {value:.2f} ms")
+        ax.legend()
+    ax.set_xlabel("latency (ms), successful requests")
+    ax.set_ylabel("requests")
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def format_report(report: LoadReport, *, target: str) -> str:
+    lat = report.latency
+    errors = ", ".join(f"{k}: {v}" for k, v in report.errors.items()) or "none"
+    lines = [
+        f"target      {target}",
+        f"mode        {report.mode} loop, "
+        + (
+            f"concurrency {report.concurrency}"
+            if report.mode == "closed"
+            else f"rate {report.rate:g}/s, max in flight {report.concurrency}"
+        ),
+        f"sent        {report.sent}   ok {report.ok}   errors {report.sent - report.ok} "
+        f"({errors})" + (f"   dropped {report.dropped}" if report.mode == "open" else ""),
+        f"throughput  {report.throughput_rps:.1f} ok/s over {report.elapsed_s:.2f} s",
+        f"latency ms  p50 {lat.p50_ms:.2f}   p90 {lat.p90_ms:.2f}   p99 {lat.p99_ms:.2f}   "
+        f"max {lat.max_ms:.2f}   (mean {lat.mean_ms:.2f}, {lat.count} ok requests)",
+        f"client CPU  {report.client_cpu_s:.2f} s = {report.client_cpu_percent:.0f}% of one core",
+    ]
+    if report.generator_busy:
+        lines.append(
+            "            the generator is near one full core: it may be the limit, not the server"
+        )
+    return "\n".join(lines)
