@@ -46,9 +46,10 @@ RUN python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml
 # The code last. --no-deps: everything it needs is installed above.
 COPY README.md ./
 COPY sdpa_core ./sdpa_core
+COPY sdpa_client ./sdpa_client
 COPY service ./service
 RUN pip install --no-cache-dir --no-deps . \
-    && python -c "import sdpa_core, service.cli"
+    && python -c "import sdpa_core, sdpa_client, service.cli"
 
 # ---- runtime: the virtual environment on a fresh slim base, as a non-root user -------------
 FROM python:${PYTHON_VERSION}-slim AS runtime

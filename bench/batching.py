@@ -57,8 +57,9 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:  # run as a script: make `service` and `tests` importable
     sys.path.insert(0, str(REPO_ROOT))
 
-from service.engine import AttentionJob, Engine  # noqa: E402
-from tests.support.live_server import LiveServer, live_server  # noqa: E402
+from bench.support import BenchServer, live_server  # noqa: E402
+from service.runtime.engine import Engine  # noqa: E402
+from service.runtime.jobs import AttentionJob, PreparedJob, prepare  # noqa: E402
 
 RESULTS = REPO_ROOT / "bench" / "results"
 CONCURRENCY = (1, 8, 32, 64)
@@ -234,7 +235,7 @@ def summarize_runs(runs: Sequence[RunResult]) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def servers(tmp: Path) -> Iterator[dict[str, LiveServer]]:
+def servers(tmp: Path) -> Iterator[dict[str, BenchServer]]:
     with (
         live_server({}, tmp_path=tmp) as on,
         live_server({"SDPA_MAX_BATCH_SIZE": "1"}, tmp_path=tmp) as off,
@@ -398,18 +399,19 @@ def soak(tmp: Path, *, rate: float, seconds: float, warmup_s: float) -> dict[str
 # ---- engine only ---------------------------------------------------------------------------
 
 
-def engine_jobs(spec: PayloadSpec, traffic: str, count: int) -> list[AttentionJob]:
+def engine_jobs(spec: PayloadSpec, traffic: str, count: int) -> list[PreparedJob]:
     rng, gen = random.Random(1), torch.Generator().manual_seed(1)
     jobs = []
     for n in lengths(spec, traffic, count, rng):
         q, k, v = tensors(spec, n, gen)
-        jobs.append(
-            AttentionJob(q, k, v, return_weights=spec.return_weights, diagnostics=spec.diagnostics)
+        job = AttentionJob(
+            q, k, v, return_weights=spec.return_weights, diagnostics=spec.diagnostics
         )
+        jobs.append(prepare(job))
     return jobs
 
 
-def _run_groups(engine: Engine, groups: list[list[AttentionJob]]) -> None:
+def _run_groups(engine: Engine, groups: list[list[PreparedJob]]) -> None:
     for group in groups:
         engine.run_batch(group)
 
@@ -431,9 +433,9 @@ def engine_bench(*, seconds: float, batch: int = 32) -> list[dict[str, Any]]:
     for spec in PAYLOADS:
         for traffic in TRAFFIC:
             jobs = engine_jobs(spec, traffic, batch)
-            groups: dict[Any, list[AttentionJob]] = {}
+            groups: dict[Any, list[PreparedJob]] = {}
             for job in jobs:
-                groups.setdefault(engine.group_key(job), []).append(job)
+                groups.setdefault(engine.policy.group_key(job), []).append(job)
 
             batched = functools.partial(_run_groups, engine, list(groups.values()))
             single = functools.partial(_run_groups, engine, [[job] for job in jobs])

@@ -4,7 +4,7 @@
     .venv/bin/python bench/compare.py --quick    # ~4 min: 3 s per cell
 
 Systems, each started on a free loopback port (one uvicorn worker each) and measured in turn with
-sdpa-loadtest's core (service.loadtest.run_load, closed loop at each concurrency):
+sdpa-loadtest's core (sdpa_client.loadgen.run_load, closed loop at each concurrency):
 
 - in-process: sdpa_core.attention() on prepared tensors, called from `concurrency` threads: no
   HTTP, no encoding. The floor of latency: what the compute alone costs here.
@@ -39,7 +39,6 @@ import os
 import platform
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -57,8 +56,9 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:  # run as a script: make `service` and `bench` importable
     sys.path.insert(0, str(REPO_ROOT))
 
-from service.client import Encoding, encode_tensor  # noqa: E402
-from service.loadtest import (  # noqa: E402
+from bench.support import free_port  # noqa: E402
+from sdpa_client import Encoding, encode_tensor  # noqa: E402
+from sdpa_client.loadgen import (  # noqa: E402
     PRESETS,
     HttpSender,
     LoadPlan,
@@ -87,12 +87,6 @@ NOOP_SHARE_TARGET = 0.70
 
 
 # ---- servers ----------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @dataclass

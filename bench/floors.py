@@ -8,7 +8,7 @@ decode of the body (parse, validate, base64, the NaN/Inf scan), the hop to the d
 back (the issue wants compute off the event loop), and the compute. This script times each one
 alone, in this process, with nothing else running:
 
-- decode: service.routes.attention.prepare_attention on the small body;
+- decode: service.serving.prepare.prepare_attention on the small body;
 - hop: an empty call on a one-thread executor, answered to a uvloop event loop through
   call_soon_threadsafe (what the batcher does, without any work);
 - compute: sdpa_core.attention on the small tensors, on a worker thread (as the engine runs it).
@@ -42,9 +42,9 @@ if str(REPO_ROOT) not in sys.path:  # run as a script: make `service` importable
 import torch  # noqa: E402
 import uvloop  # noqa: E402
 
+from sdpa_client.loadgen import PRESETS  # noqa: E402
 from sdpa_core import attention  # noqa: E402
-from service.loadtest import PRESETS  # noqa: E402
-from service.routes.attention import prepare_attention  # noqa: E402
+from service.serving.prepare import prepare_attention  # noqa: E402
 from service.settings import Settings  # noqa: E402
 
 RESULTS = REPO_ROOT / "bench" / "results"

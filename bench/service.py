@@ -64,8 +64,8 @@ import torch  # noqa: E402
 from fastapi import FastAPI, Request  # noqa: E402
 from starlette.responses import Response  # noqa: E402
 
+from bench.support import free_port, live_server, wait_until_ready  # noqa: E402
 from sdpa_core import attention  # noqa: E402
-from tests.support.live_server import free_port, live_server, wait_until_ready  # noqa: E402
 
 RESULTS = REPO_ROOT / "bench" / "results"
 PHASES = ("read", "decode", "queue", "compute", "dispatch", "encode")

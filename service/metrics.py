@@ -13,7 +13,7 @@ _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
 
 
 class Metrics:
-    """The collectors named in DESIGN.md, registered on one registry."""
+    """The service's Prometheus collectors (sdpa_*), registered on one registry."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()

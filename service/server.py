@@ -1,7 +1,7 @@
 """Run the service: one uvicorn worker, JSON logs, graceful drain on SIGTERM/SIGINT.
 
 Shutdown sequence on the first SIGTERM or SIGINT:
-1. `app.state.batcher.drain(settings.drain_timeout_s)` starts at once. From that moment /readyz
+1. The batcher's `drain(settings.drain_timeout_s)` starts at once. From that moment /readyz
    answers 503 (the batcher is draining) and every new request that reaches the batcher gets
    503 + Retry-After (ShuttingDown); queued and in-flight work finishes within the timeout.
 2. When the drain returns, uvicorn is told to exit (should_exit): it closes the listening socket,
@@ -32,12 +32,15 @@ import os
 import socket
 from datetime import UTC, datetime
 from types import FrameType
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import orjson
 import uvicorn
 
 from service.settings import Settings
+
+if TYPE_CHECKING:  # the app's modules load torch: `healthcheck` and `analyze` never import them
+    from service.api.deps import AppState
 
 logger = logging.getLogger("sdpa.server")
 
@@ -101,9 +104,9 @@ def logging_config(level: str) -> dict[str, Any]:
 class DrainingServer(uvicorn.Server):
     """uvicorn.Server whose first exit signal drains the batcher before uvicorn shuts down."""
 
-    def __init__(self, config: uvicorn.Config, *, app: Any, drain_timeout_s: float) -> None:
+    def __init__(self, config: uvicorn.Config, *, state: AppState, drain_timeout_s: float) -> None:
         super().__init__(config)
-        self.app = app
+        self.state = state
         self.drain_timeout_s = drain_timeout_s
         self.exit_signal: int | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -143,7 +146,7 @@ class DrainingServer(uvicorn.Server):
             self._drain_task = asyncio.get_running_loop().create_task(self._drain_then_exit())
 
     async def _drain_then_exit(self) -> None:
-        batcher = getattr(getattr(self.app, "state", None), "batcher", None)
+        batcher = self.state.batcher
         try:
             if batcher is not None:
                 logger.info(
@@ -175,6 +178,7 @@ def serve(settings: Settings) -> int:
     for name, value in OPENMP_DEFAULTS.items():
         os.environ.setdefault(name, value)  # before torch is imported (by the app, below)
     # Imported here so that `sdpa-service healthcheck` / `analyze` never import the app.
+    from service.api.deps import state_of
     from service.app import create_app
 
     log_config = logging_config(settings.log_level)
@@ -201,7 +205,8 @@ def serve(settings: Settings) -> int:
         server_header=False,
         timeout_graceful_shutdown=RESPONSE_FLUSH_TIMEOUT_S,
     )
-    server = DrainingServer(config, app=app, drain_timeout_s=settings.drain_timeout_s)
+    state = state_of(app)
+    server = DrainingServer(config, state=state, drain_timeout_s=settings.drain_timeout_s)
     try:
         server.run()
     except SystemExit as exc:
@@ -210,7 +215,7 @@ def serve(settings: Settings) -> int:
         return code if isinstance(code, int) else 1
     if not server.started:
         return 1
-    batcher = getattr(app.state, "batcher", None)
+    batcher = state.batcher
     if batcher is not None and batcher.device_busy:
         # The drain timed out with a batch still computing (its requests were answered 503).
         # The interpreter would join the device thread at exit and wait for that batch, for

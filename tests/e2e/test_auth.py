@@ -18,8 +18,8 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse
 from starlette.routing import Route
 
-from service.auth import ApiKeyMiddleware
 from service.metrics import Metrics
+from service.middleware.auth import ApiKeyMiddleware
 from tests.support.live_server import LiveServer, live_server
 
 KEYS = ("k-alpha-7d1f0c", "k-beta-93be22")

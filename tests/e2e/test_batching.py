@@ -31,7 +31,7 @@ from tests.support.live_server import LiveServer, live_server
 N_REQUESTS = 200
 
 
-# ---- wire helpers (numpy + base64 only, independent of service.codec) ----------------------
+# ---- wire helpers (numpy + base64 only, independent of service.wire.codec) -------------------
 
 
 def wire(t: torch.Tensor) -> dict[str, Any]:

@@ -1,0 +1,54 @@
+"""What the compute routes share: a serving Call bound to this request, and the answers."""
+
+from __future__ import annotations
+
+import time
+from typing import Final
+
+from fastapi import Request
+from starlette.responses import Response
+
+from service.api.deps import AppState, request_id, running_batcher
+from service.api.disconnect import cancel_on_disconnect
+from service.runtime.batcher import BatchResult
+from service.runtime.jobs import Outcome, PreparedJob
+from service.serving.pipeline import Call, Reply
+
+# Status logged for a client that went away before its answer (nginx's "client closed request").
+CLIENT_CLOSED: Final = 499
+
+
+async def read_call(request: Request, state: AppState) -> tuple[bytes, Call]:
+    """Read the body and bind a serving Call to this request, its batcher and its client."""
+    started = time.monotonic()
+    body = await request.body()
+    received = time.monotonic()
+    batcher = running_batcher(state)
+
+    async def submit(job: PreparedJob, deadline: float) -> BatchResult[Outcome]:
+        # A client that disconnects while its job waits takes the job out of the queue.
+        return await cancel_on_disconnect(request, batcher.submit(job, deadline=deadline))
+
+    call = Call(
+        settings=state.settings,
+        submit=submit,
+        request_id=request_id(request),
+        started=started,
+        received=received,
+    )
+    return body, call
+
+
+def reply_response(request: Request, reply: Reply) -> Response:
+    """A 200 with the reply's body and Server-Timing; the batch size goes to the access log."""
+    request.state.batch_size = reply.batch_size
+    return Response(
+        content=reply.content,
+        media_type="application/json",
+        headers={"Server-Timing": reply.server_timing},
+    )
+
+
+def client_closed() -> Response:
+    # Nobody reads this; it exists so the access log records what happened.
+    return Response(status_code=CLIENT_CLOSED)

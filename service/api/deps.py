@@ -1,0 +1,99 @@
+"""The application's state, typed, and the dependencies routes declare to read it.
+
+create_app() stores one AppState on app.state; the lifespan fills in the engine and the
+batcher. Routes take `state: StateDep` (or a narrower alias) instead of reading app.state's
+untyped attributes.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from typing import Annotated
+
+from fastapi import Depends, FastAPI, Request
+
+from service.metrics import Metrics
+from service.runtime.batcher import DynamicBatcher
+from service.runtime.engine import Engine
+from service.runtime.jobs import Outcome, PreparedJob
+from service.settings import Settings
+
+Batcher = DynamicBatcher[PreparedJob, Outcome]
+
+
+@dataclass(eq=False)
+class AppState:
+    """Everything the routes read, owned by one application."""
+
+    settings: Settings
+    metrics: Metrics
+    auth_enabled: bool
+    # Set by the lifespan: None until it starts.
+    engine: Engine | None = None
+    batcher: Batcher | None = None
+    warmed_up: bool = False
+    warmup_error: str | None = None
+
+    def not_ready_reason(self) -> str | None:
+        """Why the service is not ready, or None when it is."""
+        if self.batcher is None:
+            return "starting"
+        if self.batcher.draining:
+            return "draining: the service is shutting down"
+        if not self.batcher.running:
+            return "the device worker is not running"
+        if self.warmup_error is not None:
+            return "warm-up on the device failed (see the server log)"
+        if not self.warmed_up:
+            return "warming up on the device"
+        return None
+
+
+def state_of(app: FastAPI) -> AppState:
+    """The AppState create_app() stored on the application."""
+    state = app.state.sdpa
+    if not isinstance(state, AppState):  # an app not built by create_app(): our bug
+        raise TypeError("app.state.sdpa is not an AppState: build the app with create_app()")
+    return state
+
+
+def app_state(request: Request) -> AppState:
+    """The AppState of the application serving `request`."""
+    return state_of(request.app)
+
+
+async def _state_dep(request: Request) -> AppState:
+    # async: FastAPI runs a sync dependency on a worker thread, a cost on every request.
+    return app_state(request)
+
+
+def running_batcher(state: AppState) -> Batcher:
+    """The batcher, which exists from the lifespan's start (requests arrive only after it)."""
+    if state.batcher is None:
+        raise RuntimeError("a compute request arrived before the lifespan started the batcher")
+    return state.batcher
+
+
+def request_id(request: Request) -> str:
+    """The id the access log gave this request (a fresh one if it ran without the middleware)."""
+    rid = getattr(request.state, "request_id", None)
+    if not isinstance(rid, str):
+        rid = uuid.uuid4().hex
+        request.state.request_id = rid
+    return rid
+
+
+StateDep = Annotated[AppState, Depends(_state_dep)]
+
+
+async def _settings_dep(state: StateDep) -> Settings:
+    return state.settings
+
+
+async def _metrics_dep(state: StateDep) -> Metrics:
+    return state.metrics
+
+
+SettingsDep = Annotated[Settings, Depends(_settings_dep)]
+MetricsDep = Annotated[Metrics, Depends(_metrics_dep)]

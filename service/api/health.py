@@ -1,0 +1,133 @@
+"""GET /healthz, /readyz, /v1/info and /metrics.
+
+/healthz is liveness: 200 whenever the process serves HTTP. /readyz is readiness: 200 only after
+the warm-up call ran on the device and while the batcher runs and is not draining, so an
+orchestrator sends traffic only where it will be computed (Triton's probes answering before a
+model is usable are a known problem of other servers).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final
+
+import torch
+from fastapi import APIRouter
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.responses import PlainTextResponse, Response
+
+from sdpa_core import SUPPORTED_DTYPES
+from service.api.deps import MetricsDep, StateDep
+from service.api.openapi import UNAUTHORIZED_DOC, json_ref, problem_doc
+from service.errors import problem_response
+from service.version import VERSION
+from service.wire.codec import dumps, wire_dtype_name
+
+router = APIRouter()
+
+# The float dtypes q, k and v may have, by their wire names.
+DTYPES: Final = tuple(wire_dtype_name(dtype) for dtype in SUPPORTED_DTYPES)
+
+
+def _json(payload: Any) -> Response:
+    return Response(content=dumps(payload), media_type="application/json")
+
+
+def _ok(schema: str, description: str, example: Any) -> dict[str, Any]:
+    content = {"application/json": {"schema": json_ref(schema), "example": example}}
+    return {"description": description, "content": content}
+
+
+_INFO_EXAMPLE: Final = {
+    "version": VERSION,
+    "device": "cpu",
+    "torch_version": "2.13.0+cpu",
+    "dtypes": list(DTYPES),
+    "limits": {
+        "max_body_bytes": 134217728,
+        "max_elements": 67108864,
+        "max_weights_elements": 67108864,
+        "request_timeout_ms": 30000.0,
+    },
+    "batching": {"max_batch_size": 32, "max_batch_delay_ms": 0.0, "max_queue": 1024},
+    "auth": False,
+}
+
+
+@router.get(
+    "/healthz",
+    operation_id="healthz",
+    summary="Liveness",
+    responses={200: _ok("HealthOut", "The process serves HTTP.", {"status": "ok"})},
+    tags=["health"],
+)
+async def healthz() -> Response:
+    return _json({"status": "ok"})
+
+
+@router.get(
+    "/readyz",
+    operation_id="readyz",
+    summary="Readiness",
+    responses={
+        200: _ok("HealthOut", "Warmed up on the device; accepting work.", {"status": "ready"}),
+        503: problem_doc("Not ready: warming up, or draining on shutdown.", retry_after=True),
+    },
+    tags=["health"],
+)
+async def readyz(state: StateDep) -> Response:
+    reason = state.not_ready_reason()
+    if reason is None:
+        return _json({"status": "ready"})
+    return problem_response(status=503, detail=f"not ready: {reason}", headers={"Retry-After": "1"})
+
+
+@router.get(
+    "/v1/info",
+    operation_id="info",
+    summary="Version, device, limits and batching",
+    responses={
+        200: _ok("InfoOut", "What this server runs and accepts.", _INFO_EXAMPLE),
+        401: UNAUTHORIZED_DOC,
+    },
+    tags=["health"],
+)
+async def info(state: StateDep) -> Response:
+    settings, engine = state.settings, state.engine
+    return _json(
+        {
+            "version": VERSION,
+            "device": str(engine.device) if engine is not None else settings.device,
+            "torch_version": torch.__version__,
+            "dtypes": list(DTYPES),
+            "limits": {
+                "max_body_bytes": settings.max_body_bytes,
+                "max_elements": settings.max_elements,
+                "max_weights_elements": settings.max_weights_elements,
+                "request_timeout_ms": settings.request_timeout_ms,
+            },
+            "batching": {
+                "max_batch_size": settings.max_batch_size,
+                "max_batch_delay_ms": settings.max_batch_delay_ms,
+                "max_queue": settings.max_queue,
+            },
+            "auth": state.auth_enabled,
+        }
+    )
+
+
+@router.get(
+    "/metrics",
+    operation_id="metrics",
+    summary="Prometheus metrics",
+    responses={
+        200: {
+            "description": "Prometheus text exposition format.",
+            "content": {"text/plain": {"schema": {"type": "string"}}},
+        },
+        401: UNAUTHORIZED_DOC,
+    },
+    tags=["health"],
+    response_class=PlainTextResponse,
+)
+async def metrics(metrics: MetricsDep) -> Response:
+    return Response(content=generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)

@@ -1,0 +1,104 @@
+"""Optional API-key authentication: a pure ASGI middleware.
+
+Keys come from SDPA_API_KEYS / SDPA_API_KEYS_FILE (Settings.resolved_api_keys()); create_app
+installs this middleware only when at least one key is configured. A caller presents its key as
+`Authorization: Bearer <key>` or `X-API-Key: <key>`. Health endpoints stay open so that
+orchestrator probes (Docker HEALTHCHECK, kubelet) never need a secret. The explorer page (GET /)
+and its static assets stay open too: they are public code and hold no data, a browser cannot
+attach a key when it opens a page, and every API call the page makes carries the key the user
+typed into it.
+
+Comparison is constant time in the key's content and length: both sides are hashed to a fixed
+32-byte SHA-256 digest and compared with hmac.compare_digest against every configured key,
+accumulating the result without an early exit, so neither timing nor the order of keys reveals
+which key (or which prefix of a key) matched.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from service.errors import Unauthorized, service_error_response
+from service.metrics import Metrics
+
+DEFAULT_OPEN_PATHS: frozenset[str] = frozenset({"/healthz", "/readyz", "/"})
+DEFAULT_OPEN_PREFIXES: tuple[str, ...] = ("/static/",)
+
+
+def _digest(secret: str) -> bytes:
+    return hashlib.sha256(secret.encode("utf-8")).digest()
+
+
+class ApiKeyMiddleware:
+    """Reject HTTP requests without a valid API key with 401 problem+json.
+
+    `open_paths` are matched exactly against the request path, `open_prefixes` as prefixes.
+    Non-HTTP scopes (lifespan) pass.
+    `metrics`, when given, counts refusals as sdpa_rejected_total{reason="unauthorized"}.
+    """
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        keys: frozenset[str],
+        open_paths: frozenset[str] = DEFAULT_OPEN_PATHS,
+        open_prefixes: tuple[str, ...] = DEFAULT_OPEN_PREFIXES,
+        metrics: Metrics | None = None,
+    ) -> None:
+        if not keys:
+            # An empty key set would lock everyone out; create_app skips the middleware instead.
+            raise ValueError("ApiKeyMiddleware needs at least one key")
+        self.app = app
+        self.open_paths = open_paths
+        self.open_prefixes = open_prefixes
+        self.metrics = metrics
+        self._key_digests: tuple[bytes, ...] = tuple(_digest(k) for k in sorted(keys))
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or self._is_open(scope["path"]):
+            await self.app(scope, receive, send)
+            return
+        presented = _presented_keys(scope)
+        if presented and self._matches(presented):
+            await self.app(scope, receive, send)
+            return
+        if self.metrics is not None:
+            self.metrics.rejected_total.labels(reason="unauthorized").inc()
+        detail = "invalid API key" if presented else "missing API key"
+        error = Unauthorized(
+            f"{detail}: send it as 'Authorization: Bearer <key>' or 'X-API-Key: <key>'"
+        )
+        await service_error_response(error)(scope, receive, send)
+
+    def _is_open(self, path: str) -> bool:
+        # Static asset paths are normalized by the UI route, which 404s anything leaving static/.
+        return path in self.open_paths or path.startswith(self.open_prefixes)
+
+    def _matches(self, presented: list[str]) -> bool:
+        matched = False
+        for candidate in presented:
+            candidate_digest = _digest(candidate)
+            for key_digest in self._key_digests:
+                # `|` (not `or`): every comparison runs, whatever matched before.
+                matched |= hmac.compare_digest(candidate_digest, key_digest)
+        return matched
+
+
+def _presented_keys(scope: Scope) -> list[str]:
+    """The non-empty keys the request carries (Bearer token and/or X-API-Key)."""
+    keys: list[str] = []
+    for raw_name, raw_value in scope.get("headers", ()):
+        name = raw_name.lower()
+        if name == b"authorization":
+            scheme, _, token = raw_value.decode("latin-1").strip().partition(" ")
+            if scheme.lower() == "bearer" and token.strip():
+                keys.append(token.strip())
+        elif name == b"x-api-key":
+            value = raw_value.decode("latin-1").strip()
+            if value:
+                keys.append(value)
+    return keys

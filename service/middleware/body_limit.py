@@ -1,0 +1,131 @@
+"""Body size limit (413) and content type (415): a pure ASGI middleware in front of the routes.
+
+A body is refused while it streams in, never after: a Content-Length above the limit is answered
+before a byte of the body is read, and a body without one (chunked) is counted chunk by chunk
+and refused as soon as the count passes the limit. A 1 GB upload therefore costs at most the
+limit plus one chunk of memory.
+
+Requests with a body (POST, PUT, PATCH) must declare JSON: application/json or any
+application/*+json, parameters (charset) allowed. Anything else is a 415 before the body is read.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from service.errors import (
+    FieldError,
+    PayloadTooLarge,
+    ServiceError,
+    UnsupportedMediaType,
+    service_error_response,
+)
+from service.metrics import Metrics
+
+_BODY_METHODS: Final = frozenset({"POST", "PUT", "PATCH"})
+
+
+class BodyTooLarge(PayloadTooLarge):
+    """Raised from receive() when a streaming body passes the limit.
+
+    The route's `await request.body()` raises it; the app's ServiceError handler answers 413.
+    Should something swallow it, the middleware still answers 413 if no response has started.
+    """
+
+
+def _too_large(limit: int) -> PayloadTooLarge:
+    msg = (
+        f"request body exceeds the limit of {limit} bytes (SDPA_MAX_BODY_BYTES); send smaller "
+        "requests, or base64 tensors instead of JSON lists (about 3x smaller)"
+    )
+    return BodyTooLarge(msg, errors=[FieldError(loc=("body",), msg=msg, type="too_large")])
+
+
+def is_json_content_type(value: bytes) -> bool:
+    """application/json or application/<anything>+json, ignoring parameters and case."""
+    media = value.split(b";", 1)[0].strip().lower()
+    if media == b"application/json":
+        return True
+    kind, _, subtype = media.partition(b"/")
+    return kind == b"application" and subtype.endswith(b"+json")
+
+
+class BodyLimitMiddleware:
+    """413 for bodies over `max_body_bytes` (counted while streaming), 415 for non-JSON bodies."""
+
+    def __init__(
+        self, app: ASGIApp, *, max_body_bytes: int, metrics: Metrics | None = None
+    ) -> None:
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] not in _BODY_METHODS:
+            await self.app(scope, receive, send)
+            return
+
+        content_type = b""
+        content_length: bytes | None = None
+        for name, value in scope["headers"]:
+            if name == b"content-type":
+                content_type = value
+            elif name == b"content-length":
+                content_length = value
+
+        if not is_json_content_type(content_type):
+            shown = content_type.decode("latin-1")[:100] or "none"
+            msg = f"request bodies must be JSON (Content-Type: application/json); got {shown}"
+            error: ServiceError = UnsupportedMediaType(
+                msg,
+                errors=[FieldError(loc=("header", "content-type"), msg=msg, type="media_type")],
+            )
+            await service_error_response(error)(scope, receive, send)
+            return
+
+        limit = self.max_body_bytes
+        declared = content_length.strip() if content_length is not None else b""
+        if declared.isdigit() and int(declared) > limit:
+            await self._refuse(scope, receive, send)
+            return
+
+        received = 0
+        refused = False
+
+        async def counting_receive() -> Message:
+            nonlocal received, refused
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > limit:
+                    if not refused:
+                        refused = True
+                        self._count_refusal()
+                    raise _too_large(limit)
+            return message
+
+        response_started = False
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal response_started
+            if message["type"] == "http.response.start":
+                response_started = True
+            await send(message)
+
+        try:
+            await self.app(scope, counting_receive, tracking_send)
+        except BodyTooLarge:
+            if response_started:
+                raise
+            await service_error_response(_too_large(limit))(scope, receive, send)
+
+    def _count_refusal(self) -> None:
+        if self.metrics is not None:
+            self.metrics.rejected_total.labels(reason="too_large").inc()
+
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
+        self._count_refusal()
+        # The rest of the body is never read into memory: uvicorn discards what still arrives.
+        await service_error_response(_too_large(self.max_body_bytes))(scope, receive, send)

@@ -1,0 +1,533 @@
+"""DynamicBatcher: a bounded queue in front of one device worker.
+
+How a batch forms
+-----------------
+Requests wait in one bounded queue (``max_queue``). A single worker task takes batches off it:
+as soon as the device is free it takes the *oldest* queued request, and with it every queued
+request of the same group (``group_key``), oldest first, up to ``max_batch_size``. So no request
+waits for a batch while the device is idle, and no group can starve another: whatever group
+holds the oldest request runs next. ``max_batch_delay_s`` only bounds an optional wait for a
+partial batch to grow (0, the default, never waits; the wait is counted from the oldest
+request's arrival, so a request that already queued behind a busy device never waits more).
+Nothing polls: the worker sleeps on an ``asyncio.Event`` that every arrival sets (with a batch
+delay, every departure from the queue too: the oldest item may have changed).
+
+The batch runs ``run_batch`` on a dedicated single-thread executor (the device thread), so the
+event loop keeps serving HTTP while the device computes. ``run_batch`` returns one result or
+exception per item, so one bad item fails alone; if ``run_batch`` itself raises, that is our
+bug: every item of that batch gets the exception (a 500) and the worker lives on.
+
+With ``batch_cost`` and ``max_batch_cost`` a batch is also cut by size: it grows while its
+items' costs add up to at most ``max_batch_cost`` (the engine's cost is the padded score
+matrix; on a CPU its budget is cache-sized), the first item always going.
+
+Grouping and length buckets
+---------------------------
+The group key comes from the batching policy (``service.runtime.policy.BatchPolicy``): it
+covers everything that changes the math (device, dtype, head dims, head counts, causal
+alignment, scale, mask kinds, outputs asked for) plus a *length bucket* of N_q and of N_kv;
+``length_bucket`` there gives the rule and why it bounds padding waste.
+
+Answers
+-------
+Every accepted item gets exactly one answer: its result, its own exception, DeadlineExceeded
+(its deadline passed while it was queued: never computed), ShuttingDown (still queued when a
+drain timed out), or nothing at all when its awaiting task was cancelled (the client went
+away; it is dropped before compute if still queued). An item's state moves QUEUED -> TAKEN ->
+DONE or QUEUED -> DROPPED, and only the side that moves it out of QUEUED may answer it, so the
+deadline timer, a cancelled client and the worker can never both answer one item.
+
+Retry-After for a full queue is the estimated time to work off the queue: (queued + in flight)
+divided by the recent throughput, an exponentially weighted mean of items per busy second over
+recent batches.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import itertools
+import logging
+import math
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+from service.errors import DeadlineExceeded, QueueFull, ShuttingDown
+from service.metrics import Metrics
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+logger = logging.getLogger("sdpa.batcher")
+
+# Weight of the newest batch in the throughput EWMA: about the last ten batches count.
+_EWMA_ALPHA = 0.2
+# Retry-After before any batch has run (no throughput measured yet).
+_DEFAULT_RETRY_AFTER_S = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class BatchResult(Generic[R]):
+    """One item's answer: the value and how it ran (for the response's meta)."""
+
+    value: R
+    batch_size: int
+    queue_ms: float
+
+
+def _twin(error: Exception) -> BaseException:
+    """A new exception of the same type, args and attributes, caused by `error`: each item of a
+    failed batch gets its own (one object raised in several tasks would gather all their
+    tracebacks, and its handlers would log one another's frames). Built without calling
+    __init__, which may take keyword-only arguments (SdpaError's param, a 503's retry_after_s):
+    the type is what the app maps to a status. Should even that fail, a RuntimeError (a 500)
+    caused by it; never an exception here, or the batch would go unanswered."""
+    try:
+        twin = type(error).__new__(type(error), *error.args)
+        twin.__dict__.update(error.__dict__)
+        twin.__cause__ = error
+        return twin
+    except BaseException:
+        fallback = RuntimeError(f"run_batch failed with {type(error).__name__}")
+        fallback.__cause__ = error
+        return fallback
+
+
+def _queued_too_long() -> DeadlineExceeded:
+    return DeadlineExceeded(
+        "the request's deadline passed while it was queued; it was not computed"
+    )
+
+
+class _State(enum.Enum):
+    QUEUED = enum.auto()
+    TAKEN = enum.auto()  # in a batch that runs (or ran) on the device
+    DONE = enum.auto()
+    DROPPED = enum.auto()  # left the queue without being computed
+
+
+class _Pending(Generic[T, R]):
+    __slots__ = (
+        "cost", "deadline", "enqueued", "future", "item", "key", "queue_s", "seq", "state",
+    )  # fmt: skip
+
+    def __init__(
+        self,
+        *,
+        item: T,
+        key: Hashable,
+        cost: float,
+        seq: int,
+        deadline: float,
+        future: asyncio.Future[BatchResult[R]],
+    ) -> None:
+        self.item = item
+        self.key = key
+        self.cost = cost
+        self.seq = seq
+        self.deadline = deadline
+        self.enqueued = time.monotonic()
+        self.future = future
+        self.state = _State.QUEUED
+        self.queue_s = 0.0
+
+
+class DynamicBatcher(Generic[T, R]):
+    """Groups submitted items into batches and runs them one batch at a time on one thread."""
+
+    def __init__(
+        self,
+        run_batch: Callable[[Sequence[T]], Sequence[R | BaseException]],
+        *,
+        group_key: Callable[[T], Hashable],
+        max_batch_size: int,
+        max_batch_delay_s: float,
+        max_queue: int,
+        metrics: Metrics | None = None,
+        batch_cost: Callable[[T], float] | None = None,
+        max_batch_cost: float | None = None,
+    ) -> None:
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        if max_queue < 1:
+            raise ValueError(f"max_queue must be >= 1, got {max_queue}")
+        if max_batch_delay_s < 0:
+            raise ValueError(f"max_batch_delay_s must be >= 0, got {max_batch_delay_s}")
+        self._run_batch = run_batch
+        self._group_key = group_key
+        self._max_batch_size = max_batch_size
+        self._max_batch_delay_s = max_batch_delay_s
+        self._max_queue = max_queue
+        self._metrics = metrics
+        # Optional size accounting beyond the count (Ray Serve's batch_size_fn; BentoML #3859:
+        # a count alone lets a batch of large requests exhaust memory): a batch grows while the
+        # sum of its items' costs stays within max_batch_cost; its first item always goes.
+        self._batch_cost = batch_cost
+        self._max_batch_cost = math.inf if max_batch_cost is None else max_batch_cost
+
+        # Every queued item in arrival order, and the same items per group (arrival order).
+        # OrderedDicts: O(1) removal from the middle (cancel, deadline) and O(1) oldest.
+        self._queue: OrderedDict[int, _Pending[T, R]] = OrderedDict()
+        self._groups: dict[Hashable, OrderedDict[int, _Pending[T, R]]] = {}
+        self._seq = itertools.count()
+        self._in_flight: list[_Pending[T, R]] = []
+
+        self._arrival: asyncio.Event | None = None
+        self._worker: asyncio.Task[None] | None = None
+        self._executor: ThreadPoolExecutor | None = None
+        # True from the moment a batch is handed to the device thread until run_batch returned
+        # there; written by both threads (a bool assignment is atomic under the GIL).
+        self._device_busy = False
+        self._draining = False
+        self._items_per_s: float | None = None
+
+    # -- properties ------------------------------------------------------------------------
+
+    @property
+    def running(self) -> bool:
+        """True while the worker task is alive."""
+        return self._worker is not None and not self._worker.done()
+
+    @property
+    def draining(self) -> bool:
+        """True once drain() was called: new items are refused."""
+        return self._draining
+
+    @property
+    def device_busy(self) -> bool:
+        """True while a batch computes on the device thread (after a drain timed out, too)."""
+        return self._device_busy
+
+    @property
+    def depth(self) -> int:
+        """Items waiting in the queue (not counting the batch on the device)."""
+        return len(self._queue)
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Start the worker and its device thread. Idempotent while running."""
+        if self.running:
+            return
+        if self._draining:
+            raise RuntimeError("a drained batcher cannot be restarted")
+        self._arrival = asyncio.Event()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sdpa-device")
+        self._worker = asyncio.create_task(self._work(), name="sdpa-batcher")
+
+    async def run_on_device(self, fn: Callable[[], object]) -> None:
+        """Run fn() on the device thread, in turn with the batches (the warm-up: the device is
+        only ever driven from that one thread)."""
+        if self._executor is None:
+            raise RuntimeError("the batcher is not started")
+        await asyncio.wrap_future(self._executor.submit(fn))
+
+    async def drain(self, timeout_s: float) -> None:
+        """Refuse new items, finish queued and in-flight work within timeout_s, stop the worker.
+
+        Items still queued at the timeout get ShuttingDown; so does the batch on the device,
+        which cannot be interrupted (its thread finishes in the background, unanswered).
+        Idempotent: a second call waits for the same worker.
+        """
+        self._draining = True
+        if self._arrival is not None:
+            self._arrival.set()  # wake an idle worker so that it sees the empty queue and exits
+        worker = self._worker
+        if worker is not None and not worker.done():
+            done, _ = await asyncio.wait({worker}, timeout=max(0.0, timeout_s))
+            if not done:
+                logger.warning("drain timed out after %.1f s with %d queued", timeout_s, self.depth)
+                self._fail_queued()
+                worker.cancel()
+                await asyncio.wait({worker})
+        self._fail_queued()  # nothing should be left; a worker that died leaves its queue here
+        if self._executor is not None:
+            self._executor.shutdown(wait=False)
+
+    # -- submit ----------------------------------------------------------------------------
+
+    async def submit(self, item: T, *, deadline: float) -> BatchResult[R]:
+        """Queue `item` and wait for its answer. `deadline` is a time.monotonic() instant.
+
+        Raises QueueFull or ShuttingDown (503), DeadlineExceeded (504: never computed), or the
+        item's own exception. Cancelling the awaiting task drops a queued item before compute.
+        """
+        if self._draining or not self.running or self._arrival is None:
+            self._reject("shutting_down")
+            raise ShuttingDown("the service is shutting down", retry_after_s=self._retry_after_s())
+        if len(self._queue) >= self._max_queue:
+            self._reject("queue_full")
+            raise QueueFull(
+                f"the queue is full ({self._max_queue} requests waiting)",
+                retry_after_s=self._retry_after_s(),
+            )
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            self._reject("deadline")
+            raise DeadlineExceeded("the request's deadline passed before it was queued")
+
+        key = self._group_key(item)
+        cost = 0.0 if self._batch_cost is None else self._batch_cost(item)
+        future: asyncio.Future[BatchResult[R]] = asyncio.get_running_loop().create_future()
+        pending = _Pending(
+            item=item, key=key, cost=cost, seq=next(self._seq), deadline=deadline, future=future
+        )
+        self._enqueue(pending)
+        # The deadline bounds the queue wait, not the compute (as LitServe's timeout): a timer
+        # fails the item only while it is still queued. Awaiting the future itself (rather than
+        # asyncio.wait) saves an event-loop round trip per request, which costs milliseconds
+        # when the loop is saturated.
+        timer = asyncio.get_running_loop().call_later(remaining, self._expire, pending)
+        try:
+            return await future
+        except asyncio.CancelledError:
+            if pending.state is _State.QUEUED:
+                self._remove(pending)
+                self._reject("disconnected")
+            # A TAKEN item runs to the end; cancelling its future tells the worker that nobody
+            # is listening, so it neither answers it nor leaves an unretrieved exception.
+            if not future.cancel() and not future.cancelled():
+                future.exception()  # answered just before the cancel: mark it retrieved
+            raise
+        finally:
+            timer.cancel()
+
+    def _expire(self, pending: _Pending[T, R]) -> None:
+        """The deadline timer: fail the item if it has not left the queue."""
+        if pending.state is _State.QUEUED:
+            self._remove(pending)
+            self._reject("deadline")
+            self._answer_error(pending, _queued_too_long())
+
+    # -- queue bookkeeping -----------------------------------------------------------------
+
+    def _enqueue(self, pending: _Pending[T, R]) -> None:
+        self._queue[pending.seq] = pending
+        self._groups.setdefault(pending.key, OrderedDict())[pending.seq] = pending
+        self._set_depth()
+        assert self._arrival is not None
+        self._arrival.set()
+
+    def _remove(self, pending: _Pending[T, R]) -> None:
+        """Take a QUEUED item out of the queue without computing it."""
+        pending.state = _State.DROPPED
+        del self._queue[pending.seq]
+        group = self._groups[pending.key]
+        del group[pending.seq]
+        if not group:
+            del self._groups[pending.key]
+        self._set_depth()
+        if self._arrival is not None and self._max_batch_delay_s > 0:
+            # A worker waiting for the oldest item's group to grow must look again: the oldest
+            # may have left (client gone, deadline), and the new oldest group may be full.
+            self._arrival.set()
+
+    def _fail_queued(self) -> None:
+        for pending in list(self._queue.values()):
+            self._remove(pending)
+            self._reject("shutting_down")
+            self._answer_error(
+                pending,
+                ShuttingDown(
+                    "the service shut down before the request ran",
+                    retry_after_s=_DEFAULT_RETRY_AFTER_S,
+                ),
+            )
+
+    def _take_batch(self) -> list[_Pending[T, R]]:
+        """The oldest item's group, oldest first, up to max_batch_size; expired ones fail."""
+        if not self._queue:
+            return []
+        key = next(iter(self._queue.values())).key
+        now = time.monotonic()
+        # The worker's error path answers self._in_flight: should anything below raise, the
+        # items already taken out of the queue are there, not lost with a local list.
+        batch: list[_Pending[T, R]] = []
+        self._in_flight = batch
+        cost = 0.0
+        while len(batch) < self._max_batch_size:
+            group = self._groups.get(key)
+            if not group:
+                break
+            pending = next(iter(group.values()))
+            if batch and cost + pending.cost > self._max_batch_cost:
+                break
+            self._remove(pending)
+            if pending.deadline <= now:
+                self._reject("deadline")
+                self._answer_error(pending, _queued_too_long())
+                continue
+            pending.state = _State.TAKEN
+            pending.queue_s = now - pending.enqueued
+            batch.append(pending)
+            cost += pending.cost
+        return batch
+
+    async def _wait_for_batch_to_grow(self) -> None:
+        """With max_batch_delay_s > 0: wait (bounded) for the oldest item's group to fill up."""
+        assert self._arrival is not None
+        while self._queue and not self._draining:
+            oldest = next(iter(self._queue.values()))
+            group = self._groups[oldest.key]
+            if len(group) >= self._max_batch_size:
+                return
+            if sum(p.cost for p in group.values()) >= self._max_batch_cost:
+                return
+            remaining = oldest.enqueued + self._max_batch_delay_s - time.monotonic()
+            if remaining <= 0:
+                return
+            self._arrival.clear()
+            try:
+                await asyncio.wait_for(self._arrival.wait(), timeout=remaining)
+            except TimeoutError:
+                return
+
+    # -- the worker ------------------------------------------------------------------------
+
+    async def _work(self) -> None:
+        assert self._arrival is not None
+        while True:
+            if not self._queue:
+                if self._draining:
+                    return
+                self._arrival.clear()
+                await self._arrival.wait()
+                continue
+            try:
+                if self._max_batch_delay_s > 0:
+                    await self._wait_for_batch_to_grow()
+                batch = self._take_batch()
+                if batch:
+                    await self._execute(batch)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # a bug of ours: log it, keep serving the others
+                logger.exception("batcher worker error")
+                # Whatever was taken must still get its one answer.
+                for pending in self._in_flight:
+                    self._answer_error(pending, exc)
+                self._in_flight = []
+
+    async def _execute(self, batch: list[_Pending[T, R]]) -> None:
+        assert self._executor is not None
+        loop = asyncio.get_running_loop()
+        items = [pending.item for pending in batch]  # batch is self._in_flight (_take_batch)
+        if self._metrics is not None:
+            self._metrics.batch_size.observe(len(batch))
+            for pending in batch:
+                self._metrics.queue_wait_seconds.observe(pending.queue_s)
+        # The device thread hands its results straight to _answer_batch on the loop, which
+        # answers every item at once: each item's awaiting task wakes one loop step after the
+        # device finished. (run_in_executor would first wake this worker, which would then wake
+        # the items: two more steps per batch, a measurable share of a small request's latency.)
+        device_done: asyncio.Future[None] = loop.create_future()
+        started = time.perf_counter()
+
+        def on_device() -> None:
+            try:
+                results: Sequence[R | BaseException] = self._run_batch(items)
+                if len(results) != len(batch):
+                    raise RuntimeError(
+                        f"run_batch returned {len(results)} results for {len(batch)} items"
+                    )
+            except BaseException as exc:  # run_batch itself failed: our bug, a 500 for each item
+                # BaseException too: whatever escaped here would leave the batch unanswered and
+                # the worker waiting forever. Handed to the awaiting tasks, a KeyboardInterrupt
+                # or SystemExit would stop the event loop and a CancelledError would pass for a
+                # cancellation: those travel wrapped.
+                logger.exception("run_batch failed for a batch of %d", len(batch))
+                error = exc if isinstance(exc, Exception) else RuntimeError(f"run_batch: {exc!r}")
+                results = [_twin(error) for _ in batch]
+            finally:
+                self._device_busy = False
+            seconds = time.perf_counter() - started
+            # RuntimeError: the loop is closed, nobody is left to answer.
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(self._answer_batch, batch, results, seconds, device_done)
+
+        self._device_busy = True
+        self._executor.submit(on_device)
+        try:
+            await device_done
+        except asyncio.CancelledError:
+            # drain() timed out while this batch was on the device: its items get ShuttingDown
+            # now; _answer_batch, should it still come, finds them answered.
+            for pending in batch:
+                if pending.state is _State.TAKEN:
+                    self._reject("shutting_down")
+                    self._answer_error(
+                        pending,
+                        ShuttingDown(
+                            "the service shut down while the request ran",
+                            retry_after_s=_DEFAULT_RETRY_AFTER_S,
+                        ),
+                    )
+            self._in_flight = []
+            raise
+        self._in_flight = []
+
+    def _answer_batch(
+        self,
+        batch: list[_Pending[T, R]],
+        results: Sequence[R | BaseException],
+        seconds: float,
+        device_done: asyncio.Future[None],
+    ) -> None:
+        """On the loop, once the device finished a batch: answer its items, free the worker."""
+        try:
+            self._note_throughput(len(batch), seconds)
+            for pending, result in zip(batch, results, strict=True):
+                if pending.state is not _State.TAKEN:
+                    continue  # answered already (ShuttingDown after a drain timeout)
+                if isinstance(result, BaseException):
+                    self._answer_error(pending, result)
+                else:
+                    pending.state = _State.DONE
+                    if not pending.future.done():
+                        pending.future.set_result(
+                            BatchResult(
+                                value=result, batch_size=len(batch), queue_ms=pending.queue_s * 1e3
+                            )
+                        )
+        except Exception as exc:  # a bug of ours; the worker must go on all the same
+            # _execute raises it, and the worker's error path answers what is left unanswered.
+            if not device_done.done():
+                device_done.set_exception(exc)
+            return
+        if not device_done.done():
+            device_done.set_result(None)
+
+    def _answer_error(self, pending: _Pending[T, R], exc: BaseException) -> None:
+        if pending.state is not _State.DROPPED:
+            pending.state = _State.DONE
+        if not pending.future.done():
+            pending.future.set_exception(exc)
+
+    # -- throughput, Retry-After, metrics --------------------------------------------------
+
+    def _note_throughput(self, items: int, seconds: float) -> None:
+        rate = items / max(seconds, 1e-6)
+        if self._items_per_s is None:
+            self._items_per_s = rate
+        else:
+            self._items_per_s += _EWMA_ALPHA * (rate - self._items_per_s)
+
+    def _retry_after_s(self) -> float:
+        """Seconds until the queue is likely worked off: backlog / recent throughput (>= 1)."""
+        if self._items_per_s is None:
+            return _DEFAULT_RETRY_AFTER_S
+        backlog = len(self._queue) + len(self._in_flight) + 1
+        return max(_DEFAULT_RETRY_AFTER_S, backlog / self._items_per_s)
+
+    def _reject(self, reason: str) -> None:
+        if self._metrics is not None:
+            self._metrics.rejected_total.labels(reason=reason).inc()
+
+    def _set_depth(self) -> None:
+        if self._metrics is not None:
+            self._metrics.queue_depth.set(len(self._queue))

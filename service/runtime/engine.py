@@ -1,0 +1,208 @@
+"""Engine: runs one group of prepared jobs on the device as ONE sdpa_core.attention call.
+
+Called on the batcher's device thread. A group of one runs the request's own tensors, exactly
+the solo call; a larger group is collated into one padded batch (service.runtime.collate) and
+split back, so each request gets what it would get alone up to float reduction order. Jobs
+arrive prepared (validated once, service.runtime.jobs), so the engine neither validates them
+again nor has attention() scan them for NaN/Inf a second time. If a batched call fails, each
+of its requests is retried alone, so every request still gets its own answer. Analysis jobs
+run alone.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Hashable, Sequence
+
+import torch
+
+from sdpa_core import AttentionResult, analyze_scaling, attention
+from service.metrics import Metrics
+from service.runtime.collate import collate, member_diagnostics, split
+from service.runtime.jobs import (
+    AnalyzeJob,
+    AnalyzeOutcome,
+    AttentionOutcome,
+    Outcome,
+    PreparedJob,
+)
+from service.runtime.policy import MAX_BATCH_SCORE_BYTES, BatchPolicy, Member
+
+
+class Engine:
+    """Runs groups of prepared jobs on one device (sync; called on the device thread)."""
+
+    def __init__(
+        self,
+        device: torch.device,
+        *,
+        memory_budget_bytes: int | None = None,
+        max_batch_score_bytes: int | None = None,
+        metrics: Metrics | None = None,
+    ) -> None:
+        self.device = device
+        self.memory_budget_bytes = memory_budget_bytes
+        budget = (
+            max_batch_score_bytes
+            if max_batch_score_bytes is not None
+            else MAX_BATCH_SCORE_BYTES.get(device.type, MAX_BATCH_SCORE_BYTES["cuda"])
+        )
+        # With a memory budget, a batch must not exceed it where its members alone would not
+        # (sdpa_core refuses weights above the budget).
+        if memory_budget_bytes is not None:
+            budget = min(budget, memory_budget_bytes)
+        self.policy = BatchPolicy(budget)
+        self._metrics = metrics
+
+    # -- warm-up -------------------------------------------------------------------------
+
+    def warmup(self) -> None:
+        """One real attention call on the device (fused) and one with diagnostics."""
+        gen = torch.Generator().manual_seed(0)
+        q, k, v = (torch.randn(1, 2, 16, 16, generator=gen) for _ in range(3))  # [1, 2, 16, 16]
+        q, k, v = q.to(self.device), k.to(self.device), v.to(self.device)
+        attention(q, k, v)
+        result = attention(q, k, v, diagnostics="summary")
+        result.output.cpu()  # waits for the device (a CUDA sync)
+
+    # -- running -------------------------------------------------------------------------
+
+    def run_batch(self, jobs: Sequence[PreparedJob]) -> list[Outcome | BaseException]:
+        """Run `jobs` (normally one group); one failing job never fails the others."""
+        results: list[Outcome | BaseException | None] = [None] * len(jobs)
+        groups: dict[Hashable, list[Member]] = {}
+        for index, prepared in enumerate(jobs):
+            job = prepared.job
+            if isinstance(job, AnalyzeJob):
+                results[index] = self._run_analyze(job)
+                continue
+            # A job alone needs no key: it is its own group (and the key costs string work).
+            key = index if len(jobs) == 1 else self.policy.group_key(prepared)
+            groups.setdefault(key, []).append(Member(index=index, job=job, spec=prepared.spec))
+
+        for members in groups.values():
+            for batch in self.policy.split_by_memory(members):
+                for member, outcome in zip(batch, self._run_isolated(batch), strict=True):
+                    results[member.index] = outcome
+        assert all(r is not None for r in results)
+        return [r for r in results if r is not None]
+
+    def _run_isolated(self, batch: list[Member]) -> list[Outcome | BaseException]:
+        """The batch as one call; if that call fails, each member alone (its own answer)."""
+        try:
+            return list(self._run_group(batch))
+        except Exception as exc:
+            if len(batch) == 1:
+                return [exc]
+        outcomes: list[Outcome | BaseException] = []
+        for member in batch:
+            try:
+                outcomes.extend(self._run_group([member]))
+            except Exception as exc:
+                outcomes.append(exc)
+        return outcomes
+
+    def _observe(self, path: str, seconds: float) -> None:
+        if self._metrics is not None:
+            self._metrics.compute_seconds.labels(path=path).observe(seconds)
+
+    def _run_analyze(self, job: AnalyzeJob) -> AnalyzeOutcome | BaseException:
+        started = time.perf_counter()
+        try:
+            dev = self.device
+            report = analyze_scaling(
+                job.q.to(dev),
+                job.k.to(dev),
+                strategies=job.strategies,
+                causal=job.causal,
+                key_lengths=_to(job.key_lengths, dev),
+                key_padding_mask=_to(job.key_padding_mask, dev),
+                attn_mask=_to(job.attn_mask, dev),
+            )
+        except Exception as exc:
+            return exc
+        seconds = time.perf_counter() - started
+        self._observe("analyze", seconds)
+        return AnalyzeOutcome(report=report, compute_ms=seconds * 1e3, device=str(self.device))
+
+    def _run_group(self, batch: list[Member]) -> list[AttentionOutcome]:
+        started = time.perf_counter()
+        results = [self._run_alone(batch[0])] if len(batch) == 1 else self._run_padded(batch)
+        seconds = time.perf_counter() - started
+        self._observe(results[0].path, seconds)
+        device = str(self.device)
+        return [
+            AttentionOutcome(result=result, compute_ms=seconds * 1e3, device=device)
+            for result in results
+        ]
+
+    def _attention(
+        self,
+        first: Member,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        key_lengths: torch.Tensor | None,
+        key_padding_mask: torch.Tensor | None,
+        attn_mask: torch.Tensor | None,
+    ) -> AttentionResult:
+        """sdpa_core.attention on the device with the group's options (those of its first job)."""
+        job, dev = first.job, self.device
+        return attention(
+            q.to(dev),
+            k.to(dev),
+            v.to(dev),
+            causal=job.causal,
+            key_lengths=_to(key_lengths, dev),
+            key_padding_mask=_to(key_padding_mask, dev),
+            attn_mask=_to(attn_mask, dev),
+            scale=job.scale,
+            return_weights=job.return_weights,
+            diagnostics=job.diagnostics,
+            memory_budget_bytes=self.memory_budget_bytes,
+            # Every job was prepared: validated once with its NaN/Inf scan. Padding adds only
+            # zeros and (float masks) -inf, so prepared members make a checked batch too.
+            check_finite=False,
+        )
+
+    def _run_alone(self, member: Member) -> AttentionResult:
+        """A group of one: the request's own tensors, exactly the solo call."""
+        job = member.job
+        result = self._attention(
+            member,
+            job.q,
+            job.k,
+            job.v,
+            key_lengths=job.key_lengths,
+            key_padding_mask=job.key_padding_mask,
+            attn_mask=job.attn_mask,
+        )
+        if self.device.type == "cpu":
+            return result
+        row_stats = None if result.row_stats is None else result.row_stats.to("cpu")
+        return AttentionResult(
+            output=result.output.cpu(),
+            weights=None if result.weights is None else result.weights.cpu(),
+            diagnostics=member_diagnostics(row_stats, job, member.spec),
+            row_stats=row_stats,
+            path=result.path,
+            backend=result.backend,
+        )
+
+    def _run_padded(self, batch: list[Member]) -> list[AttentionResult]:
+        collated = collate(batch)
+        result = self._attention(
+            batch[0],
+            collated.q,
+            collated.k,
+            collated.v,
+            key_lengths=collated.key_lengths,
+            key_padding_mask=collated.key_padding_mask,
+            attn_mask=collated.attn_mask,
+        )
+        return split(collated, result)
+
+
+def _to(x: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+    return None if x is None else x.to(device)

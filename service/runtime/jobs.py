@@ -1,0 +1,127 @@
+"""What the runtime runs: jobs, the one way to validate them, and their outcomes.
+
+A job holds a request's CPU tensors and options as decoded. The runtime accepts only a
+PreparedJob, and only prepare() can make one: it runs sdpa_core.validate_inputs (shapes, masks,
+dtypes and the NaN/Inf scan) exactly once, so the engine can trust the InputSpec it carries and
+skip every second check. Validation before queueing also means a bad request gets its 422
+without waiting for the device, and never joins a batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Final
+
+import torch
+
+from sdpa_core import (
+    AttentionResult,
+    InputSpec,
+    ScalingReport,
+    check_diagnostics_level,
+    validate_inputs,
+)
+
+# A custom strategy of /v1/analyze: (name, divisor).
+Strategy = str | tuple[str, float]
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionJob:
+    """One attention request: CPU tensors as decoded, in the request's own shape."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    causal: bool | str = False  # False/True/"top_left"/"bottom_right"
+    key_lengths: torch.Tensor | None = None  # int64
+    key_padding_mask: torch.Tensor | None = None  # bool, True = padding
+    attn_mask: torch.Tensor | None = None  # bool (True = attend) or float (additive)
+    scale: float | None = None
+    return_weights: bool = False
+    diagnostics: str = "none"  # "none" | "summary" | "full"
+
+
+@dataclass(frozen=True, slots=True)
+class AnalyzeJob:
+    """One scaling analysis: runs alone (a group of one)."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    strategies: tuple[Strategy, ...] | None = None
+    causal: bool | str = False
+    key_lengths: torch.Tensor | None = None
+    key_padding_mask: torch.Tensor | None = None
+    attn_mask: torch.Tensor | None = None
+
+
+Job = AttentionJob | AnalyzeJob
+
+# Only prepare() holds this: a PreparedJob built anywhere else fails at construction.
+_PREPARED: Final = object()
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedJob:
+    """A job that passed validation once, with what validation learned (its InputSpec)."""
+
+    job: Job
+    spec: InputSpec
+    _token: object = field(repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self._token is not _PREPARED:
+            raise TypeError("a PreparedJob is made by service.runtime.jobs.prepare() only")
+
+
+def prepare(job: Job) -> PreparedJob:
+    """Validate `job` once (with the NaN/Inf scan) -> a PreparedJob the runtime trusts.
+
+    Raises:
+        SdpaError: the job's own error (a 422 for the client), naming the parameter.
+    """
+    if isinstance(job, AnalyzeJob):
+        # The analysis needs no values: k stands in for v, and passes every check v must.
+        spec = validate_inputs(
+            job.q,
+            job.k,
+            job.k,
+            causal=job.causal,
+            key_lengths=job.key_lengths,
+            key_padding_mask=job.key_padding_mask,
+            attn_mask=job.attn_mask,
+        )
+        return PreparedJob(job=job, spec=spec, _token=_PREPARED)
+    check_diagnostics_level(job.diagnostics)
+    spec = validate_inputs(
+        job.q,
+        job.k,
+        job.v,
+        causal=job.causal,
+        key_lengths=job.key_lengths,
+        key_padding_mask=job.key_padding_mask,
+        attn_mask=job.attn_mask,
+        scale=job.scale,
+    )
+    return PreparedJob(job=job, spec=spec, _token=_PREPARED)
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionOutcome:
+    """A request's result (CPU tensors, shaped as the solo call's) and how its batch ran."""
+
+    result: AttentionResult
+    compute_ms: float
+    device: str
+
+
+@dataclass(frozen=True, slots=True)
+class AnalyzeOutcome:
+    """A scaling report and how long it took on the device."""
+
+    report: ScalingReport
+    compute_ms: float
+    device: str
+
+
+Outcome = AttentionOutcome | AnalyzeOutcome

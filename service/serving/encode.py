@@ -1,0 +1,117 @@
+"""Encode an outcome: the response body of an attention or analysis request.
+
+Tensors go out in the encoding the request asked for (service.wire.codec); statistics that are
+not finite (a fully masked row's lse) are written as null, since JSON has no infinity.
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from typing import Any, Final
+
+import torch
+
+from sdpa_core import Diagnostics, ScalingReport, StrategyResult
+from service.runtime.batcher import BatchResult
+from service.runtime.jobs import AnalyzeOutcome, AttentionOutcome, Outcome
+from service.wire.codec import (
+    EncodingName,
+    dumps,
+    encode_tensor,
+    finite_or_none,
+    to_numpy,
+    wire_dtype_name,
+)
+
+# Every number of a strategy's entry (divisor, score_variance, entropy, ...), in field order.
+STRATEGY_STATISTICS: Final = tuple(f.name for f in fields(StrategyResult) if f.name != "name")
+
+
+def response_meta(
+    batch: BatchResult[Outcome],
+    *,
+    device: str,
+    dtype: torch.dtype,
+    compute_ms: float,
+    request_id: str,
+) -> dict[str, Any]:
+    """The meta fields every computed response carries."""
+    return {
+        "device": device,
+        "dtype": wire_dtype_name(dtype),
+        "batch_size": batch.batch_size,
+        "queue_ms": round(batch.queue_ms, 3),
+        "compute_ms": round(compute_ms, 3),
+        "request_id": request_id,
+    }
+
+
+def diagnostics_json(diagnostics: Diagnostics | None) -> dict[str, Any] | None:
+    """Diagnostics as JSON: summary scalars, per-head and per-row numpy arrays (nested lists)."""
+    if diagnostics is None:
+        return None
+    summary: dict[str, Any] = {}
+    for name, value in diagnostics.summary.as_dict().items():
+        summary[name] = value if isinstance(value, int) else finite_or_none(float(value))
+    per_head = {name: to_numpy(t) for name, t in diagnostics.per_head.as_dict().items()}
+    per_row = (
+        None
+        if diagnostics.per_row is None
+        else {name: to_numpy(t) for name, t in diagnostics.per_row.as_dict().items()}
+    )
+    return {"summary": summary, "per_head": per_head, "per_row": per_row}
+
+
+def attention_elements(outcome: AttentionOutcome) -> int:
+    """How many numbers the response carries (to decide whether encoding leaves the loop)."""
+    result = outcome.result
+    elements = result.output.numel() + (0 if result.weights is None else result.weights.numel())
+    if result.diagnostics is not None and result.diagnostics.per_row is not None:
+        # "full" adds six per-row tensors [..., H, N_q]; at long N_q they dominate the response.
+        elements += 6 * result.diagnostics.per_row.entropy.numel()
+    return elements
+
+
+def encode_attention(
+    outcome: AttentionOutcome, *, encoding: EncodingName, meta: dict[str, Any]
+) -> bytes:
+    """The /v1/attention response body."""
+    result = outcome.result
+    payload = {
+        "output": encode_tensor(result.output, encoding=encoding),
+        "weights": None
+        if result.weights is None
+        else encode_tensor(result.weights, encoding=encoding),
+        "diagnostics": diagnostics_json(result.diagnostics),
+        "meta": {"path": result.path, "backend": result.backend, **meta},
+    }
+    return dumps(payload)
+
+
+def report_json(report: ScalingReport) -> dict[str, Any]:
+    """A scaling report as JSON (non-finite numbers as null)."""
+    return {
+        "d_k": int(report.d_k),
+        "raw_score_variance": finite_or_none(float(report.raw_score_variance)),
+        "recommended_divisor": finite_or_none(float(report.recommended_divisor)),
+        "strategies": [
+            {
+                "name": strategy.name,
+                **{
+                    name: finite_or_none(float(getattr(strategy, name)))
+                    for name in STRATEGY_STATISTICS
+                },
+            }
+            for strategy in report.strategies
+        ],
+    }
+
+
+def encode_analyze(outcome: AnalyzeOutcome, *, meta: dict[str, Any]) -> bytes:
+    """The /v1/analyze response body."""
+    return dumps({**report_json(outcome.report), "meta": meta})
+
+
+def server_timing(**phases_ms: float) -> str:
+    """Server-Timing header value: decode;dur=0.41, queue;dur=0.02, ..."""
+    return ", ".join(f"{name};dur={ms:.3f}" for name, ms in phases_ms.items())

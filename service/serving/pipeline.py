@@ -1,0 +1,135 @@
+"""One compute request from body bytes to response bytes: prepare, submit, encode, time.
+
+The api layer reads the body and answers; this module does everything in between, without
+knowing about HTTP frameworks: it receives a `Call` (settings, the request id, when reading
+started and ended, and how to submit a job to the runtime's queue) and returns a `Reply`.
+Large bodies are decoded, and large results encoded, on a worker thread, so the event loop
+never blocks on megabytes.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, Final, TypeVar
+
+import anyio.to_thread
+
+from service.runtime.batcher import BatchResult
+from service.runtime.jobs import AnalyzeOutcome, AttentionOutcome, Outcome, PreparedJob
+from service.serving.encode import (
+    attention_elements,
+    encode_analyze,
+    encode_attention,
+    response_meta,
+    server_timing,
+)
+from service.serving.prepare import PreparedRequest, prepare_analyze, prepare_attention
+from service.settings import Settings
+
+# Bodies (and results) above this size are decoded (encoded) on a worker thread: below it the
+# work takes well under a few milliseconds on the loop, less than the thread hop would add to
+# the small-payload latency; above it, parsing megabytes would stall every other request.
+OFFLOAD_BYTES: Final = 1 << 20
+
+T = TypeVar("T")
+
+# Queue a prepared job with its deadline (time.monotonic()) -> its answer. The api layer binds
+# it to the batcher and to the client's connection (a disconnect cancels the wait).
+Submit = Callable[[PreparedJob, float], Awaitable[BatchResult[Outcome]]]
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    """What the pipeline needs from the request it serves."""
+
+    settings: Settings
+    submit: Submit
+    request_id: str
+    started: float  # time.monotonic() before the body was read
+    received: float  # time.monotonic() after it was read
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """A 200's body, its Server-Timing header, and the batch it ran in (for the access log)."""
+
+    content: bytes
+    server_timing: str
+    batch_size: int
+
+
+async def _off_loop_if(big: bool, fn: Callable[..., T], *args: Any) -> T:
+    """fn(*args) on a worker thread when `big`, inline otherwise."""
+    if big:
+        return await anyio.to_thread.run_sync(fn, *args)
+    return fn(*args)
+
+
+def _deadline(request: PreparedRequest, call: Call) -> float:
+    """time.monotonic() instant by which the request must have left the queue."""
+    ms = call.settings.request_timeout_ms if request.timeout_ms is None else request.timeout_ms
+    return call.started + ms / 1000.0
+
+
+async def attention(body: bytes, call: Call) -> Reply:
+    """POST /v1/attention: body -> output, weights and diagnostics, with their timing."""
+    request = await _off_loop_if(len(body) > OFFLOAD_BYTES, prepare_attention, body, call.settings)
+    decoded = time.monotonic()
+    batch = await call.submit(request.prepared, _deadline(request, call))
+    computed = time.monotonic()
+    outcome = batch.value
+    if not isinstance(outcome, AttentionOutcome):  # the engine answered another job kind
+        raise TypeError(f"engine returned {type(outcome).__name__} for an attention job")
+    meta = response_meta(
+        batch,
+        device=outcome.device,
+        dtype=request.prepared.spec.dtype,
+        compute_ms=outcome.compute_ms,
+        request_id=call.request_id,
+    )
+    content = await _off_loop_if(
+        attention_elements(outcome) * 4 > OFFLOAD_BYTES,
+        lambda: encode_attention(outcome, encoding=request.encoding, meta=meta),
+    )
+    encoded = time.monotonic()
+    wait_ms = (computed - decoded) * 1000.0
+    timing = server_timing(
+        read=(call.received - call.started) * 1000.0,
+        decode=(decoded - call.received) * 1000.0,
+        queue=batch.queue_ms,
+        compute=outcome.compute_ms,
+        # What the wait held besides queue and compute: the device thread hop, batching.
+        dispatch=max(0.0, wait_ms - batch.queue_ms - outcome.compute_ms),
+        encode=(encoded - computed) * 1000.0,
+    )
+    return Reply(content=content, server_timing=timing, batch_size=batch.batch_size)
+
+
+async def analyze(body: bytes, call: Call) -> Reply:
+    """POST /v1/analyze: body -> the scaling report, with its timing."""
+    # Always off the loop: synthetic inputs are generated here, and analysis is not a hot path.
+    request = await anyio.to_thread.run_sync(prepare_analyze, body, call.settings)
+    decoded = time.monotonic()
+    batch = await call.submit(request.prepared, _deadline(request, call))
+    computed = time.monotonic()
+    outcome = batch.value
+    if not isinstance(outcome, AnalyzeOutcome):  # the engine answered another job kind
+        raise TypeError(f"engine returned {type(outcome).__name__} for an analyze job")
+    meta = response_meta(
+        batch,
+        device=outcome.device,
+        dtype=request.prepared.spec.dtype,
+        compute_ms=outcome.compute_ms,
+        request_id=call.request_id,
+    )
+    content = encode_analyze(outcome, meta=meta)
+    timing = server_timing(
+        read=(call.received - call.started) * 1000.0,
+        decode=(decoded - call.received) * 1000.0,
+        queue=batch.queue_ms,
+        compute=outcome.compute_ms,
+        encode=(time.monotonic() - computed) * 1000.0,
+    )
+    return Reply(content=content, server_timing=timing, batch_size=batch.batch_size)

@@ -1,0 +1,170 @@
+"""Prepare a request: body bytes -> a validated, limit-checked job for the runtime.
+
+Parse the JSON and validate its envelope (service.wire.models), decode the tensors
+(service.wire.codec), validate the tensors once (service.runtime.jobs.prepare: a PreparedJob,
+which nothing else can make), and check the size limits. Every failure is a 422 before the
+request is queued.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Final
+
+import torch
+
+from sdpa_core import make_synthetic_qk
+from service.runtime.jobs import AnalyzeJob, AttentionJob, PreparedJob, prepare
+from service.serving.limits import (
+    check_analysis_limits,
+    check_attention_limits,
+    check_synthetic_limits,
+    over_limit,
+)
+from service.settings import Settings
+from service.wire.codec import EncodingName, decode_int_list, decode_tensor, loads
+from service.wire.models import (
+    AnalyzeRequest,
+    AttentionRequest,
+    CustomStrategy,
+    Synthetic,
+    validate_request,
+)
+
+_TORCH_DTYPES: Final = {
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+    "float64": torch.float64,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedRequest:
+    """A validated job and what the response needs from the request."""
+
+    prepared: PreparedJob
+    encoding: EncodingName  # of the response's tensors
+    timeout_ms: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class _Masks:
+    key_lengths: torch.Tensor | None
+    key_padding_mask: torch.Tensor | None
+    attn_mask: torch.Tensor | None
+
+
+def _decode_masks(
+    key_lengths: list[Any] | int | None,
+    key_padding_mask: Any,
+    attn_mask: Any,
+    *,
+    max_elements: int,
+) -> _Masks:
+    """The mask options of a request as tensors (None where absent)."""
+    return _Masks(
+        key_lengths=None
+        if key_lengths is None
+        else decode_int_list(key_lengths, loc=("body", "key_lengths"), max_elements=max_elements),
+        key_padding_mask=None
+        if key_padding_mask is None
+        else decode_tensor(
+            key_padding_mask,
+            loc=("body", "key_padding_mask"),
+            role="bool_mask",
+            max_elements=max_elements,
+        ).tensor,
+        attn_mask=None
+        if attn_mask is None
+        else decode_tensor(
+            attn_mask, loc=("body", "attn_mask"), role="mask", max_elements=max_elements
+        ).tensor,
+    )
+
+
+def prepare_attention(body: bytes, settings: Settings) -> PreparedRequest:
+    """Body bytes -> a validated attention job. Raises InvalidRequest / SdpaError (422)."""
+    req = validate_request(loads(body), AttentionRequest)
+    limit = settings.max_elements
+    q = decode_tensor(req.q, loc=("body", "q"), role="float", max_elements=limit)
+    k = decode_tensor(req.k, loc=("body", "k"), role="float", max_elements=limit)
+    v = decode_tensor(req.v, loc=("body", "v"), role="float", max_elements=limit)
+    masks = _decode_masks(req.key_lengths, req.key_padding_mask, req.attn_mask, max_elements=limit)
+    prepared = prepare(
+        AttentionJob(
+            q=q.tensor,
+            k=k.tensor,
+            v=v.tensor,
+            causal=req.causal,
+            key_lengths=masks.key_lengths,
+            key_padding_mask=masks.key_padding_mask,
+            attn_mask=masks.attn_mask,
+            scale=req.scale,
+            return_weights=req.return_weights,
+            diagnostics=req.diagnostics,
+        )
+    )
+    check_attention_limits(prepared.spec, return_weights=req.return_weights, settings=settings)
+    return PreparedRequest(
+        prepared=prepared, encoding=req.response_encoding or q.encoding, timeout_ms=req.timeout_ms
+    )
+
+
+def _synthetic(syn: Synthetic, settings: Settings) -> tuple[torch.Tensor, torch.Tensor]:
+    check_synthetic_limits(syn, settings)
+    q, k = make_synthetic_qk(
+        n_q=syn.n_q,
+        n_k=syn.n_k,
+        d_k=syn.d_k,
+        std=syn.std,
+        seed=syn.seed,
+        heads=syn.heads,
+        dtype=_TORCH_DTYPES[syn.dtype],
+    )
+    if not (bool(torch.isfinite(q).all()) and bool(torch.isfinite(k).all())):
+        # Say which knob to turn, rather than blame a q the client never sent.
+        raise over_limit(
+            ("body", "synthetic", "std"),
+            f"values drawn with std={syn.std} overflow {syn.dtype}; use a smaller std or a "
+            "wider dtype",
+            kind="non_finite",
+        )
+    return q, k
+
+
+def prepare_analyze(body: bytes, settings: Settings) -> PreparedRequest:
+    """Body bytes -> a validated analysis job. Raises InvalidRequest / SdpaError (422)."""
+    req = validate_request(loads(body), AnalyzeRequest)
+    limit = settings.max_elements
+    if req.synthetic is not None:
+        q, k = _synthetic(req.synthetic, settings)
+        where: tuple[str | int, ...] = ("body", "synthetic")
+    else:
+        # AnalyzeRequest guarantees both.
+        assert req.q is not None
+        assert req.k is not None
+        q = decode_tensor(req.q, loc=("body", "q"), role="float", max_elements=limit).tensor
+        k = decode_tensor(req.k, loc=("body", "k"), role="float", max_elements=limit).tensor
+        where = ("body", "k")
+    masks = _decode_masks(req.key_lengths, req.key_padding_mask, req.attn_mask, max_elements=limit)
+    strategies = (
+        None
+        if req.strategies is None
+        else tuple(
+            (s.name, s.divisor) if isinstance(s, CustomStrategy) else s for s in req.strategies
+        )
+    )
+    prepared = prepare(
+        AnalyzeJob(
+            q=q,
+            k=k,
+            strategies=strategies,
+            causal=req.causal,
+            key_lengths=masks.key_lengths,
+            key_padding_mask=masks.key_padding_mask,
+            attn_mask=masks.attn_mask,
+        )
+    )
+    check_analysis_limits(prepared.spec, where=where, settings=settings)
+    return PreparedRequest(prepared=prepared, encoding="json", timeout_ms=req.timeout_ms)

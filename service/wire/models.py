@@ -1,0 +1,499 @@
+"""Wire models of the HTTP API (pydantic v2; no torch here).
+
+Request models validate the JSON envelope only: field names (extra="forbid", so a typo such as
+"casual" is a 422 and never silently ignored), option values, scalar bounds. Tensor payloads
+stay as the parsed JSON (`data` lists, `b64` strings) and are decoded by service.wire.codec with
+numpy, so pydantic never walks a tensor's elements.
+
+Response models exist for the OpenAPI document (and the schema-driven tests): the routes build
+their JSON directly (service.wire.codec.dumps) instead of validating their own output.
+
+Strict mode everywhere: `true` is not 1, "3" is not 3, and non-finite floats are refused.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Annotated, Any, Final, Literal, TypeVar
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationError,
+    WithJsonSchema,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
+
+from service.errors import FieldError, InvalidRequest
+
+# Highest tensor rank on the wire: [B1, B2, B3, H, N, D], three leading batch dimensions, more than
+# any use we know of. It keeps the documented schema finite, and small enough that schema-driven
+# generation stays fast (each level of nesting multiplies the cost of generating a body).
+MAX_RANK: Final = 6
+
+FloatDType = Literal["float16", "bfloat16", "float32", "float64"]
+WireDType = Literal["float16", "bfloat16", "float32", "float64", "bool"]
+Encoding = Literal["json", "base64"]
+DiagnosticsLevel = Literal["none", "summary", "full"]
+StrategyName = Literal["none", "sqrt_dk", "dk", "dk_quarter", "two_sqrt_dk"]
+
+# Discriminator tags: they name the branch of a union in pydantic's error locations, which is
+# noise to a client; field_errors() drops them so that locs name the client's own fields.
+_TAG_TENSOR_OBJECT: Final = "tensor_object"
+_TAG_NESTED_LIST: Final = "nested_list"
+_TAG_STRATEGY_NAME: Final = "strategy_name"
+_TAG_CUSTOM_STRATEGY: Final = "custom_strategy"
+_UNION_TAGS: Final = frozenset(
+    {_TAG_TENSOR_OBJECT, _TAG_NESTED_LIST, _TAG_STRATEGY_NAME, _TAG_CUSTOM_STRATEGY}
+)
+
+
+def nested_list_schema(leaf: Mapping[str, Any], *, depth: int = MAX_RANK) -> dict[str, Any]:
+    """JSON schema of a nested list of `leaf` values, `depth` levels at most (rank >= 1)."""
+    inner: dict[str, Any] = {"type": "array", "items": dict(leaf)}
+    for _ in range(depth - 1):
+        inner = {"type": "array", "items": {"anyOf": [dict(leaf), inner]}}
+    return inner
+
+
+_NUMBER_OR_BOOL: Final = {"type": ["number", "boolean"]}
+# Responses write a non-finite value (a fully masked row's lse = -inf) as null: JSON has no inf.
+_NUMBER_OR_NULL: Final = {"type": ["number", "null"]}
+_INTEGER: Final = {"type": "integer"}
+
+NESTED_INPUT_SCHEMA: Final = nested_list_schema(_NUMBER_OR_BOOL)
+NESTED_OUTPUT_SCHEMA: Final = nested_list_schema(_NUMBER_OR_NULL)
+# key_lengths are per sequence or per head: at most q's rank minus 2.
+NESTED_INT_SCHEMA: Final = nested_list_schema(_INTEGER, depth=MAX_RANK - 2)
+
+NestedInput = Annotated[list[Any], WithJsonSchema(NESTED_INPUT_SCHEMA)]
+NestedOutput = Annotated[list[Any], WithJsonSchema(NESTED_OUTPUT_SCHEMA)]
+# Per-head statistics of a 2-D request (one head, no head dim) are scalars.
+ScalarOrNested = Annotated[Any, WithJsonSchema({"anyOf": [_NUMBER_OR_NULL, NESTED_OUTPUT_SCHEMA]})]
+
+
+B64_PATTERN: Final = r"^(?:[A-Za-z0-9+/]{4})*(?:[A-Za-z0-9+/]{2}==|[A-Za-z0-9+/]{3}=)?$"
+
+
+class _Wire(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, frozen=True)
+
+
+class WireTensor(_Wire):
+    """A tensor: {"dtype", "shape", "data"} (nested lists) or {"dtype", "shape", "b64"}."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [
+                {"dtype": "float32", "shape": [2, 2], "data": [[1.0, 0.0], [0.0, 1.0]]},
+                {"dtype": "float32", "shape": [2], "b64": "AACAPwAAAEA="},
+            ]
+        }
+    )
+
+    dtype: WireDType = Field(
+        description="Element type. bool is for masks only; bfloat16 travels as raw 2-byte "
+        "values in b64 and as ordinary numbers in data."
+    )
+    shape: list[Annotated[int, Field(ge=0)]] | None = Field(
+        default=None,
+        max_length=MAX_RANK,
+        description="Dimensions, row-major. Required with b64; inferred from data when omitted.",
+    )
+    data: Annotated[Any, WithJsonSchema(NESTED_INPUT_SCHEMA)] = Field(
+        default=None, description="Nested lists of numbers (or booleans for a bool mask)."
+    )
+    b64: str | None = Field(
+        default=None,
+        description="Base64 of the little-endian row-major bytes: prod(shape) x itemsize bytes.",
+        # Documented, and enforced by the codec while decoding (a regex over megabytes here
+        # would cost more than the decoding itself).
+        json_schema_extra={"pattern": B64_PATTERN, "contentEncoding": "base64"},
+    )
+
+    @model_validator(mode="after")
+    def _one_payload(self) -> WireTensor:
+        if (self.data is None) == (self.b64 is None):
+            raise PydanticCustomError(
+                "tensor_payload", "a tensor carries exactly one of 'data' or 'b64'"
+            )
+        if self.b64 is not None and self.shape is None:
+            raise PydanticCustomError("tensor_shape", "'shape' is required with 'b64'")
+        return self
+
+
+def _tensor_kind(value: Any) -> str | None:
+    if isinstance(value, dict | WireTensor):
+        return _TAG_TENSOR_OBJECT
+    if isinstance(value, list):
+        return _TAG_NESTED_LIST
+    return None
+
+
+TensorIn = Annotated[
+    Annotated[WireTensor, Tag(_TAG_TENSOR_OBJECT)] | Annotated[NestedInput, Tag(_TAG_NESTED_LIST)],
+    Discriminator(
+        _tensor_kind,
+        custom_error_type="tensor_type",
+        custom_error_message="expected a tensor object {dtype, shape, data | b64} or a nested "
+        "list of numbers",
+    ),
+]
+
+
+def _no_numbers_for_causal(value: Any) -> Any:
+    # Literal[True] alone would accept 1 and 1.0 (they hash equal to True).
+    if not isinstance(value, bool | str):
+        raise PydanticCustomError(
+            "literal_error", "Input should be false, true, 'top_left' or 'bottom_right'"
+        )
+    return value
+
+
+Causal = Annotated[
+    Literal[False, True, "top_left", "bottom_right"],
+    BeforeValidator(_no_numbers_for_causal),
+    Field(
+        description="false; true (= 'top_left': query i sees keys j <= i); 'bottom_right' "
+        "(query i sees keys j <= i + N_kv - N_q, as in KV-cache decoding)."
+    ),
+]
+
+
+def _list_or_integer(value: Any) -> Any:
+    # One error at the field itself rather than one per union member.
+    if isinstance(value, list) or (isinstance(value, int) and not isinstance(value, bool)):
+        return value
+    raise PydanticCustomError(
+        "key_lengths_type", "expected an integer or a nested list of integers"
+    )
+
+
+KeyLengths = Annotated[
+    # A bare integer serves a 2-D q (one sequence, one head: key_lengths of shape []).
+    Any,
+    AfterValidator(_list_or_integer),
+    WithJsonSchema(
+        {
+            "anyOf": [_INTEGER, NESTED_INT_SCHEMA],
+            "description": "Valid keys per sequence ([B]) or per head ([B, H]), or one integer "
+            "for a 2-D q; keys j >= length are padding.",
+        }
+    ),
+]
+
+
+class _MaskFields(_Wire):
+    causal: Causal = False
+    key_lengths: KeyLengths | None = None
+    key_padding_mask: TensorIn | None = Field(
+        default=None,
+        description="bool, True = padding; shape [..., N_kv] per sequence or [..., H, N_kv].",
+    )
+    attn_mask: TensorIn | None = Field(
+        default=None,
+        description="bool (True = may attend) or float (additive bias), broadcastable to "
+        "[..., H, N_q, N_kv].",
+    )
+    timeout_ms: float | None = Field(
+        default=None,
+        ge=1,
+        le=3_600_000,
+        description="Deadline for this request; null = the server's SDPA_REQUEST_TIMEOUT_MS.",
+    )
+
+
+_SMALL_Q = [[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]]
+
+ATTENTION_EXAMPLE: Final[dict[str, Any]] = {
+    "q": {"dtype": "float32", "shape": [1, 3, 2], "data": [_SMALL_Q]},
+    "k": {"dtype": "float32", "shape": [1, 3, 2], "data": [_SMALL_Q]},
+    "v": {"dtype": "float32", "shape": [1, 3, 2], "data": [[[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]]]},
+    "causal": True,
+    "return_weights": True,
+    "diagnostics": "summary",
+    "response_encoding": "json",
+}
+
+
+class AttentionRequest(_MaskFields):
+    """POST /v1/attention: softmax(q k^T * scale + mask) v, with optional weights/diagnostics."""
+
+    model_config = ConfigDict(json_schema_extra={"examples": [ATTENTION_EXAMPLE]})
+
+    q: TensorIn = Field(description="Queries [..., H, N_q, D].")
+    k: TensorIn = Field(description="Keys [..., H_kv, N_kv, D]; H % H_kv == 0 (GQA/MQA).")
+    v: TensorIn = Field(description="Values [..., H_kv, N_kv, D_v].")
+    scale: float | None = Field(default=None, description="null = 1/sqrt(D).")
+    return_weights: bool = Field(
+        default=False,
+        description="Return the [..., H, N_q, N_kv] weights (bounded by "
+        "SDPA_MAX_WEIGHTS_ELEMENTS); diagnostics alone need O(N) memory.",
+    )
+    diagnostics: DiagnosticsLevel = "summary"
+    response_encoding: Encoding | None = Field(
+        default=None, description="null = the encoding q came in ('data'/list: json, b64: base64)."
+    )
+
+
+class Synthetic(_Wire):
+    """Seeded q and k drawn from N(0, std^2)."""
+
+    n_q: int = Field(ge=1, le=1 << 20)
+    n_k: int = Field(ge=1, le=1 << 20)
+    d_k: int = Field(ge=1, le=1 << 16)
+    heads: int = Field(default=1, ge=1, le=4096)
+    std: float = Field(default=1.0, gt=0, le=1e6)
+    seed: int = Field(default=0, ge=0, le=2**63 - 1)
+    dtype: FloatDType = "float32"
+
+
+class CustomStrategy(_Wire):
+    """A scaling strategy of your own: scores are divided by `divisor`."""
+
+    name: str = Field(min_length=1, max_length=64)
+    divisor: float = Field(gt=0, le=1e30)
+
+
+def _strategy_kind(value: Any) -> str | None:
+    if isinstance(value, str):
+        return _TAG_STRATEGY_NAME
+    if isinstance(value, dict | CustomStrategy):
+        return _TAG_CUSTOM_STRATEGY
+    return None
+
+
+StrategyIn = Annotated[
+    Annotated[StrategyName, Tag(_TAG_STRATEGY_NAME)]
+    | Annotated[CustomStrategy, Tag(_TAG_CUSTOM_STRATEGY)],
+    Discriminator(
+        _strategy_kind,
+        custom_error_type="strategy_type",
+        custom_error_message="expected a strategy name or {name, divisor}",
+    ),
+]
+
+ANALYZE_EXAMPLE: Final[dict[str, Any]] = {
+    "synthetic": {"n_q": 64, "n_k": 64, "d_k": 512, "std": 1.0, "seed": 0},
+    "strategies": ["none", "sqrt_dk", "dk", {"name": "temperature_8", "divisor": 8.0}],
+}
+
+
+class AnalyzeRequest(_MaskFields):
+    """POST /v1/analyze: compare divisors of the raw scores on given or synthetic q and k."""
+
+    model_config = ConfigDict(json_schema_extra={"examples": [ANALYZE_EXAMPLE]})
+
+    q: TensorIn | None = Field(default=None, description="Queries [..., H, N_q, D].")
+    k: TensorIn | None = Field(default=None, description="Keys [..., H_kv, N_kv, D].")
+    synthetic: Synthetic | None = Field(default=None, description="Instead of q and k.")
+    strategies: list[StrategyIn] | None = Field(
+        default=None,
+        min_length=1,
+        max_length=32,
+        description="null = none, sqrt_dk, dk, dk_quarter, two_sqrt_dk.",
+    )
+
+    @model_validator(mode="after")
+    def _one_source(self) -> AnalyzeRequest:
+        given = self.q is not None or self.k is not None
+        if self.synthetic is not None and given:
+            raise PydanticCustomError("analyze_source", "give either q and k, or synthetic")
+        if self.synthetic is None and (self.q is None or self.k is None):
+            raise PydanticCustomError("analyze_source", "give both q and k, or synthetic")
+        return self
+
+
+# ---- responses (documentation and schema checks) -------------------------------------------
+
+
+class _Out(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+
+class TensorOut(_Out):
+    """A tensor in the response: the request's dtype, with 'data' or 'b64' as asked."""
+
+    dtype: FloatDType
+    shape: list[int]
+    data: NestedOutput | None = None
+    b64: str | None = None
+
+
+MaybeFloat = Annotated[float | None, Field(description="null when not finite")]
+
+
+class SummaryOut(_Out):
+    entropy: MaybeFloat
+    normalized_entropy: MaybeFloat
+    effective_keys: MaybeFloat
+    max_weight: MaybeFloat
+    saturated_fraction: MaybeFloat
+    score_mean_raw: MaybeFloat
+    score_variance_raw: MaybeFloat
+    score_variance_scaled: MaybeFloat
+    score_abs_max_scaled: MaybeFloat
+    grad_health: MaybeFloat
+    jacobian_fro: MaybeFloat
+    masked_rows: int
+
+
+class DiagnosticsOut(_Out):
+    summary: SummaryOut
+    per_head: dict[str, ScalarOrNested] = Field(
+        description="Each statistic as [..., H] (a number for a 2-D request)."
+    )
+    per_row: dict[str, NestedOutput] | None = Field(
+        description="diagnostics='full': entropy, normalized_entropy, max_weight, "
+        "effective_keys, lse, visible_keys as [..., H, N_q]."
+    )
+
+
+class AttentionMeta(_Out):
+    path: Literal["fused", "dense", "chunked"]
+    backend: str | None = None
+    device: str
+    dtype: FloatDType
+    batch_size: int
+    queue_ms: float
+    compute_ms: float
+    request_id: str
+
+
+class AttentionResponse(_Out):
+    output: TensorOut
+    weights: TensorOut | None
+    diagnostics: DiagnosticsOut | None
+    meta: AttentionMeta
+
+
+class StrategyOut(_Out):
+    name: str
+    divisor: MaybeFloat
+    score_variance: MaybeFloat
+    entropy: MaybeFloat
+    normalized_entropy: MaybeFloat
+    max_weight: MaybeFloat
+    saturated_fraction: MaybeFloat
+    grad_health: MaybeFloat
+
+
+class AnalyzeMeta(_Out):
+    device: str
+    dtype: FloatDType
+    batch_size: int
+    queue_ms: float
+    compute_ms: float
+    request_id: str
+
+
+class AnalyzeResponse(_Out):
+    d_k: int
+    raw_score_variance: MaybeFloat
+    recommended_divisor: MaybeFloat
+    strategies: list[StrategyOut]
+    meta: AnalyzeMeta
+
+
+class HealthOut(_Out):
+    status: Literal["ok", "ready"]
+
+
+class LimitsOut(_Out):
+    max_body_bytes: int
+    max_elements: int
+    max_weights_elements: int
+    request_timeout_ms: float
+
+
+class BatchingOut(_Out):
+    max_batch_size: int
+    max_batch_delay_ms: float
+    max_queue: int
+
+
+class InfoOut(_Out):
+    version: str
+    device: str
+    torch_version: str
+    dtypes: list[str]
+    limits: LimitsOut
+    batching: BatchingOut
+    auth: bool = Field(description="True when an API key is required.")
+
+
+class ProblemFieldErrorOut(_Out):
+    loc: list[str | int]
+    msg: str
+    type: str
+
+
+class Problem(_Out):
+    """RFC 9457 problem details, with field-level errors."""
+
+    type: str
+    title: str
+    status: int
+    detail: str
+    errors: list[ProblemFieldErrorOut]
+
+
+REQUEST_MODELS: Final[tuple[type[BaseModel], ...]] = (AttentionRequest, AnalyzeRequest)
+RESPONSE_MODELS: Final[tuple[type[BaseModel], ...]] = (
+    AttentionResponse,
+    AnalyzeResponse,
+    HealthOut,
+    InfoOut,
+    Problem,
+)
+
+# ---- parsing requests ----------------------------------------------------------------------
+
+_FIELD_MODELS: Final[tuple[type[BaseModel], ...]] = (
+    *REQUEST_MODELS,
+    WireTensor,
+    Synthetic,
+    CustomStrategy,
+)
+_KNOWN_FIELDS: Final = sorted({name for model in _FIELD_MODELS for name in model.model_fields})
+
+
+def field_errors(
+    errors: Iterable[Mapping[str, Any]], *, prefix: Sequence[str | int] = ("body",)
+) -> list[FieldError]:
+    """pydantic error dicts -> our FieldErrors: union tags dropped, unknown fields explained.
+
+    Never copies an error's `input` (it can be a whole tensor).
+    """
+    out: list[FieldError] = []
+    for err in errors:
+        loc = tuple(part for part in err.get("loc", ()) if part not in _UNION_TAGS)
+        msg = str(err.get("msg", "invalid value"))
+        kind = str(err.get("type", "value_error"))
+        if kind == "extra_forbidden" and loc and isinstance(loc[-1], str):
+            close = difflib.get_close_matches(loc[-1], _KNOWN_FIELDS, n=1, cutoff=0.75)
+            msg = f"unknown field {loc[-1]!r}" + (f"; did you mean {close[0]!r}?" if close else "")
+        out.append(FieldError(loc=(*prefix, *loc), msg=msg, type=kind))
+    return out
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def validate_request(payload: Any, model: type[M]) -> M:
+    """The parsed JSON body as `model`, or InvalidRequest (422) naming every bad field."""
+    try:
+        return model.model_validate(payload)
+    except ValidationError as exc:
+        errors = field_errors(exc.errors(include_url=False, include_input=False))
+        first = errors[0]
+        where = ".".join(str(p) for p in first.loc[1:]) or "body"
+        more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+        raise InvalidRequest(f"{where}: {first.msg}{more}", errors=errors) from None

@@ -1,0 +1,52 @@
+"""The service in this process: create_app() behind starlette's TestClient (an httpx.Client
+whose transport calls the ASGI app directly, lifespan included), with small limits."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+
+from fastapi.testclient import TestClient
+
+from service.app import create_app
+from service.runtime.engine import Engine
+from service.settings import Settings
+
+# Small limits so that the limit cases (and schema-generated requests) stay cheap. The same
+# values configure the real server of the e2e tests (as SDPA_* variables).
+API_SERVER_ENV: dict[str, str] = {
+    "SDPA_DEVICE": "cpu",
+    "SDPA_MAX_BODY_BYTES": str(1 << 20),
+    "SDPA_MAX_ELEMENTS": str(1 << 16),
+    "SDPA_MAX_WEIGHTS_ELEMENTS": str(1 << 16),
+    "SDPA_LOG_LEVEL": "warning",
+}
+
+
+def small_settings(**overrides: object) -> Settings:
+    """Settings with API_SERVER_ENV's limits (and `overrides`), read from no environment."""
+    values: dict[str, object] = {
+        name.removeprefix("SDPA_").lower(): value for name, value in API_SERVER_ENV.items()
+    }
+    values.update(overrides)
+    return Settings(**values)  # type: ignore[arg-type]  # validated (and converted) by pydantic
+
+
+@contextmanager
+def in_process_client(
+    settings: Settings,
+    *,
+    engine: Engine | None = None,
+    headers: Mapping[str, str] | None = None,
+    ready_timeout_s: float = 60.0,
+) -> Iterator[TestClient]:
+    """A client of create_app(settings, engine=engine), once its warm-up made it ready."""
+    app = create_app(settings, engine=engine)
+    with TestClient(app, raise_server_exceptions=False, headers=dict(headers or {})) as client:
+        deadline = time.monotonic() + ready_timeout_s
+        while client.get("/readyz").status_code != 200:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the app was not ready within {ready_timeout_s} s")
+            time.sleep(0.02)
+        yield client
