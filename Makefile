@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 # Pinning it here stops pip from resolving a bare range to a multi-GB build it must download.
 TORCH ?= torch==2.13.0
 
-.PHONY: venv serve test lint typecheck bench-core clean
+.PHONY: venv serve test unit lint typecheck bench-core clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -31,6 +31,11 @@ typecheck: venv
 
 test: lint typecheck
 	$(BIN)/pytest -n 2 --dist loadgroup
+
+# The fast tests (core, service in process, client), under a minute: no real server, no
+# subprocesses, no slow marks. `make test` stays the whole suite.
+unit: venv
+	$(BIN)/pytest -n 2 -q -m "not slow" tests/core tests/service tests/client
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
