@@ -15,17 +15,15 @@ from fastapi import APIRouter
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.responses import PlainTextResponse, Response
 
-from sdpa_core import SUPPORTED_DTYPES
 from service.api.deps import MetricsDep, StateDep
 from service.api.openapi import UNAUTHORIZED_DOC, json_ref, problem_doc
 from service.errors import problem_response
 from service.version import VERSION
-from service.wire.codec import dumps, wire_dtype_name
+from service.wire.codec import FLOAT_DTYPE_NAMES, dumps
 
 router = APIRouter()
 
-# The float dtypes q, k and v may have, by their wire names.
-DTYPES: Final = tuple(wire_dtype_name(dtype) for dtype in SUPPORTED_DTYPES)
+DTYPES: Final = FLOAT_DTYPE_NAMES
 
 
 def _json(payload: Any) -> Response:

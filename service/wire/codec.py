@@ -31,6 +31,7 @@ import numpy.typing as npt
 import torch
 from pydantic_core import from_json
 
+from sdpa_core import SUPPORTED_DTYPES
 from service.errors import FieldError, InvalidRequest
 from service.wire.models import MAX_RANK, WireTensor
 
@@ -67,7 +68,9 @@ _DTYPES: Final[dict[str, _DType]] = {
     )
 }
 _BY_TORCH: Final[dict[torch.dtype, _DType]] = {d.torch: d for d in _DTYPES.values()}
-_FLOAT_NAMES: Final = frozenset({"float16", "bfloat16", "float32", "float64"})
+# The float dtypes q, k and v may have (sdpa_core's), by their wire names.
+FLOAT_DTYPE_NAMES: Final = tuple(_BY_TORCH[dtype].name for dtype in SUPPORTED_DTYPES)
+_FLOAT_NAMES: Final = frozenset(FLOAT_DTYPE_NAMES)
 _INT64_MAX: Final = np.iinfo(np.int64).max
 
 

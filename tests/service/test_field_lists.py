@@ -10,12 +10,14 @@ import typing
 from sdpa_core import DIAGNOSTICS_LEVELS, PATHS, PER_ROW_FIELDS, SUMMARY_FIELDS, StrategyResult
 from service.api.ui import STATIC_DIR
 from service.serving.encode import STRATEGY_STATISTICS
+from service.wire.codec import FLOAT_DTYPE_NAMES
 from service.wire.models import (
     AttentionMeta,
     AttentionRequest,
     DiagnosticsOut,
     StrategyOut,
     SummaryOut,
+    TensorOut,
 )
 
 
@@ -43,6 +45,11 @@ def test_the_wire_paths_are_the_core_paths() -> None:
 def test_the_wire_diagnostics_levels_are_the_core_levels() -> None:
     level = AttentionRequest.model_fields["diagnostics"].annotation
     assert typing.get_args(level) == DIAGNOSTICS_LEVELS
+
+
+def test_the_wire_dtypes_are_the_core_dtypes() -> None:
+    dtype = TensorOut.model_fields["dtype"].annotation
+    assert typing.get_args(dtype) == FLOAT_DTYPE_NAMES
 
 
 def test_the_explorer_shows_every_summary_statistic_in_order() -> None:

@@ -1,7 +1,7 @@
 """GET /docs and GET /redoc are served whole by the service: no CDN (a cluster without internet
 access still gets working API docs). The pages are rendered in a real browser by
-test_explorer_browser.py; here, over HTTP, every asset they name is checked to come from the
-service itself.
+test_explorer_browser.py; here, over HTTP (in process), every asset they name is checked to come
+from the service itself.
 """
 
 from __future__ import annotations

@@ -1,0 +1,66 @@
+"""The house's rules, read from the source: data flows one way (api -> serving -> runtime ->
+sdpa_core), serving and runtime know nothing of HTTP frameworks, the wire models hold no torch,
+and nothing refers to files that do not ship."""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import service
+
+SERVICE = Path(service.__file__).resolve().parent
+REPO = SERVICE.parent
+
+# room -> module prefixes its code must never import
+FORBIDDEN: dict[str, tuple[str, ...]] = {
+    # Every compute request goes through serving and the runtime's queue: no route computes.
+    "api": ("sdpa_core",),
+    "serving": ("fastapi", "starlette", "uvicorn", "service.api", "service.middleware"),
+    "runtime": (
+        "fastapi", "starlette", "uvicorn", "pydantic", "service.api", "service.serving",
+        "service.wire", "service.middleware",
+    ),
+    "wire/models.py": ("torch", "sdpa_core"),
+}  # fmt: skip
+
+
+def imported_modules(path: Path) -> Iterator[str]:
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            yield from (alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module is not None and node.level == 0:
+            yield node.module
+
+
+def files_of(room: str) -> list[Path]:
+    target = SERVICE / room
+    return [target] if target.suffix == ".py" else sorted(target.rglob("*.py"))
+
+
+@pytest.mark.parametrize("room", sorted(FORBIDDEN))
+def test_each_room_imports_only_downstream(room: str) -> None:
+    files = files_of(room)
+    assert files, room
+    for path in files:
+        for module in imported_modules(path):
+            for prefix in FORBIDDEN[room]:
+                inside = module == prefix or module.startswith(prefix + ".")
+                assert not inside, f"{path.relative_to(REPO)} imports {module}"
+
+
+def test_nothing_refers_to_files_that_do_not_ship() -> None:
+    shipped = [*SERVICE.rglob("*.py"), *(REPO / "sdpa_core").rglob("*.py"),
+               *(REPO / "sdpa_client").rglob("*.py")]  # fmt: skip
+    for path in shipped:
+        text = path.read_text(encoding="utf-8")
+        for reference in ("DESIGN.md", "kernel-anchors", "reference/", "serving-anchors"):
+            assert reference not in text, f"{path.relative_to(REPO)} mentions {reference}"
+
+
+def test_every_package_ships_py_typed() -> None:
+    for package in ("sdpa_core", "service", "sdpa_client"):
+        assert (REPO / package / "py.typed").is_file(), package
