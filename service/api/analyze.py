@@ -12,7 +12,6 @@ from starlette.responses import Response
 
 from service.api import compute
 from service.api.deps import StateDep
-from service.api.disconnect import ClientDisconnected
 from service.api.openapi import compute_responses, json_ref, request_body
 from service.serving import pipeline
 from service.wire.models import ANALYZE_EXAMPLE
@@ -22,12 +21,7 @@ router = APIRouter()
 
 async def analyze(request: Request, state: StateDep) -> Response:
     """Compare scaling strategies of the raw attention scores."""
-    body, call = await compute.read_call(request, state)
-    try:
-        reply = await pipeline.analyze(body, call)
-    except ClientDisconnected:
-        return compute.client_closed()
-    return compute.reply_response(request, reply)
+    return await compute.serve(request, state, pipeline.analyze)
 
 
 router.add_api_route(

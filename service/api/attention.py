@@ -14,7 +14,6 @@ from starlette.responses import Response
 
 from service.api import compute
 from service.api.deps import StateDep
-from service.api.disconnect import ClientDisconnected
 from service.api.openapi import compute_responses, json_ref, request_body
 from service.serving import pipeline
 from service.wire.models import ATTENTION_EXAMPLE
@@ -24,12 +23,7 @@ router = APIRouter()
 
 async def attention(request: Request, state: StateDep) -> Response:
     """Scaled dot-product attention, with optional weights and diagnostics."""
-    body, call = await compute.read_call(request, state)
-    try:
-        reply = await pipeline.attention(body, call)
-    except ClientDisconnected:
-        return compute.client_closed()
-    return compute.reply_response(request, reply)
+    return await compute.serve(request, state, pipeline.attention)
 
 
 ATTENTION_SUMMARY: Final = "Scaled dot-product attention"

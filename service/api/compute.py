@@ -1,18 +1,23 @@
-"""What the compute routes share: a serving Call bound to this request, and the answers."""
+"""What the compute routes share: read the body, bind a serving Call to this request, run the
+serving pipeline, answer."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Awaitable, Callable
 from typing import Final
 
 from fastapi import Request
 from starlette.responses import Response
 
 from service.api.deps import AppState, request_id, running_batcher
-from service.api.disconnect import cancel_on_disconnect
+from service.api.disconnect import ClientDisconnected, cancel_on_disconnect
 from service.runtime.batcher import BatchResult
 from service.runtime.jobs import Outcome, PreparedJob
 from service.serving.pipeline import Call, Reply
+
+# A serving pipeline: body bytes and a Call -> a Reply (service.serving.pipeline).
+Pipeline = Callable[[bytes, Call], Awaitable[Reply]]
 
 # Status logged for a client that went away before its answer (nginx's "client closed request").
 CLIENT_CLOSED: Final = 499
@@ -37,6 +42,16 @@ async def read_call(request: Request, state: AppState) -> tuple[bytes, Call]:
         received=received,
     )
     return body, call
+
+
+async def serve(request: Request, state: AppState, pipeline: Pipeline) -> Response:
+    """Read the request, run `pipeline` on it, answer (499 in the log if the client left)."""
+    body, call = await read_call(request, state)
+    try:
+        reply = await pipeline(body, call)
+    except ClientDisconnected:
+        return client_closed()
+    return reply_response(request, reply)
 
 
 def reply_response(request: Request, reply: Reply) -> Response:

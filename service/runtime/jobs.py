@@ -82,26 +82,19 @@ def prepare(job: Job) -> PreparedJob:
     """
     if isinstance(job, AnalyzeJob):
         # The analysis needs no values: k stands in for v, and passes every check v must.
-        spec = validate_inputs(
-            job.q,
-            job.k,
-            job.k,
-            causal=job.causal,
-            key_lengths=job.key_lengths,
-            key_padding_mask=job.key_padding_mask,
-            attn_mask=job.attn_mask,
-        )
-        return PreparedJob(job=job, spec=spec, _token=_PREPARED)
-    check_diagnostics_level(job.diagnostics)
+        v, scale = job.k, None
+    else:
+        check_diagnostics_level(job.diagnostics)
+        v, scale = job.v, job.scale
     spec = validate_inputs(
         job.q,
         job.k,
-        job.v,
+        v,
         causal=job.causal,
         key_lengths=job.key_lengths,
         key_padding_mask=job.key_padding_mask,
         attn_mask=job.attn_mask,
-        scale=job.scale,
+        scale=scale,
     )
     return PreparedJob(job=job, spec=spec, _token=_PREPARED)
 

@@ -34,6 +34,7 @@ from service.settings import Settings
 OFFLOAD_BYTES: Final = 1 << 20
 
 T = TypeVar("T")
+OutcomeT = TypeVar("OutcomeT", AttentionOutcome, AnalyzeOutcome)
 
 # Queue a prepared job with its deadline (time.monotonic()) -> its answer. The api layer binds
 # it to the batcher and to the client's connection (a disconnect cancels the wait).
@@ -73,15 +74,14 @@ def _deadline(request: PreparedRequest, call: Call) -> float:
     return call.started + ms / 1000.0
 
 
-async def attention(body: bytes, call: Call) -> Reply:
-    """POST /v1/attention: body -> output, weights and diagnostics, with their timing."""
-    request = await _off_loop_if(len(body) > OFFLOAD_BYTES, prepare_attention, body, call.settings)
-    decoded = time.monotonic()
+async def _run(
+    request: PreparedRequest, call: Call, kind: type[OutcomeT]
+) -> tuple[OutcomeT, BatchResult[Outcome], dict[str, Any]]:
+    """Queue the prepared job and wait for its outcome -> (outcome, its batch, the meta fields)."""
     batch = await call.submit(request.prepared, _deadline(request, call))
-    computed = time.monotonic()
     outcome = batch.value
-    if not isinstance(outcome, AttentionOutcome):  # the engine answered another job kind
-        raise TypeError(f"engine returned {type(outcome).__name__} for an attention job")
+    if not isinstance(outcome, kind):  # the engine answered another job kind: our bug, a 500
+        raise TypeError(f"engine returned {type(outcome).__name__} for a {kind.__name__} job")
     meta = response_meta(
         batch,
         device=outcome.device,
@@ -89,20 +89,31 @@ async def attention(body: bytes, call: Call) -> Reply:
         compute_ms=outcome.compute_ms,
         request_id=call.request_id,
     )
+    return outcome, batch, meta
+
+
+def _ms(start: float, end: float) -> float:
+    return (end - start) * 1000.0
+
+
+async def attention(body: bytes, call: Call) -> Reply:
+    """POST /v1/attention: body -> output, weights and diagnostics, with their timing."""
+    request = await _off_loop_if(len(body) > OFFLOAD_BYTES, prepare_attention, body, call.settings)
+    decoded = time.monotonic()
+    outcome, batch, meta = await _run(request, call, AttentionOutcome)
+    computed = time.monotonic()
     content = await _off_loop_if(
         attention_elements(outcome) * 4 > OFFLOAD_BYTES,
         lambda: encode_attention(outcome, encoding=request.encoding, meta=meta),
     )
-    encoded = time.monotonic()
-    wait_ms = (computed - decoded) * 1000.0
     timing = server_timing(
-        read=(call.received - call.started) * 1000.0,
-        decode=(decoded - call.received) * 1000.0,
+        read=_ms(call.started, call.received),
+        decode=_ms(call.received, decoded),
         queue=batch.queue_ms,
         compute=outcome.compute_ms,
         # What the wait held besides queue and compute: the device thread hop, batching.
-        dispatch=max(0.0, wait_ms - batch.queue_ms - outcome.compute_ms),
-        encode=(encoded - computed) * 1000.0,
+        dispatch=max(0.0, _ms(decoded, computed) - batch.queue_ms - outcome.compute_ms),
+        encode=_ms(computed, time.monotonic()),
     )
     return Reply(content=content, server_timing=timing, batch_size=batch.batch_size)
 
@@ -112,24 +123,14 @@ async def analyze(body: bytes, call: Call) -> Reply:
     # Always off the loop: synthetic inputs are generated here, and analysis is not a hot path.
     request = await anyio.to_thread.run_sync(prepare_analyze, body, call.settings)
     decoded = time.monotonic()
-    batch = await call.submit(request.prepared, _deadline(request, call))
+    outcome, batch, meta = await _run(request, call, AnalyzeOutcome)
     computed = time.monotonic()
-    outcome = batch.value
-    if not isinstance(outcome, AnalyzeOutcome):  # the engine answered another job kind
-        raise TypeError(f"engine returned {type(outcome).__name__} for an analyze job")
-    meta = response_meta(
-        batch,
-        device=outcome.device,
-        dtype=request.prepared.spec.dtype,
-        compute_ms=outcome.compute_ms,
-        request_id=call.request_id,
-    )
     content = encode_analyze(outcome, meta=meta)
     timing = server_timing(
-        read=(call.received - call.started) * 1000.0,
-        decode=(decoded - call.received) * 1000.0,
+        read=_ms(call.started, call.received),
+        decode=_ms(call.received, decoded),
         queue=batch.queue_ms,
         compute=outcome.compute_ms,
-        encode=(time.monotonic() - computed) * 1000.0,
+        encode=_ms(computed, time.monotonic()),
     )
     return Reply(content=content, server_timing=timing, batch_size=batch.batch_size)

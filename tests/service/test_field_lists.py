@@ -52,24 +52,21 @@ def test_the_wire_dtypes_are_the_core_dtypes() -> None:
     assert typing.get_args(dtype) == FLOAT_DTYPE_NAMES
 
 
-def test_the_explorer_shows_every_summary_statistic_in_order() -> None:
+def explorer_block(opening: str, closing: str) -> str:
+    """The text of app.js from `opening` to the next `closing`."""
     source = (STATIC_DIR / "app.js").read_text(encoding="utf-8")
-    block = source[
-        source.index("const SUMMARY_FIELDS = [") : source.index(
-            "];", source.index("const SUMMARY_FIELDS")
-        )
-    ]
+    start = source.index(opening)
+    return source[start : source.index(closing, start)]
+
+
+def test_the_explorer_shows_every_summary_statistic_in_order() -> None:
+    block = explorer_block("const SUMMARY_FIELDS = [", "];")
     names = re.findall(r'^\s*\["([a-z_]+)"', block, flags=re.MULTILINE)
     assert tuple(names) == SUMMARY_FIELDS
 
 
 def test_the_explorer_row_metrics_are_per_row_statistics() -> None:
-    source = (STATIC_DIR / "app.js").read_text(encoding="utf-8")
-    block = source[
-        source.index("const ROW_METRICS = {") : source.index(
-            "};", source.index("const ROW_METRICS")
-        )
-    ]
+    block = explorer_block("const ROW_METRICS = {", "};")
     names = re.findall(r"^\s*([a-z_]+): \{", block, flags=re.MULTILINE)
     assert names
     assert set(names) <= set(PER_ROW_FIELDS)
