@@ -172,7 +172,8 @@ def attend_tiles(
                 keep = None if vis is None else vis.to(accum_dtype)  # 1 visible, 0 not
                 if keep is not None:
                     s.mul_(keep)
-                    cnt = keep.sum(-1).expand(b, h, tq)
+                    # expand first: a mask without a key dim ([..., tq, 1]) covers w keys.
+                    cnt = keep.expand(b, h, tq, w).sum(-1)
                 else:
                     cnt = torch.full((b, h, tq), float(w), dtype=accum_dtype, device=dev)
                 cnt_safe = cnt.clamp(min=1.0)

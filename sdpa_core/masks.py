@@ -270,7 +270,10 @@ def build_mask_plan(
         if m4.dtype == torch.bool:
             parts.append(m4)
         else:
-            bias = m4
+            # A float32 bias beside float64 inputs is legal, but torch 2.13's CPU SDPA kernel
+            # adds it wrongly (the fused output differed by ~1.5 from the float64 reference
+            # at N_kv >= 16); in the inputs' own dtype every path gets it right.
+            bias = m4.to(torch.float64) if spec.dtype == torch.float64 else m4
             invisible = m4 == -math.inf
             if bool(invisible.any()):
                 parts.append(~invisible)

@@ -307,3 +307,49 @@ def test_float_mask_nan_rejected_unless_allowed() -> None:
     out = attention(q, q, q, attn_mask=mask, path="dense", return_weights=True)
     assert out.weights is not None
     assert float(out.weights[0, 0, 0, 0]) == 0.0
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_float64_inputs_with_a_float32_bias_match_the_reference(path: str) -> None:
+    """A float32 attn_mask beside float64 q, k, v is legal; every path must add it as the
+    float64 reference does (torch 2.13's CPU SDPA kernel got it wrong at N_kv >= 16)."""
+    gen = torch.Generator().manual_seed(31)
+    q = torch.randn(1, 3, 8, generator=gen, dtype=torch.float64)
+    k = torch.randn(1, 40, 8, generator=gen, dtype=torch.float64)
+    v = torch.randn(1, 40, 8, generator=gen, dtype=torch.float64)
+    bias = torch.randn(3, 40, generator=gen) * 2.0  # float32, [N_q, N_kv]
+    ref = reference_attention(
+        q, k, v, torch.ones(1, 1, 3, 40, dtype=torch.bool), bias=bias.to(torch.float64)
+    )
+    res = _run(q, k, v, path, attn_mask=bias)
+    assert res.path == path
+    torch.testing.assert_close(res.output, ref.out[0], atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("path", ["dense", "chunked"])
+def test_a_mask_without_a_key_dim_counts_every_key_of_a_visible_row(path: str) -> None:
+    """attn_mask [N_q, 1] hides whole rows: the other rows see all 6 keys, and their
+    diagnostics (visible keys, normalized entropy, grad health) are those of 6 keys, computed
+    here by hand from the float64 weights."""
+    gen = torch.Generator().manual_seed(32)
+    q, k, v = (torch.randn(1, 1, n, 8, generator=gen) for n in (4, 6, 6))
+    rows = torch.tensor([[True], [False], [True], [True]])  # [N_q, 1]
+    res = _run(q, k, v, path, attn_mask=rows)
+    visible = rows.expand(4, 6)[None, None]
+    ref = reference_attention(q, k, v, visible)
+    assert res.row_stats is not None
+    assert res.row_stats.visible_keys[0, 0].tolist() == [6, 0, 6, 6]
+    p = ref.weights[0, 0]  # [N_q, N_kv] float64
+    entropy = -(p * torch.where(p > 0, p.log(), 0.0)).sum(-1)
+    diagnostics = res.diagnostics
+    assert diagnostics is not None
+    assert diagnostics.per_row is not None
+    want_normalized = entropy / math.log(6)
+    want_normalized[1] = 0.0  # the hidden row
+    torch.testing.assert_close(
+        diagnostics.per_row.normalized_entropy[0, 0].double(), want_normalized, atol=1e-5, rtol=1e-5
+    )
+    grad_health = (p * (1 - p)).sum(-1) / 6  # mean over the 6 visible keys
+    want = float(grad_health[[0, 2, 3]].mean())
+    assert math.isclose(diagnostics.summary.grad_health, want, rel_tol=1e-5)
+    assert diagnostics.summary.grad_health <= 0.25
