@@ -230,7 +230,11 @@ def _parse_stat_arrays(obj: Mapping[str, Any], *, param: str) -> dict[str, AnyAr
     out: dict[str, AnyArray] = {}
     for name, value in obj.items():
         null_as = -math.inf if name in _NULL_IS_MINUS_INF else math.nan
-        arr = decode_tensor(value, param=f"{param}.{name}", null_as=null_as)
+        if value is None or (isinstance(value, int | float) and not isinstance(value, bool)):
+            # A 2-D request has one head and no head dim: its per-head statistics are numbers.
+            arr = np.asarray(null_as if value is None else value)
+        else:
+            arr = decode_tensor(value, param=f"{param}.{name}", null_as=null_as)
         # Counts travel as numbers; give them back as integers when they are whole.
         if name in COUNT_STATS and arr.dtype.kind == "f" and np.all(np.isfinite(arr)):
             arr = arr.astype(np.int64)
