@@ -37,6 +37,19 @@ TransportT = TypeVar("TransportT")
 SleepT = TypeVar("SleepT")
 
 
+def _checked_base_url(base_url: str) -> str:
+    """base_url without a trailing slash, or ValueError now rather than at the first call."""
+    try:
+        url = httpx.URL(base_url)
+    except httpx.InvalidURL as exc:
+        raise ValueError(f"base_url {base_url!r} is not a URL: {exc}") from None
+    if url.scheme not in ("http", "https") or not url.host:
+        raise ValueError(
+            f"base_url must look like http://host:port or https://host, got {base_url!r}"
+        )
+    return base_url.rstrip("/")
+
+
 class _Connection(Generic[HttpT, TransportT, SleepT]):
     """What both clients hold: the settings, the httpx client, and how a Call becomes a request."""
 
@@ -70,9 +83,9 @@ class _Connection(Generic[HttpT, TransportT, SleepT]):
             clock: monotonic seconds, for the retries' total time budget.
 
         Raises:
-            ValueError: a malformed base_url.
+            ValueError: a base_url that is not an http:// or https:// URL.
         """
-        self.base_url = base_url.rstrip("/")
+        self.base_url = _checked_base_url(base_url)
         self.timeout = timeout if isinstance(timeout, httpx.Timeout) else httpx.Timeout(timeout)
         self.retry = retry if retry is not None else RetryPolicy()
         self._sleep = sleep

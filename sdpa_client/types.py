@@ -62,6 +62,10 @@ class Stats(Mapping[str, float]):
     def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (self._values,))
 
+    def __hash__(self) -> int:
+        # Read-only, so hashable like the frozen result types that hold it.
+        return hash(frozenset(self._values.items()))
+
     def __repr__(self) -> str:
         shown = ", ".join(f"{k}={v!r}" for k, v in self._values.items())
         return f"{type(self).__name__}({shown})"

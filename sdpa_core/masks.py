@@ -221,7 +221,8 @@ def key_padding(
     device: torch.device | None = None,
 ) -> torch.Tensor | None:
     """The key padding of validated inputs: bool [B|1, H|1, N_kv], True = padding, or None
-    when no key is padding.
+    when no option can hide a key (no key_padding_mask, and no key length below N_kv); a
+    key_padding_mask counts even when it is all False.
 
     A key is padding when it lies at or past its sequence's key length or key_padding_mask
     marks it (True = padding, nn.MultiheadAttention's convention); the head dim is H when

@@ -382,7 +382,9 @@ def _validate_attn_mask(
         raise DTypeError(
             "attn_mask must be bool (True = attend) or float (additive bias)",
             param="attn_mask",
-            expected=f"bool, float32 or {_dtype_name(dtype)}",
+            expected="bool or float32"
+            if dtype == torch.float32
+            else f"bool, float32 or {_dtype_name(dtype)}",
             got=_dtype_name(mask.dtype),
         )
     _check_on_device(mask, "attn_mask", device)

@@ -19,8 +19,8 @@ from fastapi_offline import FastAPIOffline
 
 from service.api import analyze, attention, health, ui
 from service.api.deps import AppState, Batcher, state_of
+from service.api.errors import install_error_handlers
 from service.api.openapi import openapi_document
-from service.errors import install_error_handlers
 from service.metrics import Metrics
 from service.middleware.access_log import AccessLogMiddleware
 from service.middleware.auth import ApiKeyMiddleware
@@ -76,6 +76,7 @@ def _lifespan(engine: Engine | None) -> Any:
             if engine is not None
             else Engine(resolve_device(settings.device), metrics=state.metrics)
         )
+        running.report_to(state.metrics)
         policy = running.policy
         batcher: Batcher = DynamicBatcher(
             running.run_batch,

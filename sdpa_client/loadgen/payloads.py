@@ -58,7 +58,7 @@ class Preset:
         return ", ".join(parts)
 
 
-# The three payloads of bench/service.py (the service issue's definitions): only medium asks for
+# The three payloads the service is benchmarked on (small, medium, large): only medium asks for
 # weights and diagnostics; small and large take the fused kernel's path, output only.
 PRESETS: dict[str, Preset] = {
     "small": Preset("small", 1, 4, 64, 64, return_weights=False, diagnostics="none"),

@@ -16,8 +16,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.responses import PlainTextResponse, Response
 
 from service.api.deps import MetricsDep, StateDep
+from service.api.errors import problem_response
 from service.api.openapi import UNAUTHORIZED_DOC, json_ref, problem_doc
-from service.errors import problem_response
 from service.version import VERSION
 from service.wire.codec import FLOAT_DTYPE_NAMES, dumps
 

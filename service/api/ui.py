@@ -13,7 +13,7 @@ from typing import Final
 from fastapi import APIRouter
 from starlette.responses import FileResponse, Response
 
-from service.errors import problem_response
+from service.api.errors import problem_response
 
 router = APIRouter()
 

@@ -21,7 +21,8 @@ import hmac
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from service.errors import Unauthorized, service_error_response
+from service.api.errors import service_error_response
+from service.errors import Unauthorized
 from service.metrics import Metrics
 
 DEFAULT_OPEN_PATHS: frozenset[str] = frozenset({"/healthz", "/readyz", "/"})

@@ -15,13 +15,8 @@ from typing import Final
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from service.errors import (
-    FieldError,
-    PayloadTooLarge,
-    ServiceError,
-    UnsupportedMediaType,
-    service_error_response,
-)
+from service.api.errors import service_error_response
+from service.errors import FieldError, PayloadTooLarge, ServiceError, UnsupportedMediaType
 from service.metrics import Metrics
 
 _BODY_METHODS: Final = frozenset({"POST", "PUT", "PATCH"})

@@ -54,6 +54,11 @@ class Engine:
         self.policy = BatchPolicy(budget)
         self._metrics = metrics
 
+    def report_to(self, metrics: Metrics) -> None:
+        """Observe compute times on `metrics` from now on (the app's registry: an engine built
+        before its app, as tests pass to create_app, reports where /metrics reads)."""
+        self._metrics = metrics
+
     # -- warm-up -------------------------------------------------------------------------
 
     def warmup(self) -> None:

@@ -9,8 +9,8 @@ without waiting for the device, and never joins a batch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Final
+import threading
+from dataclasses import dataclass
 
 import torch
 
@@ -57,8 +57,9 @@ class AnalyzeJob:
 
 Job = AttentionJob | AnalyzeJob
 
-# Only prepare() holds this: a PreparedJob built anywhere else fails at construction.
-_PREPARED: Final = object()
+# Set only while prepare() builds a PreparedJob (per thread: requests are prepared on worker
+# threads too). A PreparedJob built anywhere else, dataclasses.replace() included, fails.
+_minting = threading.local()
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,10 +68,9 @@ class PreparedJob:
 
     job: Job
     spec: InputSpec
-    _token: object = field(repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if self._token is not _PREPARED:
+        if not getattr(_minting, "active", False):
             raise TypeError("a PreparedJob is made by service.runtime.jobs.prepare() only")
 
 
@@ -96,7 +96,11 @@ def prepare(job: Job) -> PreparedJob:
         attn_mask=job.attn_mask,
         scale=scale,
     )
-    return PreparedJob(job=job, spec=spec, _token=_PREPARED)
+    _minting.active = True
+    try:
+        return PreparedJob(job=job, spec=spec)
+    finally:
+        _minting.active = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,5 +1,5 @@
 // Which (query, key) cells the request's mask options hide, computed on the client from the same
-// rules the service uses (DESIGN.md, "sdpa_core public API"):
+// rules the service uses (sdpa_core's masks):
 //   causal "top_left" (= true): query i sees keys j <= i
 //   causal "bottom_right":      query i sees keys j <= i + N_kv - N_q
 //   key_lengths:                keys j >= length are padding; one length per sequence

@@ -479,7 +479,11 @@ def field_errors(
         kind = str(err.get("type", "value_error"))
         if kind == "extra_forbidden" and loc and isinstance(loc[-1], str):
             close = difflib.get_close_matches(loc[-1], _KNOWN_FIELDS, n=1, cutoff=0.75)
-            msg = f"unknown field {loc[-1]!r}" + (f"; did you mean {close[0]!r}?" if close else "")
+            if close and close[0] == loc[-1]:  # a field of another endpoint ("scale" on analyze)
+                msg = f"unknown field {loc[-1]!r}: this endpoint does not take it"
+            else:
+                hint = f"; did you mean {close[0]!r}?" if close else ""
+                msg = f"unknown field {loc[-1]!r}{hint}"
         out.append(FieldError(loc=(*prefix, *loc), msg=msg, type=kind))
     return out
 

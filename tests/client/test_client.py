@@ -594,3 +594,11 @@ def test_errors_survive_pickling() -> None:
     assert (back.status, back.title, back.detail, back.retry_after_s) == expected
     assert back.errors == err.errors
     assert str(back) == str(err)
+
+
+@pytest.mark.parametrize("base_url", ["localhost:8000", "http://[::1", "ftp://host", "/v1"])
+def test_a_base_url_that_is_not_http_is_refused_at_once(base_url: str) -> None:
+    with pytest.raises(ValueError, match="base_url"):
+        SDPAClient(base_url)
+    with pytest.raises(ValueError, match="base_url"):
+        AsyncSDPAClient(base_url)

@@ -78,5 +78,7 @@ def test_strategy_scores_read_their_statistics_as_attributes() -> None:
     assert back.entropy == 2.0
     plain = StrategyScores("t2", 2.0, Stats({"entropy": 1.0}))
     assert pickle.loads(pickle.dumps(plain)) == plain != StrategyScores("t3", 2.0, plain.stats)
+    # Frozen results are hashable, as the old client's were: usable as keys and in sets.
+    assert len({plain, StrategyScores("t2", 2.0, Stats({"entropy": 1.0}))}) == 1
     with pytest.raises(AttributeError):
         _ = scores.no_such_statistic

@@ -8,13 +8,17 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+import torch
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
+from prometheus_client.parser import text_string_to_metric_families
 from pydantic import SecretStr
 
 from service.app import create_app
 from service.errors import QueueFull
+from service.runtime.engine import Engine
 from service.settings import Settings
+from tests.support.app import in_process_client, small_settings
 
 
 def _boom() -> None:
@@ -104,3 +108,21 @@ def test_a_2d_query_takes_key_lengths_as_one_integer(client: TestClient) -> None
     refused = client.post("/v1/attention", json={**body, "key_lengths": True}, headers=KEY)
     assert refused.status_code == 422
     assert all(err["loc"][:2] == ["body", "key_lengths"] for err in refused.json()["errors"])
+
+
+def test_an_engine_passed_to_create_app_runs_the_requests_and_reports_their_compute() -> None:
+    """create_app(settings, engine=...): the app computes on that engine (here one whose tiny
+    batch budget sends every request alone) and /metrics counts its compute time."""
+    engine = Engine(torch.device("cpu"), max_batch_score_bytes=1)
+    with in_process_client(small_settings(), engine=engine) as client:
+        body = {"q": [[1.0, 0.0], [0.0, 1.0]], "k": [[1.0, 0.0], [0.0, 1.0]],
+                "v": [[2.0, 3.0], [5.0, 7.0]], "diagnostics": "none"}  # fmt: skip
+        assert client.post("/v1/attention", json=body).status_code == 200
+        assert engine.policy.max_batch_cost == 1.0
+        text = client.get("/metrics").text
+    samples = {
+        (sample.name, sample.labels.get("path")): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+    assert samples[("sdpa_compute_seconds_count", "fused")] == 1.0

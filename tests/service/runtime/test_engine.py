@@ -252,9 +252,12 @@ def test_prepared_jobs_carry_their_validation(options: dict[str, Any]) -> None:
             job.q, job.k, job.v, key_lengths=job.key_lengths,
             key_padding_mask=job.key_padding_mask, attn_mask=job.attn_mask,
         )  # fmt: skip
-        assert prepare(job).spec == spec
+        prepared_job = prepare(job)
+        assert prepared_job.spec == spec
         with pytest.raises(TypeError, match="prepare"):
-            PreparedJob(job=job, spec=spec, _token=object())
+            PreparedJob(job=job, spec=spec)
+        with pytest.raises(TypeError, match="prepare"):  # no copy with another job either
+            replace(prepared_job, job=replace(job, q=job.q * math.nan))
     engine = make_engine()
     for batch in (jobs, jobs[:1]):
         run_and_compare(engine, batch, expect_calls=None)

@@ -45,6 +45,16 @@ def test_a_typo_is_refused_and_explained() -> None:
     assert "did you mean 'causal'" in msg
 
 
+def test_a_field_of_another_endpoint_is_refused_without_a_useless_hint() -> None:
+    with pytest.raises(InvalidRequest) as raised:
+        validate_request(
+            {"synthetic": {"n_q": 4, "n_k": 4, "d_k": 4}, "scale": 1.0}, AnalyzeRequest
+        )
+    (error,) = raised.value.errors
+    assert error.loc == ("body", "scale")
+    assert error.msg == "unknown field 'scale': this endpoint does not take it"
+
+
 @pytest.mark.parametrize("causal", [False, True, "top_left", "bottom_right"])
 def test_causal_options(causal: Any) -> None:
     assert validate_request({**BASE, "causal": causal}, AttentionRequest).causal == causal
