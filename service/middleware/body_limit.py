@@ -5,14 +5,18 @@ before a byte of the body is read, and a body without one (chunked) is counted c
 and refused as soon as the count passes the limit. A 1 GB upload therefore costs at most the
 limit plus one chunk of memory.
 
-Requests with a body (POST, PUT, PATCH) must declare JSON: application/json or any
-application/*+json, parameters (charset) allowed. Anything else is a 415 before the body is read.
+Requests with a body (POST, PUT, PATCH) to a route that takes their method must declare JSON:
+application/json or any application/*+json, parameters (charset) allowed. Anything else is a 415
+before the body is read. A method the path does not have (PUT /healthz) is left to routing, which
+answers 405 with an Allow header (and 404 for an unknown path): the request would never reach a
+route, so its content type is no reason to refuse it. Its body is still limited.
 """
 
 from __future__ import annotations
 
 from typing import Final
 
+from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.api.errors import service_error_response
@@ -47,8 +51,24 @@ def is_json_content_type(value: bytes) -> bool:
     return kind == b"application" and subtype.endswith(b"+json")
 
 
+def reaches_a_route(scope: Scope) -> bool:
+    """Whether the app's router would hand this request to a route that takes its method.
+
+    False when routing answers by itself (404, 405, a redirect). True when the app has no router
+    to ask (the middleware around a bare ASGI app): then every request is checked.
+    """
+    router = getattr(scope.get("app"), "router", None)
+    routes = getattr(router, "routes", None)
+    if routes is None:
+        return True
+    # As Starlette's Router does: the first full match (path and method) takes the request; a
+    # path match under another method is only partial.
+    return any(route.matches(scope)[0] is Match.FULL for route in routes)
+
+
 class BodyLimitMiddleware:
-    """413 for bodies over `max_body_bytes` (counted while streaming), 415 for non-JSON bodies."""
+    """413 for bodies over `max_body_bytes` (counted while streaming), 415 for non-JSON bodies
+    to a route that takes them."""
 
     def __init__(
         self, app: ASGIApp, *, max_body_bytes: int, metrics: Metrics | None = None
@@ -70,7 +90,7 @@ class BodyLimitMiddleware:
             elif name == b"content-length":
                 content_length = value
 
-        if not is_json_content_type(content_type):
+        if not is_json_content_type(content_type) and reaches_a_route(scope):
             shown = content_type.decode("latin-1")[:100] or "none"
             msg = f"request bodies must be JSON (Content-Type: application/json); got {shown}"
             error: ServiceError = UnsupportedMediaType(

@@ -163,7 +163,10 @@ def _from_list(
     _check_elements(arr.size, loc=data_loc, max_elements=max_elements)
     kind = arr.dtype.kind
     if dtype is None:  # a bare list: bool leaves make a bool tensor, numbers float32
-        dtype = "bool" if kind == "b" else "float32"
+        # An empty list has no leaves to tell: it takes the role's own dtype (a key padding
+        # mask's is bool, as documented), and is refused later for being empty, not for a dtype.
+        bool_leaves = kind == "b" or (arr.size == 0 and role == "bool_mask")
+        dtype = "bool" if bool_leaves else "float32"
         _check_role(dtype, role=role, loc=loc)
     if arr.size and dtype == "bool" and kind != "b":
         raise _invalid(data_loc, "a bool tensor's data must hold only true/false", "type")

@@ -64,16 +64,20 @@ def nested_list_schema(leaf: Mapping[str, Any], *, depth: int = MAX_RANK) -> dic
 
 
 _NUMBER_OR_BOOL: Final = {"type": ["number", "boolean"]}
+_BOOLEAN: Final = {"type": "boolean"}
 # Responses write a non-finite value (a fully masked row's lse = -inf) as null: JSON has no inf.
 _NUMBER_OR_NULL: Final = {"type": ["number", "null"]}
 _INTEGER: Final = {"type": "integer"}
 
 NESTED_INPUT_SCHEMA: Final = nested_list_schema(_NUMBER_OR_BOOL)
+# A key padding mask is bool only: the codec refuses numbers in it (and a float dtype).
+NESTED_BOOL_SCHEMA: Final = nested_list_schema(_BOOLEAN)
 NESTED_OUTPUT_SCHEMA: Final = nested_list_schema(_NUMBER_OR_NULL)
 # key_lengths are per sequence or per head: at most q's rank minus 2.
 NESTED_INT_SCHEMA: Final = nested_list_schema(_INTEGER, depth=MAX_RANK - 2)
 
 NestedInput = Annotated[list[Any], WithJsonSchema(NESTED_INPUT_SCHEMA)]
+NestedBool = Annotated[list[Any], WithJsonSchema(NESTED_BOOL_SCHEMA)]
 NestedOutput = Annotated[list[Any], WithJsonSchema(NESTED_OUTPUT_SCHEMA)]
 # Per-head statistics of a 2-D request (one head, no head dim) are scalars.
 ScalarOrNested = Annotated[Any, WithJsonSchema({"anyOf": [_NUMBER_OR_NULL, NESTED_OUTPUT_SCHEMA]})]
@@ -84,6 +88,34 @@ B64_PATTERN: Final = r"^(?:[A-Za-z0-9+/]{4})*(?:[A-Za-z0-9+/]{2}==|[A-Za-z0-9+/]
 
 class _Wire(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, frozen=True)
+
+
+def _nested_list_data(value: Any) -> Any:
+    # No tensor on the wire is 0-d (q, k and v have rank >= 2, masks rank >= 1: a scalar mask
+    # would carry nothing per key), so `data` is always a list, as the schema says: a bare 0 or
+    # true is refused here rather than decoded into a 0-d tensor that broadcasts.
+    if value is None or isinstance(value, list):
+        return value
+    raise PydanticCustomError(
+        "tensor_data",
+        "'data' must be a nested list (a tensor has at least one dimension); write a single "
+        "value as [x]",
+    )
+
+
+_NULL: Final = {"type": "null"}
+
+# A tensor object's `data`: a nested list (null, as when absent, with b64).
+TensorData = Annotated[
+    Any,
+    AfterValidator(_nested_list_data),
+    WithJsonSchema({"anyOf": [NESTED_INPUT_SCHEMA, _NULL]}),
+]
+BoolTensorData = Annotated[
+    Any,
+    AfterValidator(_nested_list_data),
+    WithJsonSchema({"anyOf": [NESTED_BOOL_SCHEMA, _NULL]}),
+]
 
 
 class WireTensor(_Wire):
@@ -104,10 +136,12 @@ class WireTensor(_Wire):
     )
     shape: list[Annotated[int, Field(ge=0)]] | None = Field(
         default=None,
+        # At least one dimension: no tensor on the wire is 0-d (see _nested_list_data).
+        min_length=1,
         max_length=MAX_RANK,
         description="Dimensions, row-major. Required with b64; inferred from data when omitted.",
     )
-    data: Annotated[Any, WithJsonSchema(NESTED_INPUT_SCHEMA)] = Field(
+    data: TensorData = Field(
         default=None, description="Nested lists of numbers (or booleans for a bool mask)."
     )
     b64: str | None = Field(
@@ -129,6 +163,34 @@ class WireTensor(_Wire):
         return self
 
 
+def _bool_only(value: str) -> str:
+    # The same refusal (type and words) as the codec's for a bare list of numbers.
+    if value != "bool":
+        raise PydanticCustomError(
+            "dtype", "must be a bool tensor (true = padding), not {dtype}", {"dtype": value}
+        )
+    return value
+
+
+class BoolTensor(WireTensor):
+    """A bool tensor (a key padding mask): {"dtype": "bool", "shape", "data" | "b64"}."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [
+                {"dtype": "bool", "shape": [1, 3], "data": [[False, False, True]]},
+                {"dtype": "bool", "shape": [3], "b64": "AAAB"},
+            ]
+        }
+    )
+
+    dtype: Annotated[
+        WireDType, AfterValidator(_bool_only), WithJsonSchema({"const": "bool", "type": "string"})
+    ] = Field(description="Always bool.")
+    data: BoolTensorData = Field(default=None, description="Nested lists of booleans.")
+    # b64 (inherited): one byte per element, 0 or 1.
+
+
 def _tensor_kind(value: Any) -> str | None:
     if isinstance(value, dict | WireTensor):
         return _TAG_TENSOR_OBJECT
@@ -144,6 +206,18 @@ TensorIn = Annotated[
         custom_error_type="tensor_type",
         custom_error_message="expected a tensor object {dtype, shape, data | b64} or a nested "
         "list of numbers",
+    ),
+]
+
+
+# key_padding_mask: documented (and checked) as bool only, in both forms.
+BoolTensorIn = Annotated[
+    Annotated[BoolTensor, Tag(_TAG_TENSOR_OBJECT)] | Annotated[NestedBool, Tag(_TAG_NESTED_LIST)],
+    Discriminator(
+        _tensor_kind,
+        custom_error_type="tensor_type",
+        custom_error_message="expected a bool tensor object {dtype: 'bool', shape, data | b64} "
+        "or a nested list of booleans",
     ),
 ]
 
@@ -193,7 +267,7 @@ KeyLengths = Annotated[
 class _MaskFields(_Wire):
     causal: Causal = False
     key_lengths: KeyLengths | None = None
-    key_padding_mask: TensorIn | None = Field(
+    key_padding_mask: BoolTensorIn | None = Field(
         default=None,
         description="bool, True = padding; shape [..., N_kv] per sequence or [..., H, N_kv].",
     )
@@ -459,6 +533,7 @@ RESPONSE_MODELS: Final[tuple[type[BaseModel], ...]] = (
 _FIELD_MODELS: Final[tuple[type[BaseModel], ...]] = (
     *REQUEST_MODELS,
     WireTensor,
+    BoolTensor,
     Synthetic,
     CustomStrategy,
 )

@@ -1,8 +1,15 @@
 """The app's own OpenAPI document against the running server, driven by schemathesis.
 
 Over 1,000 generated requests across every documented operation (valid and schema-violating
-bodies): no response is a 5xx, and every response's status, content type, headers and body
-conform to what the document says (problem+json included).
+bodies), then schemathesis' coverage cases (boundary values, each property's type mutated, and
+every HTTP method an operation lacks): no response is a 5xx, every response's status, content
+type, headers and body conform to what the document says (problem+json included), a body the
+schema forbids is refused, a method a path lacks is a 405 with Allow, and a field whose schema
+states its dtype exactly is never refused for its dtype.
+
+positive_data_acceptance is left out on purpose: the schema cannot express what ties tensors
+together (q's and k's D, the heads, a mask's broadcast), so a schema-valid body is often, and
+rightly, a 422. documented_dtypes_are_accepted checks the part of it that the schema does state.
 """
 
 from __future__ import annotations
@@ -16,6 +23,8 @@ import schemathesis.checks
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import given as hyp_given
 from schemathesis import GenerationMode
+from schemathesis.checks import CheckContext
+from schemathesis.core.transport import Response
 
 from tests.support.live_server import LiveServer
 
@@ -32,7 +41,36 @@ CHECK_NAMES = (
     "content_type_conformance",
     "response_headers_conformance",
     "response_schema_conformance",
+    # What the schema forbids is refused: {"dtype": ..., "data": 0} where data must be an array.
+    "negative_data_rejection",
+    # A method the path lacks (PUT /healthz) is a 405 with Allow, not a 415 for its content type
+    # (the coverage cases send those).
+    "unsupported_method",
 )
+# Fields whose schema states their dtype exactly: a key padding mask is bool only, as a bool
+# tensor object or a nested list of booleans.
+EXACT_DTYPE_FIELDS = frozenset({"key_padding_mask"})
+# The error types of a refused dtype or element type (service.wire.codec, service.wire.models).
+DTYPE_ERRORS = frozenset({"dtype", "type"})
+
+
+def documented_dtypes_are_accepted(
+    ctx: CheckContext, response: Response, case: schemathesis.Case[Any]
+) -> bool | None:
+    """A schema-valid body is never refused for the dtype of a field the schema types exactly."""
+    meta = case.meta
+    if meta is None or not meta.generation.mode.is_positive or response.status_code != 422:
+        return None
+    errors = response.json().get("errors", [])
+    refused = [
+        err
+        for err in errors
+        if err.get("type") in DTYPE_ERRORS
+        and len(err.get("loc", ())) > 1
+        and err["loc"][1] in EXACT_DTYPE_FIELDS
+    ]
+    assert not refused, f"the schema allows what the server refuses: {refused}"
+    return None
 
 
 def _no_instant_deadline(case: schemathesis.Case[Any]) -> None:
@@ -49,9 +87,15 @@ def _no_instant_deadline(case: schemathesis.Case[Any]) -> None:
             body["timeout_ms"] = 1000
 
 
+def _checks() -> list[Any]:
+    return [getattr(schemathesis.checks, name) for name in CHECK_NAMES] + [
+        documented_dtypes_are_accepted
+    ]
+
+
 def test_schema_driven_requests_conform(api_server: LiveServer) -> None:
     schema = schemathesis.openapi.from_url(f"{api_server.url}/openapi.json")
-    checks = [getattr(schemathesis.checks, name) for name in CHECK_NAMES]
+    checks = _checks()
     calls: Counter[str] = Counter()
     statuses: Counter[int] = Counter()
     operations = [result.ok() for result in schema.get_all_operations()]  # type: ignore[union-attr]
@@ -88,6 +132,34 @@ def test_schema_driven_requests_conform(api_server: LiveServer) -> None:
     total = sum(calls.values())
     assert total >= MIN_TOTAL, (total, calls)
     # The generated traffic reached the compute as well as the validation.
+    assert statuses[200] > 0
+    assert statuses[422] > 0
+    assert not [s for s in statuses if s >= 500], statuses
+
+
+def test_coverage_cases_conform(api_server: LiveServer) -> None:
+    """schemathesis' coverage phase, which sends what random generation rarely does: every method
+    an operation lacks, each property's type mutated (a scalar where an array is due), boundary
+    values."""
+    schema = schemathesis.openapi.from_url(f"{api_server.url}/openapi.json")
+    checks = _checks()
+    methods: Counter[str] = Counter()
+    statuses: Counter[int] = Counter()
+    for result in schema.get_all_operations():
+        operation = result.ok()  # type: ignore[union-attr]
+        cases = operation.schema.iter_coverage_cases(
+            operation,
+            generation_modes=[GenerationMode.POSITIVE, GenerationMode.NEGATIVE],
+            generation_config=schema.config.generation_for(operation=operation, phase="coverage"),
+        )
+        for case in cases:
+            _no_instant_deadline(case)
+            response = case.call_and_validate(base_url=api_server.url, checks=checks)
+            methods[case.method.upper()] += 1
+            statuses[response.status_code] += 1
+    # Each GET route was sent the body methods it lacks, each POST route GET, PUT and PATCH.
+    assert {"GET", "PUT", "PATCH", "POST", "DELETE"} <= set(methods), methods
+    assert statuses[405] >= 4 * 4, statuses  # PUT, PATCH, POST, DELETE on each GET route
     assert statuses[200] > 0
     assert statuses[422] > 0
     assert not [s for s in statuses if s >= 500], statuses

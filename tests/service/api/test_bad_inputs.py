@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
+import jsonschema  # type: ignore[import-untyped]
 import numpy as np
 import pytest
 
@@ -114,6 +115,21 @@ CATALOGUE = [
     Bad("key-padding-mask-bad-bool-bytes", 422, ("body", "key_padding_mask", "b64"),
         json={"q": Q4, "k": Q4, "v": Q4, "key_padding_mask":
               {"dtype": "bool", "shape": [1, 3], "b64": b64([0, 7, 1], "u1")}}),
+    Bad("key-padding-mask-numbers", 422, ("body", "key_padding_mask"),
+        json={"q": Q4, "k": Q4, "v": Q4, "key_padding_mask": [[0.0, 1.0, 0.0]]}),
+    Bad("key-padding-mask-bool-with-numbers", 422, ("body", "key_padding_mask", "data"),
+        json={"q": Q4, "k": Q4, "v": Q4,
+              "key_padding_mask": {"dtype": "bool", "data": [[0, 1, 0]]}}),
+    Bad("scalar-data", 422, ("body", "q", "data"),
+        json=with_(q={"dtype": "float32", "data": 0})),
+    Bad("scalar-attn-mask-bias", 422, ("body", "attn_mask", "data"),
+        json=with_(attn_mask={"dtype": "float32", "data": 0})),
+    Bad("scalar-attn-mask-bool", 422, ("body", "attn_mask", "data"),
+        json=with_(attn_mask={"dtype": "bool", "data": True})),
+    Bad("scalar-key-padding-mask", 422, ("body", "key_padding_mask", "data"),
+        json=with_(key_padding_mask={"dtype": "bool", "data": False})),
+    Bad("zero-d-b64-attn-mask", 422, ("body", "attn_mask", "shape"),
+        json=with_(attn_mask={"dtype": "float32", "shape": [], "b64": b64(0.0)})),
     Bad("attn-mask-wrong-shape", 422, ("body", "attn_mask"),
         json=with_(attn_mask=[[True, False]] * 2)),
     Bad("attn-mask-wrong-dtype", 422, ("body", "attn_mask"),
@@ -157,6 +173,11 @@ CATALOGUE = [
         json={"q": Q, "k": [[1.0, 0.0, 0.0]]}),
     Bad("unknown-path", 404, None, path="/v1/attend", json=OK),
     Bad("wrong-method", 405, None, method="GET"),
+    Bad("put-on-a-get-route", 405, None, path="/healthz", method="PUT"),
+    Bad("patch-text-on-a-get-route", 405, None, path="/v1/info", method="PATCH", content=b"x",
+        headers={"content-type": "text/plain"}),
+    Bad("post-form-on-a-get-route", 405, None, path="/readyz", method="POST", content=b"q=1",
+        headers={"content-type": "application/x-www-form-urlencoded"}),
 ]  # fmt: skip
 
 
@@ -194,3 +215,86 @@ def test_problem_bodies_are_json_with_the_envelope(client: httpx.Client) -> None
     assert set(problem) == {"type", "title", "status", "detail", "errors"}
     assert {tuple(e["loc"]) for e in problem["errors"]} == {("body", "casual"), ("body", "scale")}
     json.dumps(problem)  # plain JSON all the way down
+
+
+# ---- the documented schema and the server agree --------------------------------------------
+
+
+def documented(doc: dict[str, Any], name: str) -> jsonschema.Draft202012Validator:
+    """A validator of the served document's `name` schema (its $refs resolved in the doc)."""
+    root = {"$ref": f"#/components/schemas/{name}", "components": doc["components"]}
+    return jsonschema.Draft202012Validator(root)
+
+
+@pytest.mark.parametrize("path", ["/v1/attention", "/v1/analyze"])
+def test_the_documented_key_padding_mask_is_what_the_server_takes(
+    client: httpx.Client, path: str
+) -> None:
+    doc = client.get("/openapi.json").json()
+    schema = documented(doc, "AttentionRequest" if path == "/v1/attention" else "AnalyzeRequest")
+    base: dict[str, Any] = (
+        {"q": Q4, "k": Q4} if path == "/v1/analyze" else {"q": Q4, "k": Q4, "v": Q4}
+    )
+    numbers: list[Any] = [[[0.0, 1.0, 0.0]], {"dtype": "float32", "data": [[0.0, 1.0, 0.0]]}]
+    for mask in numbers:
+        body = {**base, "key_padding_mask": mask}
+        assert not schema.is_valid(body), mask  # the schema says bool only ...
+        assert client.post(path, json=body).status_code == 422  # ... as the server enforces
+    booleans: list[Any] = [
+        [[False, False, True]],
+        {"dtype": "bool", "data": [[False, False, True]]},
+    ]
+    for mask in booleans:
+        body = {**base, "key_padding_mask": mask}
+        assert schema.is_valid(body), mask
+        assert client.post(path, json=body).status_code == 200, mask
+
+
+def test_scalar_tensor_data_is_documented_and_refused(client: httpx.Client) -> None:
+    schema = documented(client.get("/openapi.json").json(), "AttentionRequest")
+    for field, tensor in (("q", {"dtype": "float32", "data": 0}),
+                          ("attn_mask", {"dtype": "float32", "data": 0}),
+                          ("attn_mask", {"dtype": "bool", "data": True}),
+                          ("key_padding_mask", {"dtype": "bool", "data": True})):  # fmt: skip
+        body = with_(**{field: tensor})
+        assert not schema.is_valid(body)
+        response = client.post("/v1/attention", json=body)
+        assert response.status_code == 422, response.text
+        assert [tuple(e["loc"]) for e in response.json()["errors"]] == [("body", field, "data")]
+
+
+@pytest.mark.parametrize("method", ["PUT", "PATCH", "DELETE", "POST"])
+@pytest.mark.parametrize("path", ["/healthz", "/readyz", "/v1/info", "/metrics"])
+@pytest.mark.parametrize("content_type", [None, "text/plain", "application/json"])
+def test_a_method_the_route_lacks_is_405_with_allow(
+    client: httpx.Client, method: str, path: str, content_type: str | None
+) -> None:
+    # Routing answers before the content type matters: not a 415 for a request that no route
+    # would take.
+    headers = {"content-type": content_type} if content_type else {}
+    response = client.request(method, path, content=b"{}" if content_type else None,
+                              headers=headers)  # fmt: skip
+    assert response.status_code == 405, response.text
+    assert "GET" in response.headers["allow"]
+    assert response.headers["content-type"] == "application/problem+json"
+    assert response.json()["status"] == 405
+
+
+def test_a_compute_route_still_wants_json_and_bodies_are_still_limited(
+    client: httpx.Client,
+) -> None:
+    for method in ("POST", "PUT"):
+        response = client.request(method, "/v1/attention", content=b"{}",
+                                  headers={"content-type": "text/plain"})  # fmt: skip
+        # POST is the route's own method: 415. PUT is not: 405, as on any route.
+        assert response.status_code == (415 if method == "POST" else 405), response.text
+    # The limit comes before routing, whatever the method, path and content type.
+    big = b"x" * (MAX_BODY + 1)
+    for method, path, content_type in (
+        ("POST", "/v1/attention", "application/json"),
+        ("PUT", "/healthz", "application/json"),
+        ("PUT", "/healthz", "text/plain"),
+        ("POST", "/nowhere", "text/plain"),
+    ):
+        response = client.request(method, path, content=big, headers={"content-type": content_type})
+        assert response.status_code == 413, (method, path, response.text)

@@ -106,6 +106,14 @@ def test_bool_masks_from_b64_and_lists() -> None:
     assert "0 or 1" in msg
 
 
+def test_an_empty_bare_key_padding_mask_is_bool_as_documented() -> None:
+    # An empty list has no leaves to tell its dtype: as a key padding mask it is bool (its
+    # documented dtype), so it is never refused for being "float32"; as q it is float32.
+    assert decode_tensor([], loc=LOC, role="bool_mask", max_elements=BIG).tensor.dtype == torch.bool
+    assert decode_tensor([[]], loc=LOC, role="bool_mask", max_elements=BIG).tensor.shape == (1, 0)
+    assert decode_tensor([], loc=LOC, role="float", max_elements=BIG).tensor.dtype == torch.float32
+
+
 @pytest.mark.parametrize(
     ("value", "role", "loc_tail", "needle"),
     [

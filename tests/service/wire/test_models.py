@@ -15,6 +15,7 @@ from service.wire.models import (
     NESTED_INPUT_SCHEMA,
     AnalyzeRequest,
     AttentionRequest,
+    BoolTensor,
     CustomStrategy,
     WireTensor,
     validate_request,
@@ -146,7 +147,7 @@ def test_documented_nested_list_schema_bounds_the_rank() -> None:
 
 
 def test_request_examples_validate() -> None:
-    for model in (AttentionRequest, AnalyzeRequest, WireTensor):
+    for model in (AttentionRequest, AnalyzeRequest, WireTensor, BoolTensor):
         examples = model.model_json_schema()["examples"]
         assert examples
         for example in examples:
@@ -158,3 +159,102 @@ def test_documented_b64_pattern_matches_python_base64() -> None:
         assert re.fullmatch(B64_PATTERN, base64.b64encode(raw).decode())
     for bad in ("AAC", "AA=A", "AA AA", "AAC\u00e9"):
         assert not re.fullmatch(B64_PATTERN, bad)
+
+
+# ---- the documented schema and the server agree (issue: schemathesis findings) --------------
+
+
+def request_schema(model: Any = AttentionRequest) -> dict[str, Any]:
+    return dict(model.model_json_schema())
+
+
+def schema_allows(body: Any, model: Any = AttentionRequest) -> bool:
+    return bool(jsonschema.Draft202012Validator(request_schema(model)).is_valid(body))
+
+
+Q4 = [[[[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]]]]  # [B=1, H=1, N=3, D=2]
+
+
+@pytest.mark.parametrize(
+    "mask",
+    [
+        [[0.0, 1.0, 0.0]],
+        [[0, 1, 0]],
+        [[True, 0.0, False]],
+        {"dtype": "float32", "data": [[0.0, 1.0, 0.0]]},
+        {"dtype": "bool", "data": [[0.0, 1.0, 0.0]]},
+        {"dtype": "float16", "shape": [1, 3], "b64": "AAAAAAAA"},
+    ],
+)
+def test_the_documented_key_padding_mask_is_bool_only(mask: Any) -> None:
+    # The server refuses a key padding mask that is not bool (codec: role "bool_mask"); the
+    # schema used to allow numbers and every dtype.
+    body = {"q": Q4, "k": Q4, "v": Q4, "key_padding_mask": mask}
+    assert not schema_allows(body)
+    assert not schema_allows(body, AnalyzeRequest)
+
+
+@pytest.mark.parametrize(
+    "mask",
+    [
+        [[False, True, False]],
+        {"dtype": "bool", "data": [[False, True, False]]},
+        {"dtype": "bool", "shape": [1, 3], "b64": "AAEA"},
+    ],
+)
+def test_a_bool_key_padding_mask_is_documented_and_accepted(mask: Any) -> None:
+    body = {"q": Q4, "k": Q4, "v": Q4, "key_padding_mask": mask}
+    assert schema_allows(body)
+    assert validate_request(body, AttentionRequest).key_padding_mask is not None
+
+
+def test_a_float_key_padding_mask_object_is_refused_at_its_dtype() -> None:
+    ((loc, msg),) = errors_of(
+        {**BASE, "key_padding_mask": {"dtype": "float32", "data": [[0.0, 1.0]]}}
+    )
+    assert loc == ("body", "key_padding_mask", "dtype")
+    assert msg == "must be a bool tensor (true = padding), not float32"
+
+
+@pytest.mark.parametrize(
+    "mask",
+    [
+        [[0.0, 1.0, 0.0]],  # an additive bias
+        [[True, False, True]],
+        {"dtype": "float32", "data": [[0.0, -1.0, 0.0]]},
+        {"dtype": "bool", "data": [[True, False, True]]},
+    ],
+)
+def test_attn_mask_stays_documented_as_bool_or_float(mask: Any) -> None:
+    assert schema_allows({"q": Q4, "k": Q4, "v": Q4, "attn_mask": mask})
+
+
+@pytest.mark.parametrize("field", ["q", "attn_mask", "key_padding_mask"])
+@pytest.mark.parametrize("data", [0, 1.5, True, False, "0"])
+def test_scalar_data_is_refused_at_data(field: str, data: Any) -> None:
+    # No tensor on the wire is 0-d: the schema says data is an array, and the server agrees
+    # (a bare 0 in an attn_mask used to be decoded as a 0-d mask and answered 200).
+    dtype = "bool" if field == "key_padding_mask" else "float32"
+    tensor = {"dtype": dtype, "data": data}
+    assert not schema_allows({**BASE, field: tensor})
+    ((loc, msg),) = errors_of({**BASE, field: tensor})
+    assert loc == ("body", field, "data")
+    assert "nested list" in msg
+
+
+@pytest.mark.parametrize("field", ["q", "attn_mask", "key_padding_mask"])
+def test_an_empty_shape_is_refused_at_shape(field: str) -> None:
+    dtype = "bool" if field == "key_padding_mask" else "float32"
+    tensor = {"dtype": dtype, "shape": [], "b64": "AAAAAA==" if dtype != "bool" else "AA=="}
+    assert not schema_allows({**BASE, field: tensor})
+    ((loc, _),) = errors_of({**BASE, field: tensor})
+    assert loc == ("body", field, "shape")
+
+
+def test_explicit_null_data_is_documented_as_absent() -> None:
+    # {"data": null, "b64": ...} is accepted (null = absent), so the schema must allow it.
+    tensor = {"dtype": "float32", "shape": [2], "b64": "AACAPwAAAEA=", "data": None}
+    assert schema_allows({**BASE, "q": tensor})
+    assert validate_request({**BASE, "q": tensor}, AttentionRequest).q == WireTensor(
+        dtype="float32", shape=[2], b64="AACAPwAAAEA="
+    )
