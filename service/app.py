@@ -51,16 +51,18 @@ Tensors travel as `{"dtype", "shape", "data"}` (nested lists), `{"dtype", "shape
 
 
 async def _warm_up(state: AppState, engine: Engine, batcher: DynamicBatcher[Any, Any]) -> None:
-    """One real attention call on the device thread; /readyz turns 200 after it."""
+    """Real attention calls on the device thread, then the cost model measured there;
+    /readyz turns 200 after both."""
     try:
         await batcher.run_on_device(engine.warmup)
+        state.cost_model = await batcher.run_on_device(engine.calibrate)
     except Exception as exc:
         # Stay alive (liveness) but never ready: the log says why.
         logger.exception("warm-up on %s failed", engine.device)
         state.warmup_error = repr(exc)
         return
     state.warmed_up = True
-    logger.info("warmed up on %s", engine.device)
+    logger.info("warmed up on %s", engine.device, extra={"json_fields": state.cost_model.as_json()})
 
 
 def _lifespan(engine: Engine | None) -> Any:

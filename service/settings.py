@@ -47,6 +47,13 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(default=128 * MiB, ge=1024, le=16 * 1024 * MiB)
     max_elements: int = Field(default=2**26, ge=1, le=2**34)
     max_weights_elements: int = Field(default=2**26, ge=1, le=2**36)
+    # The work one request may cost, in the cost model's fused-equivalent FLOPs (see
+    # service.runtime.policy.CostModel); "auto" = what the device does in max_compute_s,
+    # measured at warm-up.
+    max_request_flops: float | Literal["auto"] = "auto"
+    max_compute_s: float = Field(default=10.0, gt=0.0, le=3600.0)
+    # The response's size in the encoding it would be sent in, estimated before compute.
+    max_response_bytes: int = Field(default=256 * MiB, ge=1024, le=64 * 1024 * MiB)
 
     # Comma-separated keys, or a JSON list. Empty = authentication off.
     api_keys: Annotated[tuple[SecretStr, ...], NoDecode] = ()
@@ -55,6 +62,23 @@ class Settings(BaseSettings):
 
     log_level: Literal["debug", "info", "warning", "error", "critical"] = "info"
     drain_timeout_s: float = Field(default=30.0, ge=0.0, le=3600.0)
+
+    @field_validator("max_request_flops", mode="before")
+    @classmethod
+    def _flops_number_or_auto(cls, value: object) -> object:
+        if isinstance(value, str) and value.strip().lower() != "auto":
+            try:
+                return float(value)
+            except ValueError:
+                raise ValueError('a positive number of FLOPs, or "auto"') from None
+        return value.strip().lower() if isinstance(value, str) else value
+
+    @field_validator("max_request_flops")
+    @classmethod
+    def _positive_flops(cls, value: float | str) -> float | str:
+        if isinstance(value, float) and not (0.0 < value < float("inf")):
+            raise ValueError('a positive number of FLOPs, or "auto"')
+        return value
 
     @field_validator("log_level", mode="before")
     @classmethod

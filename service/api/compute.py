@@ -36,6 +36,7 @@ async def read_call(request: Request, state: AppState) -> tuple[bytes, Call]:
 
     call = Call(
         settings=state.settings,
+        cost_model=state.cost_model,
         submit=submit,
         request_id=request_id(request),
         started=started,

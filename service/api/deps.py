@@ -8,7 +8,7 @@ untyped attributes.
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated
 
 from fastapi import Depends, FastAPI, Request
@@ -17,6 +17,7 @@ from service.metrics import Metrics
 from service.runtime.batcher import DynamicBatcher
 from service.runtime.engine import Engine
 from service.runtime.jobs import Outcome, PreparedJob
+from service.runtime.policy import CostModel
 from service.settings import Settings
 
 Batcher = DynamicBatcher[PreparedJob, Outcome]
@@ -34,6 +35,9 @@ class AppState:
     batcher: Batcher | None = None
     warmed_up: bool = False
     warmup_error: str | None = None
+    # Measured on the device at warm-up; a slow CPU's figures until then (they err on the side
+    # of refusing).
+    cost_model: CostModel = field(default_factory=CostModel.uncalibrated)
 
     def not_ready_reason(self) -> str | None:
         """Why the service is not ready, or None when it is."""

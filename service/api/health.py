@@ -45,6 +45,18 @@ _INFO_EXAMPLE: Final = {
         "max_elements": 67108864,
         "max_weights_elements": 67108864,
         "request_timeout_ms": 30000.0,
+        "max_request_flops": 1.14e12,
+        "max_compute_s": 10.0,
+        "max_response_bytes": 268435456,
+    },
+    "cost_model": {
+        "calibrated": True,
+        "paths": {
+            "fused": {"gflops_per_second": 127.5, "d_floor": 30, "overhead_ms": 0.05},
+            "dense": {"gflops_per_second": 49.9, "d_floor": 63, "overhead_ms": 0.9},
+            "chunked": {"gflops_per_second": 49.6, "d_floor": 59, "overhead_ms": 0.9},
+            "analyze": {"gflops_per_second": 11.2, "d_floor": 96, "overhead_ms": 4.0},
+        },
     },
     "batching": {"max_batch_size": 32, "max_batch_delay_ms": 0.0, "max_queue": 1024},
     "auth": False,
@@ -90,7 +102,7 @@ async def readyz(state: StateDep) -> Response:
     tags=["health"],
 )
 async def info(state: StateDep) -> Response:
-    settings, engine = state.settings, state.engine
+    settings, engine, cost = state.settings, state.engine, state.cost_model
     return _json(
         {
             "version": VERSION,
@@ -102,7 +114,14 @@ async def info(state: StateDep) -> Response:
                 "max_elements": settings.max_elements,
                 "max_weights_elements": settings.max_weights_elements,
                 "request_timeout_ms": settings.request_timeout_ms,
+                # In the cost model's fused-equivalent FLOPs (auto: max_compute_s of them).
+                "max_request_flops": cost.work_limit(
+                    settings.max_request_flops, settings.max_compute_s
+                ),
+                "max_compute_s": settings.max_compute_s,
+                "max_response_bytes": settings.max_response_bytes,
             },
+            "cost_model": cost.as_json(),
             "batching": {
                 "max_batch_size": settings.max_batch_size,
                 "max_batch_delay_ms": settings.max_batch_delay_ms,

@@ -62,6 +62,7 @@ from service.metrics import Metrics
 
 T = TypeVar("T")
 R = TypeVar("R")
+V = TypeVar("V")
 
 logger = logging.getLogger("sdpa.batcher")
 
@@ -220,12 +221,12 @@ class DynamicBatcher(Generic[T, R]):
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sdpa-device")
         self._worker = asyncio.create_task(self._work(), name="sdpa-batcher")
 
-    async def run_on_device(self, fn: Callable[[], object]) -> None:
-        """Run fn() on the device thread, in turn with the batches (the warm-up: the device is
-        only ever driven from that one thread)."""
+    async def run_on_device(self, fn: Callable[[], V]) -> V:
+        """fn() on the device thread, in turn with the batches (the warm-up, the cost model's
+        calibration: the device is only ever driven from that one thread)."""
         if self._executor is None:
             raise RuntimeError("the batcher is not started")
-        await asyncio.wrap_future(self._executor.submit(fn))
+        return await asyncio.wrap_future(self._executor.submit(fn))
 
     async def drain(self, timeout_s: float) -> None:
         """Refuse new items, finish queued and in-flight work within timeout_s, stop the worker.

@@ -18,7 +18,7 @@ max_batch_cost, and split_by_memory cuts a group at the real padded size.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Final
 
@@ -148,3 +148,111 @@ class BatchPolicy:
         if current:
             batches.append(current)
         return batches
+
+
+# ---- the cost model ------------------------------------------------------------------------
+
+# Paths of sdpa_core.attention, plus the scaling analysis (its own kind of job).
+COST_PATHS: Final = ("fused", "dense", "chunked", "analyze")
+# Element-wise operations per score and strategy in the scaling analysis (divide, softmax,
+# entropy, max, p(1 - p), variance terms): what its cost grows with besides q.k.
+ANALYZE_OPS_PER_SCORE: Final = 16
+# Before calibration (and if it fails): about a third of what a 2-core CPU measured (torch
+# 2.13), so that the limits err on the side of refusing.
+UNCALIBRATED: Final = {
+    "fused": (1 / 50e9, 32, 1e-4),
+    "dense": (1 / 10e9, 128, 3e-3),
+    "chunked": (1 / 10e9, 128, 3e-3),
+    "analyze": (1 / 3e9, 128, 1e-2),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class WorkShape:
+    """What a request's cost grows with: its score matrix and head dims (and, for the scaling
+    analysis, how many strategies it evaluates)."""
+
+    batch: int
+    heads: int
+    n_q: int
+    n_kv: int
+    d: int
+    d_v: int
+    strategies: int = 0
+
+    @property
+    def scores(self) -> int:
+        return self.batch * self.heads * self.n_q * self.n_kv
+
+
+@dataclass(frozen=True, slots=True)
+class PathCost:
+    """One path on one device: seconds per FLOP, the head dim below which a smaller one is no
+    cheaper (the per-score work, softmax and statistics, dominates there), and the fixed
+    seconds of one call (launches, allocations; what a tiny request costs)."""
+
+    seconds_per_flop: float
+    d_floor: int
+    overhead_s: float = 0.0
+
+
+def path_flops(shape: WorkShape, path: str, d_floor: int) -> float:
+    """FLOPs with every head dim raised to d_floor (D_eff = max(D, floor)): attention is q.k
+    and p.v, 2·S·(D_eff + D_v_eff) for S scores; the analysis is q.k once, 2·S·D_eff, then
+    every strategy's softmax statistics, ANALYZE_OPS_PER_SCORE per score."""
+    d = max(shape.d, d_floor)
+    if path == "analyze":
+        return float(shape.scores) * (2.0 * d + ANALYZE_OPS_PER_SCORE * shape.strategies)
+    return 2.0 * shape.scores * (d + max(shape.d_v, d_floor))
+
+
+@dataclass(frozen=True, slots=True)
+class CostModel:
+    """Each path's cost on one device, measured at warm-up (service.runtime.engine).
+
+    A request's work is counted in fused-equivalent FLOPs: its estimated device seconds over
+    the fused path's seconds per FLOP. So one limit (SDPA_MAX_REQUEST_FLOPS) bounds the device
+    time of every path alike: weights and diagnostics cost more per FLOP than the fused kernel.
+    """
+
+    paths: Mapping[str, PathCost]
+    calibrated: bool
+
+    @classmethod
+    def uncalibrated(cls) -> CostModel:
+        costs = {path: PathCost(*figures) for path, figures in UNCALIBRATED.items()}
+        return cls(costs, calibrated=False)
+
+    def seconds(self, shape: WorkShape, path: str) -> float:
+        """Estimated device seconds of `shape` on `path`."""
+        cost = self.paths[path]
+        return cost.overhead_s + path_flops(shape, path, cost.d_floor) * cost.seconds_per_flop
+
+    def work(self, shape: WorkShape, path: str) -> float:
+        """`shape` on `path` in fused-equivalent FLOPs: its FLOPs at the path's cost per FLOP
+        relative to the fused path's. The fixed cost of a call is left out: it bounds nothing,
+        and a limit set in FLOPs must not refuse a tiny request for it."""
+        cost = self.paths[path]
+        flops = path_flops(shape, path, cost.d_floor)
+        return flops * cost.seconds_per_flop / self.paths["fused"].seconds_per_flop
+
+    def work_limit(self, max_request_flops: float | str, max_compute_s: float) -> float:
+        """The work one request may cost: the configured FLOPs, or max_compute_s of device time
+        on the fused path ("auto")."""
+        if isinstance(max_request_flops, int | float):
+            return float(max_request_flops)
+        return max_compute_s / self.paths["fused"].seconds_per_flop
+
+    def as_json(self) -> dict[str, object]:
+        """For /v1/info: what the model knows about this device."""
+        return {
+            "calibrated": self.calibrated,
+            "paths": {
+                path: {
+                    "gflops_per_second": round(1e-9 / cost.seconds_per_flop, 3),
+                    "d_floor": cost.d_floor,
+                    "overhead_ms": round(cost.overhead_s * 1e3, 4),
+                }
+                for path, cost in self.paths.items()
+            },
+        }

@@ -1,16 +1,22 @@
-"""Size limits checked before a request is queued (SDPA_MAX_ELEMENTS, SDPA_MAX_WEIGHTS_ELEMENTS).
+"""Limits checked before a request is queued: sizes (SDPA_MAX_ELEMENTS,
+SDPA_MAX_WEIGHTS_ELEMENTS), work (SDPA_MAX_REQUEST_FLOPS, through the runtime's cost model) and
+the response's size (SDPA_MAX_RESPONSE_BYTES).
 
 Each refusal is a 422 naming the field, the limit and how to stay under it.
 """
 
 from __future__ import annotations
 
-from sdpa_core import InputSpec
+from typing import Final
+
+from sdpa_core import PER_HEAD_FIELDS, PER_ROW_FIELDS, InputSpec
 from service.errors import FieldError, InvalidRequest
+from service.runtime.policy import CostModel, WorkShape
 from service.settings import Settings
 from service.wire.models import Synthetic
 
 Loc = tuple[str | int, ...]
+MB: Final = 1e6
 
 
 def over_limit(loc: Loc, msg: str, *, kind: str = "limit") -> InvalidRequest:
@@ -69,3 +75,94 @@ def check_synthetic_limits(syn: Synthetic, settings: Settings) -> None:
             f"heads x n_q x n_k = {scores} scores exceed the limit of "
             f"{settings.max_weights_elements} (SDPA_MAX_WEIGHTS_ELEMENTS)",
         )
+
+
+# ---- work and response size ----------------------------------------------------------------
+
+# Bytes per number of a JSON list, at most: a float32 (float16, bfloat16) written in its
+# shortest form ("-1.2345678e-05") plus a comma; a float64 ("-1.2345678901234567e-308").
+_JSON_BYTES = {4: 16, 8: 25}
+# The summary scalars, meta and keys of a response: a constant next to any tensor.
+_ENVELOPE_BYTES = 4096
+
+
+def check_work(
+    shape: WorkShape,
+    path: str,
+    *,
+    cost: CostModel,
+    settings: Settings,
+    loc: Loc,
+    how: str,
+) -> None:
+    """The request's estimated work must fit SDPA_MAX_REQUEST_FLOPS; `how` says how to shrink it."""
+    work = cost.work(shape, path)
+    limit = cost.work_limit(settings.max_request_flops, settings.max_compute_s)
+    if work <= limit:
+        return
+    seconds = cost.seconds(shape, path)
+    limit_s = limit * cost.paths["fused"].seconds_per_flop
+    raise over_limit(
+        loc,
+        f"this request would cost about {work:.3g} FLOPs of work ({path} path, about "
+        f"{seconds:.3g} s of device time), above SDPA_MAX_REQUEST_FLOPS = {limit:.3g} (about "
+        f"{limit_s:.3g} s). {how}",
+        kind="work_limit",
+    )
+
+
+def attention_work_hint(path: str) -> str:
+    """How to bring an attention request's work under the limit."""
+    hint = (
+        "Send fewer sequences, heads or query rows per request (split it: the work grows as "
+        "B·H·N_q·N_kv·(D + D_v))"
+    )
+    if path != "fused":
+        hint += ', or ask for diagnostics "none" without weights (the fused path is cheaper)'
+    return hint + "."
+
+
+def response_bytes(
+    spec: InputSpec, *, encoding: str, return_weights: bool, diagnostics: str
+) -> int:
+    """An upper estimate of the response's size in `encoding`, before anything is computed."""
+    itemsize = spec.dtype.itemsize
+    per_number = itemsize * 4 / 3 if encoding == "base64" else _JSON_BYTES[max(itemsize, 4)]
+    rows = spec.batch * spec.heads * spec.n_q
+    numbers = rows * spec.d_v + (rows * spec.n_kv if return_weights else 0)
+    size = numbers * per_number
+    stat_bytes = _JSON_BYTES[spec.accum_dtype.itemsize]  # statistics are always JSON lists
+    if diagnostics != "none":
+        size += len(PER_HEAD_FIELDS) * spec.batch * spec.heads * stat_bytes
+    if diagnostics == "full":
+        size += len(PER_ROW_FIELDS) * rows * stat_bytes
+    return int(size) + _ENVELOPE_BYTES
+
+
+def check_response_size(
+    spec: InputSpec, *, encoding: str, return_weights: bool, diagnostics: str, settings: Settings
+) -> None:
+    """The response must fit SDPA_MAX_RESPONSE_BYTES in the encoding it would be sent in."""
+    size = response_bytes(
+        spec, encoding=encoding, return_weights=return_weights, diagnostics=diagnostics
+    )
+    if size <= settings.max_response_bytes:
+        return
+    advice = []
+    if encoding != "base64":
+        as_base64 = response_bytes(
+            spec, encoding="base64", return_weights=return_weights, diagnostics=diagnostics
+        )
+        advice.append(f'response_encoding "base64" (about {as_base64 / MB:.3g} MB)')
+    if return_weights:
+        advice.append("no weights (return_weights false)")
+    if diagnostics == "full":
+        advice.append('diagnostics "summary" instead of "full"')
+    advice.append("fewer queries per request")
+    raise over_limit(
+        ("body", "return_weights") if return_weights else ("body", "response_encoding"),
+        f"the response would take about {size / MB:.3g} MB in {encoding}, above "
+        f"SDPA_MAX_RESPONSE_BYTES = {settings.max_response_bytes / MB:.3g} MB; ask for "
+        + ", or ".join(advice),
+        kind="response_limit",
+    )

@@ -18,6 +18,7 @@ import anyio.to_thread
 
 from service.runtime.batcher import BatchResult
 from service.runtime.jobs import AnalyzeOutcome, AttentionOutcome, Outcome, PreparedJob
+from service.runtime.policy import CostModel
 from service.serving.encode import (
     attention_elements,
     encode_analyze,
@@ -46,6 +47,7 @@ class Call:
     """What the pipeline needs from the request it serves."""
 
     settings: Settings
+    cost_model: CostModel  # the device's, for the work limit
     submit: Submit
     request_id: str
     started: float  # time.monotonic() before the body was read
@@ -98,7 +100,9 @@ def _ms(start: float, end: float) -> float:
 
 async def attention(body: bytes, call: Call) -> Reply:
     """POST /v1/attention: body -> output, weights and diagnostics, with their timing."""
-    request = await _off_loop_if(len(body) > OFFLOAD_BYTES, prepare_attention, body, call.settings)
+    request = await _off_loop_if(
+        len(body) > OFFLOAD_BYTES, prepare_attention, body, call.settings, call.cost_model
+    )
     decoded = time.monotonic()
     outcome, batch, meta = await _run(request, call, AttentionOutcome)
     computed = time.monotonic()
@@ -121,7 +125,7 @@ async def attention(body: bytes, call: Call) -> Reply:
 async def analyze(body: bytes, call: Call) -> Reply:
     """POST /v1/analyze: body -> the scaling report, with its timing."""
     # Always off the loop: synthetic inputs are generated here, and analysis is not a hot path.
-    request = await anyio.to_thread.run_sync(prepare_analyze, body, call.settings)
+    request = await anyio.to_thread.run_sync(prepare_analyze, body, call.settings, call.cost_model)
     decoded = time.monotonic()
     outcome, batch, meta = await _run(request, call, AnalyzeOutcome)
     computed = time.monotonic()

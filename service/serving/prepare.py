@@ -13,12 +13,16 @@ from typing import Any, Final
 
 import torch
 
-from sdpa_core import make_synthetic_qk
-from service.runtime.jobs import AnalyzeJob, AttentionJob, PreparedJob, prepare
+from sdpa_core import STANDARD_STRATEGIES, choose_path, make_synthetic_qk
+from service.runtime.jobs import AnalyzeJob, AttentionJob, PreparedJob, Strategy, prepare
+from service.runtime.policy import CostModel, WorkShape
 from service.serving.limits import (
+    attention_work_hint,
     check_analysis_limits,
     check_attention_limits,
+    check_response_size,
     check_synthetic_limits,
+    check_work,
     over_limit,
 )
 from service.settings import Settings
@@ -83,8 +87,9 @@ def _decode_masks(
     )
 
 
-def prepare_attention(body: bytes, settings: Settings) -> PreparedRequest:
-    """Body bytes -> a validated attention job. Raises InvalidRequest / SdpaError (422)."""
+def prepare_attention(body: bytes, settings: Settings, cost: CostModel) -> PreparedRequest:
+    """Body bytes -> a validated attention job within every limit. Raises InvalidRequest /
+    SdpaError (422)."""
     req = validate_request(loads(body), AttentionRequest)
     limit = settings.max_elements
     q = decode_tensor(req.q, loc=("body", "q"), role="float", max_elements=limit)
@@ -105,14 +110,67 @@ def prepare_attention(body: bytes, settings: Settings) -> PreparedRequest:
             diagnostics=req.diagnostics,
         )
     )
-    check_attention_limits(prepared.spec, return_weights=req.return_weights, settings=settings)
-    return PreparedRequest(
-        prepared=prepared, encoding=req.response_encoding or q.encoding, timeout_ms=req.timeout_ms
+    spec = prepared.spec
+    check_attention_limits(spec, return_weights=req.return_weights, settings=settings)
+    path = choose_path(
+        spec,
+        return_weights=req.return_weights,
+        diagnostics=req.diagnostics,
+        memory_budget_bytes=None,
+        path=None,
     )
+    shape = WorkShape(spec.batch, spec.heads, spec.n_q, spec.n_kv, spec.d, spec.d_v)
+    check_work(
+        shape, path, cost=cost, settings=settings, loc=("body", "q"), how=attention_work_hint(path)
+    )
+    encoding = req.response_encoding or q.encoding
+    check_response_size(
+        spec,
+        encoding=encoding,
+        return_weights=req.return_weights,
+        diagnostics=req.diagnostics,
+        settings=settings,
+    )
+    return PreparedRequest(prepared=prepared, encoding=encoding, timeout_ms=req.timeout_ms)
 
 
-def _synthetic(syn: Synthetic, settings: Settings) -> tuple[torch.Tensor, torch.Tensor]:
+def _strategy_count(strategies: tuple[Strategy, ...] | None) -> int:
+    """How many strategies the analysis evaluates (custom ones alone come after the standard)."""
+    if strategies is None:
+        return len(STANDARD_STRATEGIES)
+    only_custom = all(not isinstance(s, str) for s in strategies)
+    return len(strategies) + (len(STANDARD_STRATEGIES) if only_custom else 0)
+
+
+def _check_analysis_work(
+    *,
+    heads: int,
+    batch: int,
+    n_q: int,
+    n_kv: int,
+    d: int,
+    strategies: tuple[Strategy, ...] | None,
+    cost: CostModel,
+    settings: Settings,
+    loc: tuple[str | int, ...],
+) -> None:
+    shape = WorkShape(batch, heads, n_q, n_kv, d, d, _strategy_count(strategies))
+    how = (
+        "Use fewer queries, keys or heads (a few hundred of each estimate the statistics "
+        "well), or fewer strategies."
+    )
+    check_work(shape, "analyze", cost=cost, settings=settings, loc=loc, how=how)
+
+
+def _synthetic(
+    syn: Synthetic, strategies: tuple[Strategy, ...] | None, settings: Settings, cost: CostModel
+) -> tuple[torch.Tensor, torch.Tensor]:
+    # Every limit before any random number is drawn: drawing is costly.
     check_synthetic_limits(syn, settings)
+    _check_analysis_work(
+        heads=syn.heads, batch=1, n_q=syn.n_q, n_kv=syn.n_k, d=syn.d_k, strategies=strategies,
+        cost=cost, settings=settings, loc=("body", "synthetic"),
+    )  # fmt: skip
     q, k = make_synthetic_qk(
         n_q=syn.n_q,
         n_k=syn.n_k,
@@ -133,12 +191,20 @@ def _synthetic(syn: Synthetic, settings: Settings) -> tuple[torch.Tensor, torch.
     return q, k
 
 
-def prepare_analyze(body: bytes, settings: Settings) -> PreparedRequest:
-    """Body bytes -> a validated analysis job. Raises InvalidRequest / SdpaError (422)."""
+def prepare_analyze(body: bytes, settings: Settings, cost: CostModel) -> PreparedRequest:
+    """Body bytes -> a validated analysis job within every limit. Raises InvalidRequest /
+    SdpaError (422)."""
     req = validate_request(loads(body), AnalyzeRequest)
     limit = settings.max_elements
+    strategies = (
+        None
+        if req.strategies is None
+        else tuple(
+            (s.name, s.divisor) if isinstance(s, CustomStrategy) else s for s in req.strategies
+        )
+    )
     if req.synthetic is not None:
-        q, k = _synthetic(req.synthetic, settings)
+        q, k = _synthetic(req.synthetic, strategies, settings, cost)
         where: tuple[str | int, ...] = ("body", "synthetic")
     else:
         # AnalyzeRequest guarantees both.
@@ -148,13 +214,6 @@ def prepare_analyze(body: bytes, settings: Settings) -> PreparedRequest:
         k = decode_tensor(req.k, loc=("body", "k"), role="float", max_elements=limit).tensor
         where = ("body", "k")
     masks = _decode_masks(req.key_lengths, req.key_padding_mask, req.attn_mask, max_elements=limit)
-    strategies = (
-        None
-        if req.strategies is None
-        else tuple(
-            (s.name, s.divisor) if isinstance(s, CustomStrategy) else s for s in req.strategies
-        )
-    )
     prepared = prepare(
         AnalyzeJob(
             q=q,
@@ -166,5 +225,10 @@ def prepare_analyze(body: bytes, settings: Settings) -> PreparedRequest:
             attn_mask=masks.attn_mask,
         )
     )
-    check_analysis_limits(prepared.spec, where=where, settings=settings)
+    spec = prepared.spec
+    check_analysis_limits(spec, where=where, settings=settings)
+    _check_analysis_work(
+        heads=spec.heads, batch=spec.batch, n_q=spec.n_q, n_kv=spec.n_kv, d=spec.d,
+        strategies=strategies, cost=cost, settings=settings, loc=where,
+    )  # fmt: skip
     return PreparedRequest(prepared=prepared, encoding="json", timeout_ms=req.timeout_ms)

@@ -485,6 +485,25 @@ class LimitsOut(_Out):
     max_elements: int
     max_weights_elements: int
     request_timeout_ms: float
+    max_request_flops: float = Field(
+        description="The work one request may cost, in the cost model's fused-equivalent FLOPs "
+        "(SDPA_MAX_REQUEST_FLOPS; auto = what the device does in max_compute_s)."
+    )
+    max_compute_s: float
+    max_response_bytes: int
+
+
+class PathCostOut(_Out):
+    gflops_per_second: float = Field(description="Measured above the head-dim floor.")
+    d_floor: int = Field(description="Head dims below it cost as much as it does.")
+    overhead_ms: float = Field(description="The fixed cost of one call.")
+
+
+class CostModelOut(_Out):
+    """The device's cost per path, measured at warm-up (a slow CPU's figures before)."""
+
+    calibrated: bool
+    paths: dict[str, PathCostOut]
 
 
 class BatchingOut(_Out):
@@ -499,6 +518,7 @@ class InfoOut(_Out):
     torch_version: str
     dtypes: list[str]
     limits: LimitsOut
+    cost_model: CostModelOut
     batching: BatchingOut
     auth: bool = Field(description="True when an API key is required.")
 

@@ -205,7 +205,9 @@ def test_a_drain_that_times_out_exits_without_waiting_for_the_device(tmp_path: P
     rng = np.random.default_rng(0)
     q, k, v = (rng.standard_normal((1, n, 1)).astype(np.float32) for _ in range(3))
     body = {"q": _tensor(q), "k": _tensor(k), "v": _tensor(v), "diagnostics": "summary"}
-    with live_server({"SDPA_DRAIN_TIMEOUT_S": "1"}, tmp_path=tmp_path) as server:
+    # Such a request is over the default work limit (10 s of device time): raise it here.
+    env = {"SDPA_DRAIN_TIMEOUT_S": "1", "SDPA_MAX_COMPUTE_S": "3600"}
+    with live_server(env, tmp_path=tmp_path) as server:
         client = _Client(server.url, body)
         client.start()
         _wait_until_admitted(server, 1)
