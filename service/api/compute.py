@@ -5,22 +5,19 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable
-from typing import Final
 
 from fastapi import Request
 from starlette.responses import Response
 
 from service.api.deps import AppState, request_id, running_batcher
 from service.api.disconnect import ClientDisconnected, cancel_on_disconnect
+from service.api.errors import CLIENT_CLOSED
 from service.runtime.batcher import BatchResult
 from service.runtime.jobs import Outcome, PreparedJob
 from service.serving.pipeline import Call, Reply
 
 # A serving pipeline: body bytes and a Call -> a Reply (service.serving.pipeline).
 Pipeline = Callable[[bytes, Call], Awaitable[Reply]]
-
-# Status logged for a client that went away before its answer (nginx's "client closed request").
-CLIENT_CLOSED: Final = 499
 
 
 async def read_call(request: Request, state: AppState) -> tuple[bytes, Call]:

@@ -2,7 +2,8 @@
 
 A ServiceError answers with its own status and headers (Retry-After on a 503); sdpa_core's
 SdpaError is a 422 whose errors[].loc names the parameter; routing errors (404/405) and
-FastAPI's request validation keep their status; a device out of memory is a 503. Anything else
+FastAPI's request validation keep their status; a device out of memory is a 503; a client that
+left while its body was read is logged as 499 (no response can reach it). Anything else
 is our bug: a generic 500 whose traceback goes to the log only. A bare ValueError/TypeError is
 never mapped to a 4xx. The middlewares that answer before routing (auth, body limit) build their
 responses here too, so the envelope cannot drift.
@@ -13,11 +14,13 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Iterable, Mapping
+from typing import Final
 
 import torch
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, Response
 
 from sdpa_core.errors import SdpaError
@@ -25,6 +28,9 @@ from service.errors import PROBLEM_JSON, FieldError, ServiceError, problem_paylo
 from service.wire.models import field_errors
 
 logger = logging.getLogger("sdpa.app")
+
+# Status logged for a client that went away before its answer (nginx's "client closed request").
+CLIENT_CLOSED: Final = 499
 
 
 def problem_response(
@@ -92,6 +98,13 @@ async def _on_http_exception(request: Request, exc: Exception) -> Response:
     return problem_response(status=exc.status_code, detail=str(exc.detail), headers=exc.headers)
 
 
+async def _on_client_gone(request: Request, exc: Exception) -> Response:
+    # The client closed the connection while its body was being read: nobody reads this
+    # answer, and it is no error of ours (no traceback). The access log and the metrics record
+    # nginx's "client closed request".
+    return Response(status_code=CLIENT_CLOSED)
+
+
 async def _on_device_oom(request: Request, exc: Exception) -> Response:
     # Memory on the device is shared by whatever runs at the moment: a retry may well fit.
     logger.warning("device out of memory: %s", exc)
@@ -118,5 +131,6 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(SdpaError, _on_sdpa_error)
     app.add_exception_handler(RequestValidationError, _on_request_validation)
     app.add_exception_handler(StarletteHTTPException, _on_http_exception)
+    app.add_exception_handler(ClientDisconnect, _on_client_gone)
     app.add_exception_handler(torch.OutOfMemoryError, _on_device_oom)
     app.add_exception_handler(Exception, _on_unhandled)
