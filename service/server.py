@@ -180,6 +180,7 @@ def serve(settings: Settings) -> int:
     # Imported here so that `sdpa-service healthcheck` / `analyze` never import the app.
     from service.api.deps import state_of
     from service.app import create_app
+    from service.middleware.connections import guarded_protocol
 
     log_config = logging_config(settings.log_level)
     logging.config.dictConfig(log_config)
@@ -197,6 +198,13 @@ def serve(settings: Settings) -> int:
         app,
         host=settings.host,
         port=settings.port,
+        # Read and send timeouts and the connection cap live in the protocol layer, which
+        # uvicorn leaves without them (service.middleware.connections).
+        http=guarded_protocol(
+            read_timeout_s=settings.read_timeout_s,
+            send_timeout_s=settings.send_timeout_s,
+            max_connections=settings.max_connections,
+        ),
         workers=1,
         lifespan="on",
         log_config=log_config,

@@ -54,6 +54,12 @@ class Settings(BaseSettings):
     max_compute_s: float = Field(default=10.0, gt=0.0, le=3600.0)
     # The response's size in the encoding it would be sent in, estimated before compute.
     max_response_bytes: int = Field(default=256 * MiB, ge=1024, le=64 * 1024 * MiB)
+    # A client that sends no byte of its request for this long is dropped (408 before its
+    # headers are complete); one that reads none of its response for send_timeout_s is dropped
+    # and its result freed; connections beyond max_connections get 503 at once.
+    read_timeout_s: float = Field(default=15.0, gt=0.0, le=3600.0)
+    send_timeout_s: float = Field(default=60.0, gt=0.0, le=3600.0)
+    max_connections: int = Field(default=2048, ge=1, le=1_000_000)
 
     # Comma-separated keys, or a JSON list. Empty = authentication off.
     api_keys: Annotated[tuple[SecretStr, ...], NoDecode] = ()

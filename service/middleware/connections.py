@@ -1,0 +1,165 @@
+"""Connection limits at the protocol layer: read and send timeouts, and a connection cap.
+
+uvicorn 0.54 arms no timer on a fresh connection, nor while request headers or a body trickle
+in (only between requests of a keep-alive connection), so an idle or trickling client holds a
+socket and a file descriptor forever. Its `limit_concurrency` answers 503 only once a request
+arrives on a connection it already accepted. And a client that reads none of its response holds
+the response's memory for as long as it likes. ASGI middleware cannot see any of this: it runs
+only once a request's headers are complete. So the service runs uvicorn with this subclass of
+its httptools protocol (`uvicorn.Config(http=...)`):
+
+- read timeout: while the server waits for a client's bytes (a fresh connection, headers, a
+  body), every byte restarts a timer of `read_timeout_s`. When it fires before the request's
+  headers are complete, the client gets a 408 problem+json and the connection closes; once the
+  app has the request (a stalled body), the connection closes and the app sees the disconnect
+  (a 499 in the access log). While the app computes or answers, no read timer runs.
+- send timeout: when the client stops reading and the write buffer passes its high-water mark,
+  a timer of `send_timeout_s` starts; it stops when the client reads again. When it fires, the
+  connection is aborted and the pending response freed.
+- connection cap: a connection beyond `max_connections` gets a 503 problem+json with
+  Retry-After at once and is closed, before any request is read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any, ClassVar
+
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from service.errors import PROBLEM_JSON, problem_payload
+
+
+def problem_bytes(
+    status: int, reason: str, detail: str, *, retry_after_s: int | None = None
+) -> bytes:
+    """A complete HTTP/1.1 problem+json response that closes the connection."""
+    body = json.dumps(problem_payload(status=status, detail=detail)).encode()
+    head = [
+        f"HTTP/1.1 {status} {reason}",
+        f"content-type: {PROBLEM_JSON}",
+        f"content-length: {len(body)}",
+        "connection: close",
+    ]
+    if retry_after_s is not None:
+        head.append(f"retry-after: {retry_after_s}")
+    return ("\r\n".join(head) + "\r\n\r\n").encode() + body
+
+
+class GuardedHttpToolsProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with a read timeout, a send timeout and a connection cap
+    (the module docstring). Configure it with guarded_protocol()."""
+
+    read_timeout_s: ClassVar[float] = 15.0
+    send_timeout_s: ClassVar[float] = 60.0
+    max_connections: ClassVar[int] = 2048
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._read_timer: asyncio.TimerHandle | None = None
+        self._send_timer: asyncio.TimerHandle | None = None
+        self._headers_complete = False
+
+    # -- the connection cap and the first read timer --------------------------------------
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        if len(self.connections) > self.max_connections:
+            detail = (
+                f"the server holds its maximum of {self.max_connections} connections "
+                "(SDPA_MAX_CONNECTIONS); retry later"
+            )
+            transport.write(problem_bytes(503, "Service Unavailable", detail, retry_after_s=1))
+            transport.close()
+            return
+        self._arm_read_timer()  # the first request's bytes
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_read_timer()
+        self._cancel_send_timer()
+        super().connection_lost(exc)
+
+    # -- reading ---------------------------------------------------------------------------
+
+    def data_received(self, data: bytes) -> None:
+        if self._read_timer is not None:
+            self._arm_read_timer()  # any byte restarts the wait for the next one
+        super().data_received(data)
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._headers_complete = False
+        self._arm_read_timer()
+
+    def on_headers_complete(self) -> None:
+        self._headers_complete = True
+        super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        self._cancel_read_timer()  # the whole request is in: the client owes nothing now
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        # uvicorn's keep-alive timer now bounds the wait for the next request.
+        self._cancel_read_timer()
+
+    def _arm_read_timer(self) -> None:
+        self._cancel_read_timer()
+        self._read_timer = self.loop.call_later(self.read_timeout_s, self._on_read_timeout)
+
+    def _cancel_read_timer(self) -> None:
+        if self._read_timer is not None:
+            self._read_timer.cancel()
+            self._read_timer = None
+
+    def _on_read_timeout(self) -> None:
+        self._read_timer = None
+        if self.transport.is_closing():
+            return
+        if not self._headers_complete or self.cycle is None or self.cycle.response_complete:
+            # No app has this request yet: the client can still be told why.
+            detail = (
+                f"no byte of the request arrived for {self.read_timeout_s:g} s "
+                "(SDPA_READ_TIMEOUT_S)"
+            )
+            self.transport.write(problem_bytes(408, "Request Timeout", detail))
+        # Mid-body the app is reading: closing makes its next receive() a disconnect.
+        self.transport.close()
+
+    # -- writing ---------------------------------------------------------------------------
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._send_timer is None:
+            self._send_timer = self.loop.call_later(self.send_timeout_s, self._on_send_timeout)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        self._cancel_send_timer()
+
+    def _cancel_send_timer(self) -> None:
+        if self._send_timer is not None:
+            self._send_timer.cancel()
+            self._send_timer = None
+
+    def _on_send_timeout(self) -> None:
+        self._send_timer = None
+        # abort, not close: close would wait to flush the very bytes the client does not read.
+        self.transport.abort()
+
+
+def guarded_protocol(
+    *, read_timeout_s: float, send_timeout_s: float, max_connections: int
+) -> type[GuardedHttpToolsProtocol]:
+    """The protocol class for uvicorn.Config(http=...), with these limits."""
+    return type(
+        "GuardedHttpToolsProtocol",
+        (GuardedHttpToolsProtocol,),
+        {
+            "read_timeout_s": read_timeout_s,
+            "send_timeout_s": send_timeout_s,
+            "max_connections": max_connections,
+        },
+    )

@@ -1,0 +1,155 @@
+"""Read and send timeouts and the connection cap against a real server (loopback only): idle,
+trickling and stalled clients are dropped, one that reads nothing has its connection aborted,
+connections past the cap get 503 at once, and the server keeps answering everyone else."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import resource
+import socket
+import time
+from collections.abc import Iterator
+from urllib.parse import urlsplit
+
+import httpx
+import numpy as np
+import pytest
+
+from tests.support.live_server import LiveServer, live_server
+
+READ_TIMEOUT_S = 1.0
+SEND_TIMEOUT_S = 2.0
+MAX_CONNECTIONS = 1500
+TRICKLERS = 1000
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    # Room for the trickling clients' sockets on both sides (the server inherits the limit).
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = min(hard, 4 * TRICKLERS)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, wanted), hard))
+    env = {
+        "SDPA_READ_TIMEOUT_S": str(READ_TIMEOUT_S),
+        "SDPA_SEND_TIMEOUT_S": str(SEND_TIMEOUT_S),
+        "SDPA_MAX_CONNECTIONS": str(MAX_CONNECTIONS),
+    }
+    with live_server(env, tmp_path=tmp_path_factory.mktemp("connections")) as live:
+        yield live
+    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def connect(server: LiveServer) -> socket.socket:
+    url = urlsplit(server.url)
+    assert url.hostname is not None
+    return socket.create_connection((url.hostname, url.port or 80), timeout=10)
+
+
+def open_fds(server: LiveServer) -> int:
+    return len(os.listdir(f"/proc/{server.process.pid}/fd"))
+
+
+def healthy(server: LiveServer) -> bool:
+    started = time.monotonic()
+    ok = httpx.get(f"{server.url}/healthz", timeout=5).status_code == 200
+    return ok and time.monotonic() - started < 1.0
+
+
+def test_an_idle_connection_gets_408_after_the_read_timeout(server: LiveServer) -> None:
+    with connect(server) as sock:
+        started = time.monotonic()
+        reply = sock.recv(65536)
+        waited = time.monotonic() - started
+    assert reply.startswith(b"HTTP/1.1 408 ")
+    assert b"application/problem+json" in reply
+    assert b"SDPA_READ_TIMEOUT_S" in reply
+    assert READ_TIMEOUT_S - 0.1 <= waited <= READ_TIMEOUT_S + 1.0
+
+
+def test_a_stalled_body_is_dropped_and_logged_as_499(server: LiveServer) -> None:
+    with connect(server) as sock:
+        sock.sendall(
+            b"POST /v1/attention HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+            b'Content-Length: 1000\r\n\r\n{"q": ['
+        )
+        started = time.monotonic()
+        assert sock.recv(65536) == b""  # closed, nothing to say to a request the app had
+        assert time.monotonic() - started <= READ_TIMEOUT_S + 1.0
+    time.sleep(0.2)
+    log = server.log()
+    assert '"status":499' in log.replace(" ", "")
+    assert "Traceback" not in log
+
+
+def test_a_thousand_trickling_clients_are_dropped_and_their_descriptors_freed(
+    server: LiveServer,
+) -> None:
+    baseline = open_fds(server)
+    sockets = [connect(server) for _ in range(TRICKLERS)]
+    try:
+        for sock in sockets:
+            sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: t\r\n")  # headers never finished
+        # The server accepts the backlog over a few event-loop turns.
+        accepted_by = time.monotonic() + 5.0
+        while open_fds(server) < baseline + TRICKLERS and time.monotonic() < accepted_by:
+            time.sleep(0.05)
+        assert open_fds(server) >= baseline + TRICKLERS
+        assert healthy(server)  # everyone else is still served
+        deadline = time.monotonic() + READ_TIMEOUT_S + 1.0
+        replies = []
+        for sock in sockets:
+            sock.settimeout(max(0.01, deadline - time.monotonic()))
+            replies.append(sock.recv(64))
+        assert all(reply.startswith(b"HTTP/1.1 408 ") for reply in replies)
+    finally:
+        for sock in sockets:
+            sock.close()
+    time.sleep(0.5)
+    assert open_fds(server) <= baseline + 5
+    assert healthy(server)
+
+
+def test_connections_past_the_cap_get_503_at_once(server: LiveServer) -> None:
+    held = [connect(server) for _ in range(MAX_CONNECTIONS)]
+    try:
+        time.sleep(0.2)
+        with connect(server) as extra:
+            started = time.monotonic()
+            reply = extra.recv(65536)
+            assert time.monotonic() - started < 1.0
+        assert reply.startswith(b"HTTP/1.1 503 ")
+        assert b"retry-after: 1" in reply.lower()
+        assert b"SDPA_MAX_CONNECTIONS" in reply
+    finally:
+        for sock in held:
+            sock.close()
+    time.sleep(0.3)
+    assert healthy(server)
+
+
+def test_a_client_that_reads_nothing_is_aborted_after_the_send_timeout(
+    server: LiveServer,
+) -> None:
+    # Weights [1, 1, 4096, 4096] in base64: an 89 MB answer, far more than socket buffers hold.
+    x = np.random.default_rng(0).standard_normal((1, 1, 4096, 16)).astype(np.float32)
+    tensor = {"dtype": "float32", "shape": list(x.shape), "b64": base64.b64encode(x).decode()}
+    body = json.dumps({"q": tensor, "k": tensor, "v": tensor, "return_weights": True,
+                       "diagnostics": "none"}).encode()  # fmt: skip
+    with connect(server) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
+        sock.sendall(
+            b"POST /v1/attention HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n" % len(body) + body
+        )
+        time.sleep(SEND_TIMEOUT_S + 3.0)  # read nothing
+        assert healthy(server)
+        received = 0
+        sock.settimeout(10)
+        try:
+            while chunk := sock.recv(1 << 20):
+                received += len(chunk)
+        except ConnectionResetError:
+            pass
+    assert 0 < received < 20_000_000  # cut off: what the buffers held, not the 89 MB
