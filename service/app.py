@@ -25,6 +25,7 @@ from service.metrics import Metrics
 from service.middleware.access_log import AccessLogMiddleware
 from service.middleware.auth import ApiKeyMiddleware
 from service.middleware.body_limit import BodyLimitMiddleware
+from service.middleware.inflight import InflightBytesMiddleware, default_inflight_bytes
 from service.runtime.batcher import DynamicBatcher
 from service.runtime.device import resolve_device
 from service.runtime.engine import Engine
@@ -136,7 +137,13 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
         lifespan=_lifespan(engine),
         static_url=DOCS_ASSETS,
     )
-    app.state.sdpa = AppState(settings=settings, metrics=metrics, auth_enabled=bool(api_keys))
+    state = AppState(
+        settings=settings,
+        metrics=metrics,
+        auth_enabled=bool(api_keys),
+        max_inflight_bytes=settings.max_inflight_bytes or default_inflight_bytes(),
+    )
+    app.state.sdpa = state
     install_error_handlers(app)
 
     app.include_router(attention.router)
@@ -145,8 +152,10 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
     app.include_router(ui.router)
 
     # add_middleware puts each new one outermost: the order below is innermost first, so a
-    # request meets the access log, then the API key check, then the body limit.
+    # request meets the access log, then the API key check, then the in-flight bytes, then the
+    # body limit.
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.max_body_bytes, metrics=metrics)
+    app.add_middleware(InflightBytesMiddleware, max_bytes=state.max_inflight_bytes, metrics=metrics)
     if api_keys:
         app.add_middleware(ApiKeyMiddleware, keys=api_keys, metrics=metrics)
     app.add_middleware(AccessLogMiddleware, metrics=metrics)

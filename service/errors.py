@@ -90,6 +90,12 @@ class ShuttingDown(Unavailable):
     title = "Shutting down"
 
 
+class MemoryBusy(Unavailable):
+    """503: the bodies being read and the results not yet sent fill SDPA_MAX_INFLIGHT_BYTES."""
+
+    title = "Memory busy"
+
+
 class DeadlineExceeded(ServiceError):
     """504: the request's deadline passed before it ran; it was never computed."""
 

@@ -57,6 +57,9 @@ class Settings(BaseSettings):
     # A client that sends no byte of its request for this long is dropped (408 before its
     # headers are complete); one that reads none of its response for send_timeout_s is dropped
     # and its result freed; connections beyond max_connections get 503 at once.
+    # Bodies being read plus answers not yet sent, all requests together; None = a quarter of
+    # the memory the process may use (its cgroup's limit, else the machine's).
+    max_inflight_bytes: int | None = Field(default=None, ge=1024)
     read_timeout_s: float = Field(default=15.0, gt=0.0, le=3600.0)
     send_timeout_s: float = Field(default=60.0, gt=0.0, le=3600.0)
     max_connections: int = Field(default=2048, ge=1, le=1_000_000)

@@ -30,6 +30,7 @@ class AppState:
     settings: Settings
     metrics: Metrics
     auth_enabled: bool
+    max_inflight_bytes: int  # SDPA_MAX_INFLIGHT_BYTES, or its default for this process
     # Set by the lifespan: None until it starts.
     engine: Engine | None = None
     batcher: Batcher | None = None

@@ -48,6 +48,10 @@ _INFO_EXAMPLE: Final = {
         "max_request_flops": 1.14e12,
         "max_compute_s": 10.0,
         "max_response_bytes": 268435456,
+        "max_inflight_bytes": 6317703168,
+        "read_timeout_s": 15.0,
+        "send_timeout_s": 60.0,
+        "max_connections": 2048,
     },
     "cost_model": {
         "calibrated": True,
@@ -120,6 +124,10 @@ async def info(state: StateDep) -> Response:
                 ),
                 "max_compute_s": settings.max_compute_s,
                 "max_response_bytes": settings.max_response_bytes,
+                "max_inflight_bytes": state.max_inflight_bytes,
+                "read_timeout_s": settings.read_timeout_s,
+                "send_timeout_s": settings.send_timeout_s,
+                "max_connections": settings.max_connections,
             },
             "cost_model": cost.as_json(),
             "batching": {

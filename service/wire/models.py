@@ -491,6 +491,10 @@ class LimitsOut(_Out):
     )
     max_compute_s: float
     max_response_bytes: int
+    max_inflight_bytes: int
+    read_timeout_s: float
+    send_timeout_s: float
+    max_connections: int
 
 
 class PathCostOut(_Out):

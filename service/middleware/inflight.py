@@ -1,0 +1,94 @@
+"""SDPA_MAX_INFLIGHT_BYTES: the bytes all requests hold together, bounded.
+
+A request holds the body it has read and the response bytes it has handed to the server, until
+it ends (its answer sent, or its client gone: the send timeout frees a client that reads
+nothing). While the total is over the limit, a new request gets 503 with Retry-After before any
+of its body is read. Probes and metrics are never refused for it: an orchestrator must still
+see the process alive, and an operator why it refuses.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Final
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from service.api.errors import service_error_response
+from service.errors import MemoryBusy
+from service.metrics import Metrics
+
+EXEMPT_PATHS: Final = frozenset({"/healthz", "/readyz", "/metrics"})
+# cgroup v2, then v1: the memory the container may use ("max" or a huge number: no limit).
+_CGROUP_LIMITS: Final = (
+    Path("/sys/fs/cgroup/memory.max"),
+    Path("/sys/fs/cgroup/memory/memory.limit_in_bytes"),
+)
+
+
+def process_memory_limit() -> int:
+    """The memory this process may use: its cgroup's limit, else the machine's RAM."""
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for path in _CGROUP_LIMITS:
+        try:
+            text = path.read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit() and 0 < int(text) < physical:
+            return int(text)
+    return physical
+
+
+def default_inflight_bytes() -> int:
+    """A quarter of the memory the process may use."""
+    return process_memory_limit() // 4
+
+
+class InflightBytesMiddleware:
+    """503 for new requests while the requests in flight hold more than `max_bytes`."""
+
+    def __init__(self, app: ASGIApp, *, max_bytes: int, metrics: Metrics | None = None) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+        self.metrics = metrics
+        self.held = 0  # bytes all requests in flight hold now
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in EXEMPT_PATHS:
+            await self.app(scope, receive, send)
+            return
+        if self.held > self.max_bytes:
+            if self.metrics is not None:
+                self.metrics.rejected_total.labels(reason="inflight_bytes").inc()
+            error = MemoryBusy(
+                f"requests in flight hold {self.held} bytes of bodies and answers, above "
+                f"SDPA_MAX_INFLIGHT_BYTES = {self.max_bytes}; retry shortly",
+                retry_after_s=1,
+            )
+            await service_error_response(error)(scope, receive, send)
+            return
+
+        mine = 0
+
+        async def counting_receive() -> Message:
+            nonlocal mine
+            message = await receive()
+            if message["type"] == "http.request":
+                size = len(message.get("body", b""))
+                mine += size
+                self.held += size
+            return message
+
+        async def counting_send(message: Message) -> None:
+            nonlocal mine
+            if message["type"] == "http.response.body":
+                size = len(message.get("body", b""))
+                mine += size
+                self.held += size
+            await send(message)
+
+        try:
+            await self.app(scope, counting_receive, counting_send)
+        finally:
+            self.held -= mine

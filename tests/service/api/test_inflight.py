@@ -1,0 +1,99 @@
+"""SDPA_MAX_INFLIGHT_BYTES through the app (ASGI, driven as uvicorn drives it): while one
+request holds more body bytes than the limit, a new request gets 503 with Retry-After before
+any of its body is read, probes still answer, and once the holder leaves the budget is free."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from service.app import create_app
+from tests.support.app import small_settings
+
+LIMIT = 4096
+
+
+def scope_of(method: str, path: str, length: int = 0) -> dict[str, Any]:
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(length).encode())]
+    return {
+        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method,
+        "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
+        "root_path": "", "server": ("127.0.0.1", 8000), "client": ("127.0.0.1", 5000),
+        "headers": headers,
+    }  # fmt: skip
+
+
+async def call(app: Any, scope: dict[str, Any], incoming: list[dict[str, Any]]) -> list[Any]:
+    sent: list[dict[str, Any]] = []
+    read: list[int] = []
+
+    async def receive() -> dict[str, Any]:
+        if not incoming:
+            return {"type": "http.disconnect"}
+        message = incoming.pop(0)
+        if message.get("wait") is not None:
+            message["reached"].set()  # the chunks before were read (and counted)
+            await message["wait"].wait()
+            return {"type": "http.disconnect"}
+        read.append(len(message.get("body", b"")))
+        return message
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    await app(scope, receive, send)
+    return [sent, read]
+
+
+def status(sent: list[dict[str, Any]]) -> int:
+    return int(next(m for m in sent if m["type"] == "http.response.start")["status"])
+
+
+def test_a_new_request_waits_for_the_bytes_in_flight_to_come_back() -> None:
+    app = create_app(small_settings(max_inflight_bytes=LIMIT))
+
+    async def scenario() -> None:
+        leave, stalled = asyncio.Event(), asyncio.Event()
+        # The holder: 5,000 body bytes read, then it stalls (and later leaves).
+        holder = asyncio.create_task(
+            call(
+                app,
+                scope_of("POST", "/v1/attention", 10_000),
+                [
+                    {"type": "http.request", "body": b" " * 5000, "more_body": True},
+                    {"wait": leave, "reached": stalled},
+                ],
+            )
+        )
+        await stalled.wait()
+        assert _held(app) == 5000
+        body = b'{"q": [[1.0]], "k": [[1.0]], "v": [[1.0]]}'
+        refused, read = await call(
+            app, scope_of("POST", "/v1/attention", len(body)),
+            [{"type": "http.request", "body": body, "more_body": False}],
+        )  # fmt: skip
+        assert status(refused) == 503
+        headers = dict(next(m for m in refused if m["type"] == "http.response.start")["headers"])
+        assert headers[b"retry-after"] == b"1"
+        assert b"SDPA_MAX_INFLIGHT_BYTES" in b"".join(
+            m.get("body", b"") for m in refused if m["type"] == "http.response.body"
+        )
+        assert read == []  # refused before a byte of its body was read
+        probe, _ = await call(app, scope_of("GET", "/healthz"), [])
+        assert status(probe) == 200  # probes are never refused for it
+        leave.set()
+        await holder
+        assert _held(app) == 0  # the holder's bytes came back when it ended
+
+    asyncio.run(scenario())
+
+
+def _held(app: Any) -> int:
+    """The in-flight counter of the app's InflightBytesMiddleware."""
+    from service.middleware.inflight import InflightBytesMiddleware
+
+    layer = app.middleware_stack
+    while layer is not None and not isinstance(layer, InflightBytesMiddleware):
+        layer = getattr(layer, "app", None)
+    assert layer is not None
+    return int(layer.held)
