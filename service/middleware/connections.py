@@ -47,6 +47,16 @@ def problem_bytes(
     return ("\r\n".join(head) + "\r\n\r\n").encode() + body
 
 
+# The connections whose client reads slower than the server writes (write buffer past its
+# high-water mark): their unsent answers are memory the in-flight limit must count.
+_backed_up: set[GuardedHttpToolsProtocol] = set()
+
+
+def unsent_bytes() -> int:
+    """Bytes of answers handed over but not yet taken by their clients (write buffers)."""
+    return sum(protocol.transport.get_write_buffer_size() for protocol in _backed_up)
+
+
 class GuardedHttpToolsProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol with a read timeout, a send timeout and a connection cap
     (the module docstring). Configure it with guarded_protocol()."""
@@ -78,6 +88,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_read_timer()
         self._cancel_send_timer()
+        _backed_up.discard(self)
         super().connection_lost(exc)
 
     # -- reading ---------------------------------------------------------------------------
@@ -132,11 +143,13 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def pause_writing(self) -> None:
         super().pause_writing()
+        _backed_up.add(self)
         if self._send_timer is None:
             self._send_timer = self.loop.call_later(self.send_timeout_s, self._on_send_timeout)
 
     def resume_writing(self) -> None:
         super().resume_writing()
+        _backed_up.discard(self)
         self._cancel_send_timer()
 
     def _cancel_send_timer(self) -> None:

@@ -1,10 +1,11 @@
 """SDPA_MAX_INFLIGHT_BYTES: the bytes all requests hold together, bounded.
 
-A request holds the body it has read and the response bytes it has handed to the server, until
-it ends (its answer sent, or its client gone: the send timeout frees a client that reads
-nothing). While the total is over the limit, a new request gets 503 with Retry-After before any
-of its body is read. Probes and metrics are never refused for it: an orchestrator must still
-see the process alive, and an operator why it refuses.
+A request holds the body it has read and the answer bytes it hands to the server until the app
+is done with it; after that, what its client has not taken yet waits in the connection's write
+buffer (service.middleware.connections counts those of clients that fell behind; the send
+timeout frees a client that reads nothing). While the total is over the limit, a new request
+gets 503 with Retry-After before any of its body is read. Probes and metrics are never refused
+for it: an orchestrator must still see the process alive, and an operator why it refuses.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from service.api.errors import service_error_response
 from service.errors import MemoryBusy
 from service.metrics import Metrics
+from service.middleware.connections import unsent_bytes
 
 EXEMPT_PATHS: Final = frozenset({"/healthz", "/readyz", "/metrics"})
 # cgroup v2, then v1: the memory the container may use ("max" or a huge number: no limit).
@@ -58,11 +60,12 @@ class InflightBytesMiddleware:
         if scope["type"] != "http" or scope["path"] in EXEMPT_PATHS:
             await self.app(scope, receive, send)
             return
-        if self.held > self.max_bytes:
+        in_flight = self.held + unsent_bytes()
+        if in_flight > self.max_bytes:
             if self.metrics is not None:
                 self.metrics.rejected_total.labels(reason="inflight_bytes").inc()
             error = MemoryBusy(
-                f"requests in flight hold {self.held} bytes of bodies and answers, above "
+                f"requests in flight hold {in_flight} bytes of bodies and answers, above "
                 f"SDPA_MAX_INFLIGHT_BYTES = {self.max_bytes}; retry shortly",
                 retry_after_s=1,
             )

@@ -23,6 +23,7 @@ READ_TIMEOUT_S = 1.0
 SEND_TIMEOUT_S = 2.0
 MAX_CONNECTIONS = 1500
 TRICKLERS = 1000
+MAX_INFLIGHT_BYTES = 100 * 2**20
 
 
 @pytest.fixture(scope="module")
@@ -35,6 +36,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
         "SDPA_READ_TIMEOUT_S": str(READ_TIMEOUT_S),
         "SDPA_SEND_TIMEOUT_S": str(SEND_TIMEOUT_S),
         "SDPA_MAX_CONNECTIONS": str(MAX_CONNECTIONS),
+        "SDPA_MAX_INFLIGHT_BYTES": str(MAX_INFLIGHT_BYTES),
     }
     with live_server(env, tmp_path=tmp_path_factory.mktemp("connections")) as live:
         yield live
@@ -129,20 +131,24 @@ def test_connections_past_the_cap_get_503_at_once(server: LiveServer) -> None:
     assert healthy(server)
 
 
-def test_a_client_that_reads_nothing_is_aborted_after_the_send_timeout(
-    server: LiveServer,
-) -> None:
-    # Weights [1, 1, 4096, 4096] in base64: an 89 MB answer, far more than socket buffers hold.
+def big_answer_request() -> bytes:
+    """Weights [1, 1, 4096, 4096] in base64: an 89 MB answer, far more than socket buffers hold."""
     x = np.random.default_rng(0).standard_normal((1, 1, 4096, 16)).astype(np.float32)
     tensor = {"dtype": "float32", "shape": list(x.shape), "b64": base64.b64encode(x).decode()}
     body = json.dumps({"q": tensor, "k": tensor, "v": tensor, "return_weights": True,
                        "diagnostics": "none"}).encode()  # fmt: skip
+    return (
+        b"POST /v1/attention HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n" % len(body) + body
+    )
+
+
+def test_a_client_that_reads_nothing_is_aborted_after_the_send_timeout(
+    server: LiveServer,
+) -> None:
     with connect(server) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
-        sock.sendall(
-            b"POST /v1/attention HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
-            b"Content-Length: %d\r\n\r\n" % len(body) + body
-        )
+        sock.sendall(big_answer_request())
         time.sleep(SEND_TIMEOUT_S + 3.0)  # read nothing
         assert healthy(server)
         received = 0
@@ -153,3 +159,33 @@ def test_a_client_that_reads_nothing_is_aborted_after_the_send_timeout(
         except ConnectionResetError:
             pass
     assert 0 < received < 20_000_000  # cut off: what the buffers held, not the 89 MB
+
+
+def test_unsent_answers_count_in_flight_until_the_send_timeout_frees_them(
+    server: LiveServer,
+) -> None:
+    """Two clients leave 178 MB of answers unread, over the 100 MiB in-flight limit: a new
+    request gets 503 with Retry-After (probes still answer); after the send timeout it gets 200."""
+    small = {"q": [[1.0, 0.0]], "k": [[1.0, 0.0]], "v": [[1.0, 2.0]]}
+    readers = [connect(server) for _ in range(2)]
+    try:
+        for sock in readers:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
+            sock.sendall(big_answer_request())
+        statuses = []
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            response = httpx.post(f"{server.url}/v1/attention", json=small, timeout=30)
+            statuses.append(response.status_code)
+            if response.status_code == 503:
+                assert response.headers["retry-after"] == "1"
+                assert "SDPA_MAX_INFLIGHT_BYTES" in response.text
+                assert healthy(server)
+            if 503 in statuses and response.status_code == 200:
+                break
+            time.sleep(0.2)
+        assert 503 in statuses
+        assert statuses[-1] == 200  # freed by the send timeout
+    finally:
+        for sock in readers:
+            sock.close()
