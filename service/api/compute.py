@@ -12,6 +12,7 @@ from starlette.responses import Response
 from service.api.deps import AppState, request_id, running_batcher
 from service.api.disconnect import ClientDisconnected, cancel_on_disconnect
 from service.api.errors import CLIENT_CLOSED
+from service.middleware.inflight import RESERVE_ANSWER
 from service.runtime.batcher import BatchResult
 from service.runtime.jobs import Outcome, PreparedJob
 from service.serving.pipeline import Call, Reply
@@ -38,6 +39,7 @@ async def read_call(request: Request, state: AppState) -> tuple[bytes, Call]:
         request_id=request_id(request),
         started=started,
         received=received,
+        reserve_answer=getattr(request.state, RESERVE_ANSWER, None),
     )
     return body, call
 

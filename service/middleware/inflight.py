@@ -4,8 +4,10 @@ A request holds the body it has read and the answer bytes it hands to the server
 is done with it; after that, what its client has not taken yet waits in the connection's write
 buffer (service.middleware.connections counts those of clients that fell behind; the send
 timeout frees a client that reads nothing). While the total is over the limit, a new request
-gets 503 with Retry-After before any of its body is read. Probes and metrics are never refused
-for it: an orchestrator must still see the process alive, and an operator why it refuses.
+gets 503 with Retry-After before any of its body is read; and once a request is parsed, its
+answer's estimated size is reserved before it is computed, or the request gets that 503.
+Probes and metrics are never refused for it: an orchestrator must still see the process alive,
+and an operator why it refuses.
 """
 
 from __future__ import annotations
@@ -22,6 +24,9 @@ from service.metrics import Metrics
 from service.middleware.connections import unsent_bytes
 
 EXEMPT_PATHS: Final = frozenset({"/healthz", "/readyz", "/metrics"})
+# The request-state key of a request's reserve_answer(nbytes): it raises MemoryBusy (503) when
+# the answer's estimated size would take the bytes in flight over the limit.
+RESERVE_ANSWER: Final = "reserve_answer"
 # cgroup v2, then v1: the memory the container may use ("max" or a huge number: no limit).
 _CGROUP_LIMITS: Final = (
     Path("/sys/fs/cgroup/memory.max"),
@@ -60,38 +65,55 @@ class InflightBytesMiddleware:
         if scope["type"] != "http" or scope["path"] in EXEMPT_PATHS:
             await self.app(scope, receive, send)
             return
-        in_flight = self.held + unsent_bytes()
-        if in_flight > self.max_bytes:
-            if self.metrics is not None:
-                self.metrics.rejected_total.labels(reason="inflight_bytes").inc()
-            error = MemoryBusy(
-                f"requests in flight hold {in_flight} bytes of bodies and answers, above "
-                f"SDPA_MAX_INFLIGHT_BYTES = {self.max_bytes}; retry shortly",
-                retry_after_s=1,
-            )
-            await service_error_response(error)(scope, receive, send)
+        if self.held + unsent_bytes() > self.max_bytes:
+            await self._refuse(scope, receive, send)
             return
 
-        mine = 0
+        body = 0  # bytes of the body read
+        answer = 0  # the answer's bytes: reserved, or handed over (whichever is more)
+        sent = 0
+
+        def hold(body_now: int, answer_now: int) -> None:
+            nonlocal body, answer
+            self.held += (body_now - body) + (answer_now - answer)
+            body, answer = body_now, answer_now
+
+        def reserve_answer(nbytes: int) -> None:
+            # Called by the app once it knows the answer's estimated size, before computing it:
+            # a burst of requests admitted together cannot pass the limit together.
+            if self.held + unsent_bytes() + nbytes > self.max_bytes:
+                raise self._busy(self.held + unsent_bytes() + nbytes)
+            hold(body, max(answer, nbytes))
+
+        scope.setdefault("state", {})[RESERVE_ANSWER] = reserve_answer
 
         async def counting_receive() -> Message:
-            nonlocal mine
             message = await receive()
             if message["type"] == "http.request":
-                size = len(message.get("body", b""))
-                mine += size
-                self.held += size
+                hold(body + len(message.get("body", b"")), answer)
             return message
 
         async def counting_send(message: Message) -> None:
-            nonlocal mine
+            nonlocal sent
             if message["type"] == "http.response.body":
-                size = len(message.get("body", b""))
-                mine += size
-                self.held += size
+                sent += len(message.get("body", b""))
+                hold(body, max(answer, sent))
             await send(message)
 
         try:
             await self.app(scope, counting_receive, counting_send)
         finally:
-            self.held -= mine
+            hold(0, 0)
+
+    def _busy(self, in_flight: int) -> MemoryBusy:
+        if self.metrics is not None:
+            self.metrics.rejected_total.labels(reason="inflight_bytes").inc()
+        return MemoryBusy(
+            f"requests in flight hold {in_flight} bytes of bodies and answers, above "
+            f"SDPA_MAX_INFLIGHT_BYTES = {self.max_bytes}; retry shortly",
+            retry_after_s=1,
+        )
+
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
+        error = self._busy(self.held + unsent_bytes())
+        await service_error_response(error)(scope, receive, send)

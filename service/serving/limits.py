@@ -141,13 +141,14 @@ def response_bytes(
 
 def check_response_size(
     spec: InputSpec, *, encoding: str, return_weights: bool, diagnostics: str, settings: Settings
-) -> None:
-    """The response must fit SDPA_MAX_RESPONSE_BYTES in the encoding it would be sent in."""
+) -> int:
+    """The response must fit SDPA_MAX_RESPONSE_BYTES in the encoding it would be sent in.
+    -> its estimated size."""
     size = response_bytes(
         spec, encoding=encoding, return_weights=return_weights, diagnostics=diagnostics
     )
     if size <= settings.max_response_bytes:
-        return
+        return size
     advice = []
     if encoding != "base64":
         as_base64 = response_bytes(

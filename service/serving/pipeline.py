@@ -52,6 +52,9 @@ class Call:
     request_id: str
     started: float  # time.monotonic() before the body was read
     received: float  # time.monotonic() after it was read
+    # Reserve the answer's estimated bytes before computing it (the in-flight limit; raises
+    # a 503 ServiceError when they do not fit). None where nothing counts them.
+    reserve_answer: Callable[[int], None] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +83,8 @@ async def _run(
     request: PreparedRequest, call: Call, kind: type[OutcomeT]
 ) -> tuple[OutcomeT, BatchResult[Outcome], dict[str, Any]]:
     """Queue the prepared job and wait for its outcome -> (outcome, its batch, the meta fields)."""
+    if call.reserve_answer is not None and request.response_bytes:
+        call.reserve_answer(request.response_bytes)
     batch = await call.submit(request.prepared, _deadline(request, call))
     outcome = batch.value
     if not isinstance(outcome, kind):  # the engine answered another job kind: our bug, a 500

@@ -50,6 +50,7 @@ class PreparedRequest:
     prepared: PreparedJob
     encoding: EncodingName  # of the response's tensors
     timeout_ms: float | None
+    response_bytes: int = 0  # the answer's estimated size (0: a small, fixed-size answer)
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,14 +125,16 @@ def prepare_attention(body: bytes, settings: Settings, cost: CostModel) -> Prepa
         shape, path, cost=cost, settings=settings, loc=("body", "q"), how=attention_work_hint(path)
     )
     encoding = req.response_encoding or q.encoding
-    check_response_size(
+    size = check_response_size(
         spec,
         encoding=encoding,
         return_weights=req.return_weights,
         diagnostics=req.diagnostics,
         settings=settings,
     )
-    return PreparedRequest(prepared=prepared, encoding=encoding, timeout_ms=req.timeout_ms)
+    return PreparedRequest(
+        prepared=prepared, encoding=encoding, timeout_ms=req.timeout_ms, response_bytes=size
+    )
 
 
 def _strategy_count(strategies: tuple[Strategy, ...] | None) -> int:

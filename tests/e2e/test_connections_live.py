@@ -164,28 +164,31 @@ def test_a_client_that_reads_nothing_is_aborted_after_the_send_timeout(
 def test_unsent_answers_count_in_flight_until_the_send_timeout_frees_them(
     server: LiveServer,
 ) -> None:
-    """Two clients leave 178 MB of answers unread, over the 100 MiB in-flight limit: a new
-    request gets 503 with Retry-After (probes still answer); after the send timeout it gets 200."""
+    """One client leaves its 89 MB answer unread. Another 89 MB answer would take the bytes in
+    flight past the 100 MiB limit: that request gets 503 with Retry-After before it is
+    computed, while a small one is served and probes answer. After the send timeout frees the
+    unread answer, the big request is served too."""
     small = {"q": [[1.0, 0.0]], "k": [[1.0, 0.0]], "v": [[1.0, 2.0]]}
-    readers = [connect(server) for _ in range(2)]
-    try:
-        for sock in readers:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
-            sock.sendall(big_answer_request())
+    big = big_answer_request()
+    big_body = big[big.index(b"\r\n\r\n") + 4 :]
+    headers = {"content-type": "application/json"}
+    with connect(server) as unread:
+        unread.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
+        unread.sendall(big)
         statuses = []
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
-            response = httpx.post(f"{server.url}/v1/attention", json=small, timeout=30)
+            response = httpx.post(
+                f"{server.url}/v1/attention", content=big_body, headers=headers, timeout=60
+            )
             statuses.append(response.status_code)
             if response.status_code == 503:
                 assert response.headers["retry-after"] == "1"
                 assert "SDPA_MAX_INFLIGHT_BYTES" in response.text
+                assert httpx.post(f"{server.url}/v1/attention", json=small).status_code == 200
                 assert healthy(server)
-            if 503 in statuses and response.status_code == 200:
-                break
+            elif 503 in statuses:
+                break  # served again: the send timeout freed the unread answer
             time.sleep(0.2)
-        assert 503 in statuses
-        assert statuses[-1] == 200  # freed by the send timeout
-    finally:
-        for sock in readers:
-            sock.close()
+    assert 503 in statuses
+    assert statuses[-1] == 200

@@ -7,8 +7,11 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import torch
+
 from service.app import create_app
-from tests.support.app import small_settings
+from tests.support.app import in_process_client, small_settings
+from tests.support.wire import to_wire
 
 LIMIT = 4096
 
@@ -97,3 +100,22 @@ def _held(app: Any) -> int:
         layer = getattr(layer, "app", None)
     assert layer is not None
     return int(layer.held)
+
+
+def test_an_answer_that_would_not_fit_is_refused_before_it_is_computed() -> None:
+    """Weights [1, 1, 128, 128] in base64: about 92 KB estimated (16,384 + 128·4 numbers at
+    4/3 of 4 bytes, plus the 4 KiB envelope), over a 50,000-byte budget: 503 before the device
+    sees it; without weights the answer fits."""
+    gen = torch.Generator().manual_seed(0)
+    tensors = {name: to_wire(torch.randn(1, 1, 128, 4, generator=gen), "b64") for name in "qkv"}
+    with in_process_client(small_settings(max_inflight_bytes=50_000)) as client:
+        before = client.get("/metrics").text.count('sdpa_compute_seconds_count{path="dense"}')
+        refused = client.post("/v1/attention", json={**tensors, "return_weights": True})
+        assert refused.status_code == 503
+        assert refused.headers["retry-after"] == "1"
+        assert "SDPA_MAX_INFLIGHT_BYTES" in refused.json()["detail"]
+        metrics = client.get("/metrics").text
+        assert metrics.count('sdpa_compute_seconds_count{path="dense"}') == before == 0
+        assert 'sdpa_rejected_total{reason="inflight_bytes"} 1.0' in metrics
+        fits = client.post("/v1/attention", json={**tensors, "diagnostics": "none"})
+        assert fits.status_code == 200
