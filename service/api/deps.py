@@ -63,14 +63,9 @@ def state_of(app: FastAPI) -> AppState:
     return state
 
 
-def app_state(request: Request) -> AppState:
-    """The AppState of the application serving `request`."""
-    return state_of(request.app)
-
-
 async def _state_dep(request: Request) -> AppState:
     # async: FastAPI runs a sync dependency on a worker thread, a cost on every request.
-    return app_state(request)
+    return state_of(request.app)
 
 
 def running_batcher(state: AppState) -> Batcher:

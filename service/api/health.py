@@ -23,8 +23,6 @@ from service.wire.codec import FLOAT_DTYPE_NAMES, dumps
 
 router = APIRouter()
 
-DTYPES: Final = FLOAT_DTYPE_NAMES
-
 
 def _json(payload: Any) -> Response:
     return Response(content=dumps(payload), media_type="application/json")
@@ -39,7 +37,7 @@ _INFO_EXAMPLE: Final = {
     "version": VERSION,
     "device": "cpu",
     "torch_version": "2.13.0+cpu",
-    "dtypes": list(DTYPES),
+    "dtypes": list(FLOAT_DTYPE_NAMES),
     "limits": {
         "max_body_bytes": 134217728,
         "max_elements": 67108864,
@@ -112,7 +110,7 @@ async def info(state: StateDep) -> Response:
             "version": VERSION,
             "device": str(engine.device) if engine is not None else settings.device,
             "torch_version": torch.__version__,
-            "dtypes": list(DTYPES),
+            "dtypes": list(FLOAT_DTYPE_NAMES),
             "limits": {
                 "max_body_bytes": settings.max_body_bytes,
                 "max_elements": settings.max_elements,

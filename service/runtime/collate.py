@@ -22,7 +22,7 @@ request's output, weights and diagnostics equal a solo call's up to float reduct
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import torch
@@ -97,9 +97,11 @@ def collate(batch: list[Member]) -> Collated:
             v[b, :, layout.kv_cols(s)] = m.job.v.reshape(s.batch, kv_heads, s.n_kv, d_v)
 
     key_lengths, key_padding_mask = _batch_key_masks(layout, rows, heads)
-    attn_mask = _batch_attn_mask(layout, rows, heads)
-    return Collated(
-        layout.members, q, k, v, key_lengths, key_padding_mask, attn_mask, n_q, n_kv, front
+    return replace(
+        layout,
+        key_lengths=key_lengths,
+        key_padding_mask=key_padding_mask,
+        attn_mask=_batch_attn_mask(layout, rows, heads),
     )
 
 

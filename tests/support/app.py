@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from typing import Any
 
 from fastapi.testclient import TestClient
 
@@ -50,3 +51,18 @@ def in_process_client(
                 raise TimeoutError(f"the app was not ready within {ready_timeout_s} s")
             time.sleep(0.02)
         yield client
+
+
+def asgi_scope(method: str, path: str, *, content_length: int = 0) -> dict[str, Any]:
+    """The HTTP scope uvicorn gives the app for a JSON request (for tests that drive the ASGI
+    app message by message: a stalled or abandoned body, concurrent requests)."""
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(content_length).encode()),
+    ]
+    return {
+        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method,
+        "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
+        "root_path": "", "server": ("127.0.0.1", 8000), "client": ("127.0.0.1", 5000),
+        "headers": headers,
+    }  # fmt: skip

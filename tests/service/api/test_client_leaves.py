@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from service.api.deps import state_of
 from service.app import create_app
-from tests.support.app import small_settings
+from tests.support.app import asgi_scope, small_settings
 
 
 def leave_mid_body(
@@ -34,12 +34,7 @@ def leave_mid_body(
     async def send(message: dict[str, Any]) -> None:
         sent.append(message)
 
-    scope = {
-        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
-        "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
-        "root_path": "", "server": ("127.0.0.1", 8000), "client": ("127.0.0.1", 5000),
-        "headers": [(b"content-type", b"application/json"), (b"content-length", b"1000")],
-    }  # fmt: skip
+    scope = asgi_scope("POST", path, content_length=1000)
     asyncio.run(app(scope, receive, send))
     return sent, requests_by_route_and_status(app)
 

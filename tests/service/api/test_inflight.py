@@ -10,20 +10,10 @@ from typing import Any
 import torch
 
 from service.app import create_app
-from tests.support.app import in_process_client, small_settings
+from tests.support.app import asgi_scope, in_process_client, small_settings
 from tests.support.wire import to_wire
 
 LIMIT = 4096
-
-
-def scope_of(method: str, path: str, length: int = 0) -> dict[str, Any]:
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(length).encode())]
-    return {
-        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method,
-        "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
-        "root_path": "", "server": ("127.0.0.1", 8000), "client": ("127.0.0.1", 5000),
-        "headers": headers,
-    }  # fmt: skip
 
 
 async def call(app: Any, scope: dict[str, Any], incoming: list[dict[str, Any]]) -> list[Any]:
@@ -61,7 +51,7 @@ def test_a_new_request_waits_for_the_bytes_in_flight_to_come_back() -> None:
         holder = asyncio.create_task(
             call(
                 app,
-                scope_of("POST", "/v1/attention", 10_000),
+                asgi_scope("POST", "/v1/attention", content_length=10_000),
                 [
                     {"type": "http.request", "body": b" " * 5000, "more_body": True},
                     {"wait": leave, "reached": stalled},
@@ -72,7 +62,7 @@ def test_a_new_request_waits_for_the_bytes_in_flight_to_come_back() -> None:
         assert _held(app) == 5000
         body = b'{"q": [[1.0]], "k": [[1.0]], "v": [[1.0]]}'
         refused, read = await call(
-            app, scope_of("POST", "/v1/attention", len(body)),
+            app, asgi_scope("POST", "/v1/attention", content_length=len(body)),
             [{"type": "http.request", "body": body, "more_body": False}],
         )  # fmt: skip
         assert status(refused) == 503
@@ -82,7 +72,7 @@ def test_a_new_request_waits_for_the_bytes_in_flight_to_come_back() -> None:
             m.get("body", b"") for m in refused if m["type"] == "http.response.body"
         )
         assert read == []  # refused before a byte of its body was read
-        probe, _ = await call(app, scope_of("GET", "/healthz"), [])
+        probe, _ = await call(app, asgi_scope("GET", "/healthz"), [])
         assert status(probe) == 200  # probes are never refused for it
         leave.set()
         await holder
