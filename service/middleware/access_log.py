@@ -25,12 +25,13 @@ from typing import Any
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.metrics import Metrics
+from service.middleware.connections import DELIVERY_EXTENSION, Delivery
 
 ACCESS_LOGGER = "sdpa.access"
 REQUEST_ID_HEADER = b"x-request-id"
 # Visible ASCII only: safe to echo in a header and to write in a log line unescaped.
 _SANE_REQUEST_ID = re.compile(rb"[\x21-\x7e]{1,128}")
-# Status logged when the client went away before any response started (nginx's convention).
+# Status logged when the client went away before its answer reached it (nginx's convention).
 CLIENT_CLOSED_STATUS = 499
 UNMATCHED_ROUTE = "unmatched"
 
@@ -62,6 +63,13 @@ def route_template(scope: Scope) -> str:
         if mount:
             return mount
     return UNMATCHED_ROUTE
+
+
+async def _delivered(scope: Scope) -> bool:
+    """Whether the answer reached the client, where the server can tell (the guarded protocol
+    of service.middleware.connections); True elsewhere."""
+    delivery: Delivery | None = scope.get("extensions", {}).get(DELIVERY_EXTENSION)
+    return True if delivery is None else await delivery()
 
 
 class AccessLogMiddleware:
@@ -98,6 +106,8 @@ class AccessLogMiddleware:
 
         try:
             await self.app(scope, receive, send_with_id)
+            if status is not None and not await _delivered(scope):
+                status = CLIENT_CLOSED_STATUS  # it left while its answer was being sent
         except BaseException:
             # The server answers 500 if nothing was sent yet; log what the client will see.
             if status is None:

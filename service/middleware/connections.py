@@ -18,13 +18,18 @@ its httptools protocol (`uvicorn.Config(http=...)`):
   connection is aborted and the pending response freed.
 - connection cap: a connection beyond `max_connections` gets a 503 problem+json with
   Retry-After at once and is closed, before any request is read.
+- delivery: an answer handed to a client that reads slower than the server writes is not yet
+  delivered. Each request's scope carries, as the ASGI extension DELIVERY_EXTENSION, an awaitable
+  that tells whether its answer reached the client (the access log logs 499 when it did not:
+  the client left, or the send timeout dropped it, while its answer was being sent).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-from typing import Any, ClassVar
+from collections.abc import Awaitable, Callable
+from typing import Any, ClassVar, Final
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
@@ -46,6 +51,12 @@ def problem_bytes(
         head.append(f"retry-after: {retry_after_s}")
     return ("\r\n".join(head) + "\r\n\r\n").encode() + body
 
+
+# scope["extensions"][DELIVERY_EXTENSION]: () -> awaitable bool, whether the answer handed to the
+# connection reached its client. It waits while the client reads slower than the server writes
+# (bounded by the send timeout) and is False when the connection was lost with bytes unsent.
+DELIVERY_EXTENSION: Final = "sdpa.delivery"
+Delivery = Callable[[], Awaitable[bool]]
 
 # The connections whose client reads slower than the server writes (write buffer past its
 # high-water mark): their unsent answers are memory the in-flight limit must count.
@@ -70,6 +81,9 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._read_timer: asyncio.TimerHandle | None = None
         self._send_timer: asyncio.TimerHandle | None = None
         self._headers_complete = False
+        # Set when the connection was lost before its last answer was complete and written out.
+        self._lost_undelivered = False
+        self._delivery_waiters: set[asyncio.Future[bool]] = set()
 
     # -- the connection cap and the first read timer --------------------------------------
 
@@ -88,7 +102,12 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_read_timer()
         self._cancel_send_timer()
+        # Backed up: bytes were still waiting for the client (an abort drops them silently).
+        self._lost_undelivered = self in _backed_up or (
+            self.cycle is not None and not self.cycle.response_complete
+        )
         _backed_up.discard(self)
+        self._settle_delivery(not self._lost_undelivered)
         super().connection_lost(exc)
 
     # -- reading ---------------------------------------------------------------------------
@@ -100,6 +119,9 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
+        # uvicorn types extensions' values as dicts; ASGI lets a server put any object there.
+        extensions: dict[str, Any] = self.scope.setdefault("extensions", {})
+        extensions[DELIVERY_EXTENSION] = self.delivered
         self._headers_complete = False
         self._arm_read_timer()
 
@@ -151,6 +173,27 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         super().resume_writing()
         _backed_up.discard(self)
         self._cancel_send_timer()
+        self._settle_delivery(True)
+
+    async def delivered(self) -> bool:
+        """Whether the answers handed to this connection reached the client: at once unless
+        the client reads slower than the server writes; then when it catches up (True) or the
+        connection is lost, by the client or the send timeout (False)."""
+        if self._lost_undelivered:
+            return False
+        if self not in _backed_up:
+            return True
+        waiter: asyncio.Future[bool] = self.loop.create_future()
+        self._delivery_waiters.add(waiter)
+        try:
+            return await waiter
+        finally:
+            self._delivery_waiters.discard(waiter)
+
+    def _settle_delivery(self, delivered: bool) -> None:
+        for waiter in self._delivery_waiters:
+            if not waiter.done():
+                waiter.set_result(delivered)
 
     def _cancel_send_timer(self) -> None:
         if self._send_timer is not None:

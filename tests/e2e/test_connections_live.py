@@ -131,7 +131,7 @@ def test_connections_past_the_cap_get_503_at_once(server: LiveServer) -> None:
     assert healthy(server)
 
 
-def big_answer_request() -> bytes:
+def big_answer_request(request_id: str = "big") -> bytes:
     """Weights [1, 1, 4096, 4096] in base64: an 89 MB answer, far more than socket buffers hold."""
     x = np.random.default_rng(0).standard_normal((1, 1, 4096, 16)).astype(np.float32)
     tensor = {"dtype": "float32", "shape": list(x.shape), "b64": base64.b64encode(x).decode()}
@@ -139,16 +139,28 @@ def big_answer_request() -> bytes:
                        "diagnostics": "none"}).encode()  # fmt: skip
     return (
         b"POST /v1/attention HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
-        b"Content-Length: %d\r\n\r\n" % len(body) + body
+        b"X-Request-ID: %s\r\nContent-Length: %d\r\n\r\n" % (request_id.encode(), len(body))
+        + body
     )
+
+
+def access_record(server: LiveServer, request_id: str) -> dict[str, object]:
+    """The access-log record of one request (the server logs JSON lines)."""
+    for line in server.log().splitlines():
+        record = json.loads(line) if line.startswith("{") else {}
+        if record.get("logger") == "sdpa.access" and record.get("request_id") == request_id:
+            return dict(record)
+    raise AssertionError(f"no access-log line for {request_id}")
 
 
 def test_a_client_that_reads_nothing_is_aborted_after_the_send_timeout(
     server: LiveServer,
 ) -> None:
+    """...and its answer, which never reached it, is logged and counted as a 499."""
+    metrics_before = httpx.get(f"{server.url}/metrics").text
     with connect(server) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
-        sock.sendall(big_answer_request())
+        sock.sendall(big_answer_request("never-read"))
         time.sleep(SEND_TIMEOUT_S + 3.0)  # read nothing
         assert healthy(server)
         received = 0
@@ -159,6 +171,19 @@ def test_a_client_that_reads_nothing_is_aborted_after_the_send_timeout(
         except ConnectionResetError:
             pass
     assert 0 < received < 20_000_000  # cut off: what the buffers held, not the 89 MB
+    assert access_record(server, "never-read")["status"] == 499
+    aborted = 'sdpa_requests_total{route="/v1/attention",status="499"}'
+    assert counter(httpx.get(f"{server.url}/metrics").text, aborted) == (
+        counter(metrics_before, aborted) + 1
+    )
+    assert "Traceback" not in server.log()
+
+
+def counter(exposition: str, series: str) -> float:
+    for line in exposition.splitlines():
+        if line.startswith(series + " "):
+            return float(line.split()[-1])
+    return 0.0
 
 
 def test_unsent_answers_count_in_flight_until_the_send_timeout_frees_them(
