@@ -19,10 +19,11 @@ from typing import Final
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.api.errors import service_error_response
-from service.errors import MemoryBusy
+from service.errors import FieldError, InvalidRequest, MemoryBusy
 from service.metrics import Metrics
 from service.middleware.connections import unsent_bytes
 
+MB: Final = 1e6
 EXEMPT_PATHS: Final = frozenset({"/healthz", "/readyz", "/metrics"})
 # The request-state key of a request's reserve_answer(nbytes): it raises MemoryBusy (503) when
 # the answer's estimated size would take the bytes in flight over the limit.
@@ -79,11 +80,15 @@ class InflightBytesMiddleware:
             body, answer = body_now, answer_now
 
         def reserve_answer(nbytes: int) -> None:
-            # Called by the app once it knows the answer's estimated size, before computing it:
-            # a burst of requests admitted together cannot pass the limit together.
-            if self.held + unsent_bytes() + nbytes > self.max_bytes:
-                raise self._busy(self.held + unsent_bytes() + nbytes)
-            hold(body, max(answer, nbytes))
+            # The app reserves what its answer will take before computing it (so a burst of
+            # requests admitted together cannot pass the limit together), then shrinks the
+            # reservation to the encoded answer. Only growth is checked.
+            if body + nbytes > self.max_bytes:
+                raise self._too_big(body + nbytes)  # no retry would help: a 422, not a 503
+            growth = nbytes - answer
+            if growth > 0 and self.held + unsent_bytes() + growth > self.max_bytes:
+                raise self._busy(self.held + unsent_bytes() + growth)
+            hold(body, max(nbytes, sent))
 
         scope.setdefault("state", {})[RESERVE_ANSWER] = reserve_answer
 
@@ -112,6 +117,17 @@ class InflightBytesMiddleware:
             f"requests in flight hold {in_flight} bytes of bodies and answers, above "
             f"SDPA_MAX_INFLIGHT_BYTES = {self.max_bytes}; retry shortly",
             retry_after_s=1,
+        )
+
+    def _too_big(self, nbytes: int) -> InvalidRequest:
+        msg = (
+            f"this request alone would hold about {nbytes / MB:.3g} MB at its peak (its body, "
+            f"inputs, results and encoded answer), above SDPA_MAX_INFLIGHT_BYTES = "
+            f"{self.max_bytes / MB:.3g} MB for all requests together; ask for base64, no "
+            'weights, diagnostics other than "full", or fewer queries per request'
+        )
+        return InvalidRequest(
+            msg, errors=[FieldError(loc=("body",), msg=msg, type="inflight_limit")]
         )
 
     async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:

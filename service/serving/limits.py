@@ -139,6 +139,23 @@ def response_bytes(
     return int(size) + _ENVELOPE_BYTES
 
 
+def answer_working_bytes(
+    spec: InputSpec, *, return_weights: bool, diagnostics: str, response_bytes: int
+) -> int:
+    """The memory a request holds at its peak from compute to send, besides its body: the
+    decoded inputs, the result tensors, and while they are encoded both the encoder's copy (the
+    base64 text, or orjson's growing buffer) and the finished answer. The in-flight limit
+    reserves this before compute; once encoded, the request holds only its answer."""
+    itemsize = spec.dtype.itemsize
+    rows = spec.batch * spec.heads * spec.n_q
+    kv_rows = spec.batch * spec.kv_heads * spec.n_kv
+    inputs = (rows * spec.d + kv_rows * (spec.d + spec.d_v)) * itemsize
+    results = rows * spec.d_v * itemsize + (rows * spec.n_kv * itemsize if return_weights else 0)
+    if diagnostics == "full":
+        results += len(PER_ROW_FIELDS) * rows * spec.accum_dtype.itemsize
+    return inputs + results + 2 * response_bytes
+
+
 def check_response_size(
     spec: InputSpec, *, encoding: str, return_weights: bool, diagnostics: str, settings: Settings
 ) -> int:

@@ -52,8 +52,10 @@ class Call:
     request_id: str
     started: float  # time.monotonic() before the body was read
     received: float  # time.monotonic() after it was read
-    # Reserve the answer's estimated bytes before computing it (the in-flight limit; raises
-    # a 503 ServiceError when they do not fit). None where nothing counts them.
+    # reserve_answer(n): from now on the request holds n bytes besides its body (the in-flight
+    # limit). Growing the reservation raises a 503 ServiceError when it does not fit; it is
+    # called with the working set before compute and shrunk to the answer once encoded. None
+    # where nothing counts them.
     reserve_answer: Callable[[int], None] | None = None
 
 
@@ -83,8 +85,8 @@ async def _run(
     request: PreparedRequest, call: Call, kind: type[OutcomeT]
 ) -> tuple[OutcomeT, BatchResult[Outcome], dict[str, Any]]:
     """Queue the prepared job and wait for its outcome -> (outcome, its batch, the meta fields)."""
-    if call.reserve_answer is not None and request.response_bytes:
-        call.reserve_answer(request.response_bytes)
+    if call.reserve_answer is not None and request.working_bytes:
+        call.reserve_answer(request.working_bytes)
     batch = await call.submit(request.prepared, _deadline(request, call))
     outcome = batch.value
     if not isinstance(outcome, kind):  # the engine answered another job kind: our bug, a 500
@@ -115,6 +117,8 @@ async def attention(body: bytes, call: Call) -> Reply:
         attention_elements(outcome) * 4 > OFFLOAD_BYTES,
         lambda: encode_attention(outcome, encoding=request.encoding, meta=meta),
     )
+    if call.reserve_answer is not None and request.working_bytes:
+        call.reserve_answer(len(content))  # the inputs, results and encoder's copy are gone
     timing = server_timing(
         read=_ms(call.started, call.received),
         decode=_ms(call.received, decoded),

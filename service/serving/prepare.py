@@ -17,6 +17,7 @@ from sdpa_core import STANDARD_STRATEGIES, choose_path, make_synthetic_qk
 from service.runtime.jobs import AnalyzeJob, AttentionJob, PreparedJob, Strategy, prepare
 from service.runtime.policy import CostModel, WorkShape
 from service.serving.limits import (
+    answer_working_bytes,
     attention_work_hint,
     check_analysis_limits,
     check_attention_limits,
@@ -51,6 +52,9 @@ class PreparedRequest:
     encoding: EncodingName  # of the response's tensors
     timeout_ms: float | None
     response_bytes: int = 0  # the answer's estimated size (0: a small, fixed-size answer)
+    # What the request holds at its peak from compute to send (limits.answer_working_bytes):
+    # reserved against SDPA_MAX_INFLIGHT_BYTES before it is computed.
+    working_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,8 +136,15 @@ def prepare_attention(body: bytes, settings: Settings, cost: CostModel) -> Prepa
         diagnostics=req.diagnostics,
         settings=settings,
     )
+    working = answer_working_bytes(
+        spec, return_weights=req.return_weights, diagnostics=req.diagnostics, response_bytes=size
+    )
     return PreparedRequest(
-        prepared=prepared, encoding=encoding, timeout_ms=req.timeout_ms, response_bytes=size
+        prepared=prepared,
+        encoding=encoding,
+        timeout_ms=req.timeout_ms,
+        response_bytes=size,
+        working_bytes=working,
     )
 
 

@@ -5,6 +5,7 @@ any of its body is read, probes still answer, and once the holder leaves the bud
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 import torch
@@ -92,20 +93,71 @@ def _held(app: Any) -> int:
     return int(layer.held)
 
 
-def test_an_answer_that_would_not_fit_is_refused_before_it_is_computed() -> None:
-    """Weights [1, 1, 128, 128] in base64: about 92 KB estimated (16,384 + 128·4 numbers at
-    4/3 of 4 bytes, plus the 4 KiB envelope), over a 50,000-byte budget: 503 before the device
-    sees it; without weights the answer fits."""
+# Weights [1, 1, 128, 128] from q = k = v [1, 1, 128, 4] in base64, no diagnostics, by hand: the answer holds
+# 128·4 + 128·128 = 16,896 numbers at 4·4/3 bytes plus the 4,096-byte envelope = 94,208 bytes;
+# the working set adds the inputs (3·128·4·4 = 6,144), the results (output 2,048 + weights
+# 65,536) and the encoder's copy (94,208): 262,144 bytes.
+WORKING_SET = 262_144
+
+
+def weights_request() -> dict[str, Any]:
     gen = torch.Generator().manual_seed(0)
     tensors = {name: to_wire(torch.randn(1, 1, 128, 4, generator=gen), "b64") for name in "qkv"}
-    with in_process_client(small_settings(max_inflight_bytes=50_000)) as client:
-        before = client.get("/metrics").text.count('sdpa_compute_seconds_count{path="dense"}')
-        refused = client.post("/v1/attention", json={**tensors, "return_weights": True})
-        assert refused.status_code == 503
-        assert refused.headers["retry-after"] == "1"
-        assert "SDPA_MAX_INFLIGHT_BYTES" in refused.json()["detail"]
+    return {**tensors, "return_weights": True, "diagnostics": "none"}
+
+
+def test_an_answer_that_can_never_fit_is_a_422_before_it_is_computed() -> None:
+    """The request holds its body besides its working set."""
+    body = json.dumps(weights_request()).encode()
+    alone = WORKING_SET + len(body)
+    headers = {"content-type": "application/json"}
+    with in_process_client(small_settings(max_inflight_bytes=alone - 1)) as client:
+        refused = client.post("/v1/attention", content=body, headers=headers)
+        assert refused.status_code == 422
+        error = refused.json()["errors"][0]
+        assert error["type"] == "inflight_limit"
+        assert "SDPA_MAX_INFLIGHT_BYTES" in error["msg"]
+        assert "base64" in error["msg"]
         metrics = client.get("/metrics").text
-        assert metrics.count('sdpa_compute_seconds_count{path="dense"}') == before == 0
-        assert 'sdpa_rejected_total{reason="inflight_bytes"} 1.0' in metrics
-        fits = client.post("/v1/attention", json={**tensors, "diagnostics": "none"})
-        assert fits.status_code == 200
+        assert 'sdpa_compute_seconds_count{path="dense"}' not in metrics
+    with in_process_client(small_settings(max_inflight_bytes=alone)) as client:
+        assert client.post("/v1/attention", content=body, headers=headers).status_code == 200
+
+
+def test_an_answer_that_does_not_fit_beside_others_waits_with_a_503() -> None:
+    """A stalled upload holds 50,000 bytes: the weights request's working set no longer fits
+    beside it (503 before compute); once the upload leaves, it is served, and the bytes held
+    come back to zero."""
+    body = json.dumps(weights_request()).encode()
+    app = create_app(small_settings(max_inflight_bytes=WORKING_SET + len(body) + 40_000))
+
+    async def scenario() -> None:
+        async with app.router.lifespan_context(app):  # the engine, as uvicorn starts it
+            leave, stalled = asyncio.Event(), asyncio.Event()
+            holder = asyncio.create_task(
+                call(
+                    app,
+                    asgi_scope("POST", "/v1/attention", content_length=100_000),
+                    [
+                        {"type": "http.request", "body": b" " * 50_000, "more_body": True},
+                        {"wait": leave, "reached": stalled},
+                    ],
+                )
+            )
+            await stalled.wait()
+            request = [{"type": "http.request", "body": body, "more_body": False}]
+            scope = asgi_scope("POST", "/v1/attention", content_length=len(body))
+            refused, _ = await call(app, scope, list(request))
+            assert status(refused) == 503
+            metrics, _ = await call(app, asgi_scope("GET", "/metrics"), [])
+            exposition = b"".join(m.get("body", b"") for m in metrics).decode()
+            assert 'sdpa_compute_seconds_count{path="dense"}' not in exposition
+            assert 'sdpa_rejected_total{reason="inflight_bytes"} 1.0' in exposition
+            leave.set()
+            await holder
+            stays = {"wait": asyncio.Event(), "reached": asyncio.Event()}  # a client that stays
+            served, _ = await call(app, scope, [*request, stays])
+            assert status(served) == 200
+            assert _held(app) == 0
+
+    asyncio.run(scenario())
