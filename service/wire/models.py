@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Annotated, Any, Final, Literal, TypeVar
+from typing import Annotated, Any, Final, Literal, TypeVar, get_args
 
 from pydantic import (
     AfterValidator,
@@ -70,6 +70,8 @@ _NUMBER_OR_NULL: Final = {"type": ["number", "null"]}
 _INTEGER: Final = {"type": "integer"}
 
 NESTED_INPUT_SCHEMA: Final = nested_list_schema(_NUMBER_OR_BOOL)
+# q, k and v: numbers only (the codec refuses booleans in them).
+NESTED_FLOAT_SCHEMA: Final = nested_list_schema({"type": "number"})
 # A key padding mask is bool only: the codec refuses numbers in it (and a float dtype).
 NESTED_BOOL_SCHEMA: Final = nested_list_schema(_BOOLEAN)
 NESTED_OUTPUT_SCHEMA: Final = nested_list_schema(_NUMBER_OR_NULL)
@@ -77,6 +79,7 @@ NESTED_OUTPUT_SCHEMA: Final = nested_list_schema(_NUMBER_OR_NULL)
 NESTED_INT_SCHEMA: Final = nested_list_schema(_INTEGER, depth=MAX_RANK - 2)
 
 NestedInput = Annotated[list[Any], WithJsonSchema(NESTED_INPUT_SCHEMA)]
+NestedFloat = Annotated[list[Any], WithJsonSchema(NESTED_FLOAT_SCHEMA)]
 NestedBool = Annotated[list[Any], WithJsonSchema(NESTED_BOOL_SCHEMA)]
 NestedOutput = Annotated[list[Any], WithJsonSchema(NESTED_OUTPUT_SCHEMA)]
 # Per-head statistics of a 2-D request (one head, no head dim) are scalars.
@@ -110,6 +113,11 @@ TensorData = Annotated[
     Any,
     AfterValidator(_nested_list_data),
     WithJsonSchema({"anyOf": [NESTED_INPUT_SCHEMA, _NULL]}),
+]
+FloatTensorData = Annotated[
+    Any,
+    AfterValidator(_nested_list_data),
+    WithJsonSchema({"anyOf": [NESTED_FLOAT_SCHEMA, _NULL]}),
 ]
 BoolTensorData = Annotated[
     Any,
@@ -163,6 +171,27 @@ class WireTensor(_Wire):
         return self
 
 
+def _float_only(value: str) -> str:
+    # The same refusal (type and words) as the codec's, at the schema's level.
+    if value == "bool":
+        raise PydanticCustomError("dtype", "must be a floating-point tensor, not bool")
+    return value
+
+
+class FloatTensor(WireTensor):
+    """q, k or v: {"dtype": a float type, "shape", "data" | "b64"}."""
+
+    dtype: Annotated[
+        WireDType,
+        AfterValidator(_float_only),
+        WithJsonSchema({"enum": list(get_args(FloatDType)), "type": "string"}),
+    ] = Field(
+        description="float16, bfloat16, float32 or float64; bfloat16 travels as raw 2-byte "
+        "values in b64 and as ordinary numbers in data."
+    )
+    data: FloatTensorData = Field(default=None, description="Nested lists of numbers.")
+
+
 def _bool_only(value: str) -> str:
     # The same refusal (type and words) as the codec's for a bare list of numbers.
     if value != "bool":
@@ -201,6 +230,18 @@ def _tensor_kind(value: Any) -> str | None:
 
 TensorIn = Annotated[
     Annotated[WireTensor, Tag(_TAG_TENSOR_OBJECT)] | Annotated[NestedInput, Tag(_TAG_NESTED_LIST)],
+    Discriminator(
+        _tensor_kind,
+        custom_error_type="tensor_type",
+        custom_error_message="expected a tensor object {dtype, shape, data | b64} or a nested "
+        "list of numbers",
+    ),
+]
+
+
+# q, k and v: float tensors, or nested lists of numbers.
+FloatTensorIn = Annotated[
+    Annotated[FloatTensor, Tag(_TAG_TENSOR_OBJECT)] | Annotated[NestedFloat, Tag(_TAG_NESTED_LIST)],
     Discriminator(
         _tensor_kind,
         custom_error_type="tensor_type",
@@ -302,9 +343,9 @@ class AttentionRequest(_MaskFields):
 
     model_config = ConfigDict(json_schema_extra={"examples": [ATTENTION_EXAMPLE]})
 
-    q: TensorIn = Field(description="Queries [..., H, N_q, D].")
-    k: TensorIn = Field(description="Keys [..., H_kv, N_kv, D]; H % H_kv == 0 (GQA/MQA).")
-    v: TensorIn = Field(description="Values [..., H_kv, N_kv, D_v].")
+    q: FloatTensorIn = Field(description="Queries [..., H, N_q, D].")
+    k: FloatTensorIn = Field(description="Keys [..., H_kv, N_kv, D]; H % H_kv == 0 (GQA/MQA).")
+    v: FloatTensorIn = Field(description="Values [..., H_kv, N_kv, D_v].")
     scale: float | None = Field(default=None, description="null = 1/sqrt(D).")
     return_weights: bool = Field(
         default=False,
@@ -365,8 +406,8 @@ class AnalyzeRequest(_MaskFields):
 
     model_config = ConfigDict(json_schema_extra={"examples": [ANALYZE_EXAMPLE]})
 
-    q: TensorIn | None = Field(default=None, description="Queries [..., H, N_q, D].")
-    k: TensorIn | None = Field(default=None, description="Keys [..., H_kv, N_kv, D].")
+    q: FloatTensorIn | None = Field(default=None, description="Queries [..., H, N_q, D].")
+    k: FloatTensorIn | None = Field(default=None, description="Keys [..., H_kv, N_kv, D].")
     synthetic: Synthetic | None = Field(default=None, description="Instead of q and k.")
     strategies: list[StrategyIn] | None = Field(
         default=None,

@@ -98,7 +98,8 @@ class Bystander:
 
 def tensor(n: int, d: int) -> dict[str, object]:
     x = np.random.default_rng(0).standard_normal((1, 1, n, d)).astype(np.float32)
-    return {"dtype": "float32", "shape": list(x.shape), "b64": base64.b64encode(x.tobytes()).decode()}
+    encoded = base64.b64encode(x.tobytes()).decode()
+    return {"dtype": "float32", "shape": list(x.shape), "b64": encoded}
 
 
 def qkv_body(n: int, d: int, **options: object) -> bytes:

@@ -139,8 +139,7 @@ def big_answer_request(request_id: str = "big") -> bytes:
                        "diagnostics": "none"}).encode()  # fmt: skip
     return (
         b"POST /v1/attention HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
-        b"X-Request-ID: %s\r\nContent-Length: %d\r\n\r\n" % (request_id.encode(), len(body))
-        + body
+        b"X-Request-ID: %s\r\nContent-Length: %d\r\n\r\n" % (request_id.encode(), len(body)) + body
     )
 
 

@@ -93,10 +93,10 @@ def _held(app: Any) -> int:
     return int(layer.held)
 
 
-# Weights [1, 1, 128, 128] from q = k = v [1, 1, 128, 4] in base64, no diagnostics, by hand: the answer holds
-# 128·4 + 128·128 = 16,896 numbers at 4·4/3 bytes plus the 4,096-byte envelope = 94,208 bytes;
-# the working set adds the inputs (3·128·4·4 = 6,144), the results (output 2,048 + weights
-# 65,536) and the encoder's copy (94,208): 262,144 bytes.
+# Weights [1, 1, 128, 128] from q = k = v [1, 1, 128, 4] in base64, no diagnostics, by hand:
+# the answer holds 128·4 + 128·128 = 16,896 numbers at 4·4/3 bytes plus the 4,096-byte
+# envelope = 94,208 bytes; the working set adds the inputs (3·128·4·4 = 6,144), the results
+# (output 2,048 + weights 65,536) and the encoder's copy (94,208): 262,144 bytes.
 WORKING_SET = 262_144
 
 

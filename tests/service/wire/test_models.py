@@ -17,6 +17,7 @@ from service.wire.models import (
     AttentionRequest,
     BoolTensor,
     CustomStrategy,
+    FloatTensor,
     WireTensor,
     validate_request,
 )
@@ -255,6 +256,18 @@ def test_explicit_null_data_is_documented_as_absent() -> None:
     # {"data": null, "b64": ...} is accepted (null = absent), so the schema must allow it.
     tensor = {"dtype": "float32", "shape": [2], "b64": "AACAPwAAAEA=", "data": None}
     assert schema_allows({**BASE, "q": tensor})
-    assert validate_request({**BASE, "q": tensor}, AttentionRequest).q == WireTensor(
+    assert validate_request({**BASE, "q": tensor}, AttentionRequest).q == FloatTensor(
         dtype="float32", shape=[2], b64="AACAPwAAAEA="
     )
+
+
+def test_q_k_v_are_documented_and_checked_as_float_only() -> None:
+    """A bool dtype or boolean leaves in q, k or v: the schema refuses them, as the server does."""
+    for name in "qkv":
+        as_object = {"dtype": "bool", "shape": [1, 1], "data": [[True]]}
+        assert not schema_allows({**BASE, name: as_object})
+        ((loc, msg),) = errors_of({**BASE, name: as_object}, AttentionRequest)
+        assert loc == ("body", name, "dtype")
+        assert "floating-point" in msg
+        assert not schema_allows({**BASE, name: [[True, 1.0]]})
+        assert not schema_allows({**BASE, name: {"dtype": "float32", "data": [[True]]}})
