@@ -23,7 +23,10 @@ READ_TIMEOUT_S = 1.0
 SEND_TIMEOUT_S = 2.0
 MAX_CONNECTIONS = 1500
 TRICKLERS = 1000
-MAX_INFLIGHT_BYTES = 100 * 2**20
+# One big request's working set (big_answer_request: inputs 0.8 MB, output and weights 67 MB,
+# the base64 answer 90 MB twice while it is encoded) and body fit alone (about 238 MiB); beside
+# another's unread 90 MB answer they do not.
+MAX_INFLIGHT_BYTES = 280 * 2**20
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +123,9 @@ def test_connections_past_the_cap_get_503_at_once(server: LiveServer) -> None:
         with connect(server) as extra:
             started = time.monotonic()
             reply = extra.recv(65536)
-            assert time.monotonic() - started < 1.0
+            # Written as the connection is made: not the read timeout's 408 (1 s), and long
+            # before it even on a loaded machine.
+            assert time.monotonic() - started < 5.0
         assert reply.startswith(b"HTTP/1.1 503 ")
         assert b"retry-after: 1" in reply.lower()
         assert b"SDPA_MAX_CONNECTIONS" in reply
@@ -189,7 +194,7 @@ def test_unsent_answers_count_in_flight_until_the_send_timeout_frees_them(
     server: LiveServer,
 ) -> None:
     """One client leaves its 89 MB answer unread. Another 89 MB answer would take the bytes in
-    flight past the 100 MiB limit: that request gets 503 with Retry-After before it is
+    flight past the 280 MiB limit: that request gets 503 with Retry-After before it is
     computed, while a small one is served and probes answer. After the send timeout frees the
     unread answer, the big request is served too."""
     small = {"q": [[1.0, 0.0]], "k": [[1.0, 0.0]], "v": [[1.0, 2.0]]}
