@@ -25,6 +25,7 @@ from service.metrics import Metrics
 from service.middleware.access_log import AccessLogMiddleware
 from service.middleware.auth import ApiKeyMiddleware
 from service.middleware.body_limit import BodyLimitMiddleware
+from service.middleware.drain import ConnectionCloseWhileDrainingMiddleware
 from service.middleware.inflight import InflightBytesMiddleware, default_inflight_bytes
 from service.runtime.batcher import DynamicBatcher
 from service.runtime.device import resolve_device
@@ -158,6 +159,7 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
     app.add_middleware(InflightBytesMiddleware, max_bytes=state.max_inflight_bytes, metrics=metrics)
     if api_keys:
         app.add_middleware(ApiKeyMiddleware, keys=api_keys, metrics=metrics)
+    app.add_middleware(ConnectionCloseWhileDrainingMiddleware, draining=state.draining)
     app.add_middleware(AccessLogMiddleware, metrics=metrics)
 
     def openapi() -> dict[str, Any]:

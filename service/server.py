@@ -4,16 +4,24 @@ Shutdown sequence on the first SIGTERM or SIGINT:
 1. The batcher's `drain(settings.drain_timeout_s)` starts at once. From that moment /readyz
    answers 503 (the batcher is draining) and every new request that reaches the batcher gets
    503 + Retry-After (ShuttingDown); queued and in-flight work finishes within the timeout.
-2. When the drain returns, uvicorn is told to exit (should_exit): it closes the listening socket,
-   lets open responses finish (at most RESPONSE_FLUSH_TIMEOUT_S), runs the lifespan shutdown
-   and serve() returns 0. If the drain timed out with a batch still computing (its requests
+   From that moment too, every response says `Connection: close`
+   (service.middleware.drain), so keep-alive clients do not reuse a connection that will close.
+2. When the drain returns, the listener stays open until a quiet moment: no connection accepted
+   and no request begun for QUIET_S (at most LINGER_S). New work gets 503 + Retry-After
+   meanwhile, and a client that honours it is away when the listener closes: a connection
+   still in the listen backlog at that moment would be reset with its request unanswered.
+3. Then uvicorn is told to exit (should_exit): it closes the listening socket, gives idle
+   connections a short grace for a request already on its way (GuardedHttpToolsProtocol.
+   shutdown), lets open responses finish (at most RESPONSE_FLUSH_TIMEOUT_S), runs the lifespan
+   shutdown and serve() returns 0. If the drain timed out with a batch still computing (its requests
    got 503), the process exits at once instead (os._exit(0)): the interpreter would otherwise
    join the device thread and wait for that batch, without bound if a kernel hangs.
 A second signal exits at once (exit code 128 + signal number), without waiting for anything.
 
-Worst case from the first signal to the exit: drain_timeout_s + RESPONSE_FLUSH_TIMEOUT_S plus
-a little; orchestrator grace periods (docker stop -t, compose stop_grace_period, Kubernetes
-terminationGracePeriodSeconds minus the preStop sleep) must exceed it.
+Worst case from the first signal to the exit: drain_timeout_s + LINGER_S +
+RESPONSE_FLUSH_TIMEOUT_S plus a little; orchestrator grace periods (docker stop -t, compose
+stop_grace_period, Kubernetes terminationGracePeriodSeconds minus the preStop sleep) must
+exceed it.
 
 How uvicorn 0.54 handles signals (checked in its server.py): Server.serve() wraps the run in
 `capture_signals()`, which installs `Server.handle_exit` with signal.signal() for SIGINT and
@@ -30,6 +38,7 @@ import logging
 import logging.config
 import os
 import socket
+import time
 from datetime import UTC, datetime
 from types import FrameType
 from typing import TYPE_CHECKING, Any, Final
@@ -46,6 +55,10 @@ logger = logging.getLogger("sdpa.server")
 
 # After the batcher drained, responses are computed; this bounds only writing them out.
 RESPONSE_FLUSH_TIMEOUT_S = 5
+# After the drain, the listener closes once no connection or request came for QUIET_S (clients
+# told Retry-After: 1 are away), or after LINGER_S under a steady stream of new ones.
+QUIET_S = 0.25
+LINGER_S = 3.0
 
 
 class JsonFormatter(logging.Formatter):
@@ -154,10 +167,24 @@ class DrainingServer(uvicorn.Server):
                 )
                 await batcher.drain(self.drain_timeout_s)
                 logger.info("drained")
+                await linger_until_quiet()
         except Exception:
             logger.exception("drain failed; shutting down anyway")
         finally:
             self.should_exit = True
+
+
+async def linger_until_quiet() -> None:
+    """Return once no connection was accepted and no request began for QUIET_S, or after
+    LINGER_S (module docstring, step 2)."""
+    from service.middleware.connections import last_activity
+
+    give_up = time.monotonic() + LINGER_S
+    while (now := time.monotonic()) < give_up:
+        quiet_for = now - last_activity()
+        if quiet_for >= QUIET_S:
+            return
+        await asyncio.sleep(min(QUIET_S - quiet_for, give_up - now))
 
 
 # OpenMP (libgomp: torch's CPU thread pool) lets an idle worker spin for a while after every

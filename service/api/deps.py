@@ -40,6 +40,10 @@ class AppState:
     # of refusing).
     cost_model: CostModel = field(default_factory=CostModel.uncalibrated)
 
+    def draining(self) -> bool:
+        """True once the service began shutting down (the batcher refuses new work)."""
+        return self.batcher is not None and self.batcher.draining
+
     def not_ready_reason(self) -> str | None:
         """Why the service is not ready, or None when it is."""
         if self.batcher is None:

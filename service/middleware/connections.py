@@ -18,6 +18,11 @@ its httptools protocol (`uvicorn.Config(http=...)`):
   connection is aborted and the pending response freed.
 - connection cap: a connection beyond `max_connections` gets a 503 problem+json with
   Retry-After at once and is closed, before any request is read.
+- shutdown: when uvicorn shuts down (after the drain), a connection idle at that moment is not
+  closed at once, since its client may be sending a request right then, which would be lost
+  unanswered; it gets `shutdown_idle_grace_s` for a request to arrive, which is then answered
+  (with `Connection: close`), and otherwise closes. A connection mid-request closes after its
+  response.
 - delivery: an answer handed to a client that reads slower than the server writes is not yet
   delivered. Each request's scope carries, as the ASGI extension DELIVERY_EXTENSION, an awaitable
   that tells whether its answer reached the client (the access log logs 499 when it did not:
@@ -28,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any, ClassVar, Final
 
@@ -63,6 +69,21 @@ Delivery = Callable[[], Awaitable[bool]]
 _backed_up: set[GuardedHttpToolsProtocol] = set()
 
 
+# time.monotonic() of the latest accepted connection or request start, on any connection: the
+# server waits for a quiet moment before it closes its listener (service.server).
+_last_activity = 0.0
+
+
+def last_activity() -> float:
+    """time.monotonic() when a connection was last accepted or a request last began."""
+    return _last_activity
+
+
+def _touch() -> None:
+    global _last_activity
+    _last_activity = time.monotonic()
+
+
 def unsent_bytes() -> int:
     """Bytes of answers handed over but not yet taken by their clients (write buffers)."""
     return sum(protocol.transport.get_write_buffer_size() for protocol in _backed_up)
@@ -75,6 +96,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     read_timeout_s: ClassVar[float] = 15.0
     send_timeout_s: ClassVar[float] = 60.0
     max_connections: ClassVar[int] = 2048
+    shutdown_idle_grace_s: ClassVar[float] = 0.5
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -84,11 +106,14 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         # Set when the connection was lost before its last answer was complete and written out.
         self._lost_undelivered = False
         self._delivery_waiters: set[asyncio.Future[bool]] = set()
+        self._shutting_down = False
+        self._request_begun = False  # a request's first bytes arrived, its response not done
 
     # -- the connection cap and the first read timer --------------------------------------
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        _touch()
         if len(self.connections) > self.max_connections:
             detail = (
                 f"the server holds its maximum of {self.max_connections} connections "
@@ -123,11 +148,15 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         extensions: dict[str, Any] = self.scope.setdefault("extensions", {})
         extensions[DELIVERY_EXTENSION] = self.delivered
         self._headers_complete = False
+        self._request_begun = True
+        _touch()
         self._arm_read_timer()
 
     def on_headers_complete(self) -> None:
         self._headers_complete = True
         super().on_headers_complete()
+        if self._shutting_down and self.cycle is not None:
+            self.cycle.keep_alive = False  # answered, then closed
 
     def on_message_complete(self) -> None:
         super().on_message_complete()
@@ -135,6 +164,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
+        self._request_begun = False
         # uvicorn's keep-alive timer now bounds the wait for the next request.
         self._cancel_read_timer()
 
@@ -160,6 +190,22 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             self.transport.write(problem_bytes(408, "Request Timeout", detail))
         # Mid-body the app is reading: closing makes its next receive() a disconnect.
         self.transport.close()
+
+    # -- shutdown --------------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        """uvicorn's graceful shutdown (the module docstring): an idle connection gets a grace
+        for a request that may be on its way; one mid-request closes after its response."""
+        self._shutting_down = True
+        if self._request_begun:
+            if self.cycle is not None and not self.cycle.response_complete:
+                self.cycle.keep_alive = False
+            return  # on_headers_complete turns keep-alive off for a request still arriving
+        self.loop.call_later(self.shutdown_idle_grace_s, self._close_if_idle)
+
+    def _close_if_idle(self) -> None:
+        if not self._request_begun and not self.transport.is_closing():
+            self.transport.close()
 
     # -- writing ---------------------------------------------------------------------------
 
