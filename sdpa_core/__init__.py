@@ -12,6 +12,7 @@ from sdpa_core.analysis import (
     STANDARD_STRATEGIES,
     ScalingReport,
     StrategyResult,
+    analysis_passes,
     analyze_scaling,
     make_synthetic_qk,
 )
@@ -84,6 +85,7 @@ __all__ = [
     "ShapeError",
     "StrategyResult",
     "accumulation_dtype",
+    "analysis_passes",
     "analyze_scaling",
     "attention",
     "attn_mask_4d",

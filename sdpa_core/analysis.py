@@ -4,6 +4,10 @@ For each divisor c' (scores = q.k / c'), the same row statistics as attention()'
 are computed on the chunked path (O(N) memory, no value tensor needed: v is a [.., N_kv, 1]
 zero tensor whose output is ignored). recommended_divisor is the standard deviation of the
 raw scores over visible entries: the divisor that makes the scaled score variance 1.
+
+The raw statistics come from a pass at scale 1 (the "none" strategy's when it is in the list,
+else one more pass), never from whichever strategy ran last: a divisor far from 1 (1e-40, say)
+overflows or flushes its scaled scores, and their raw variance with them.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import torch
 
 from sdpa_core.attention import prepare_inputs
 from sdpa_core.chunked import DEFAULT_BLOCK_SIZE, chunked_attention
-from sdpa_core.diagnostics import summarize
+from sdpa_core.diagnostics import DiagnosticsSummary, summarize
 from sdpa_core.errors import SdpaError
 from sdpa_core.masks import KeyLengths
 from sdpa_core.shapes import CausalArg
@@ -137,6 +141,14 @@ def resolve_strategies(
     return out
 
 
+def analysis_passes(strategies: Sequence[StrategySpec] | None, d_k: int) -> int:
+    """How many chunked passes analyze_scaling() makes for these strategies: one per strategy,
+    plus one at scale 1 for the raw statistics unless a strategy's divisor is 1 (the cost
+    model counts them). Raises SdpaError as resolve_strategies() does."""
+    pairs = resolve_strategies(strategies, d_k)
+    return len(pairs) + (0 if any(divisor == 1.0 for _, divisor in pairs) else 1)
+
+
 def analyze_scaling(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -191,9 +203,9 @@ def analyze_scaling(
     spec = inputs.spec
     pairs = resolve_strategies(strategies, spec.d)
     results: list[StrategyResult] = []
-    raw_var = 0.0
-    for name, divisor in pairs:
-        scale = 1.0 / divisor
+    raw_var: float | None = None
+
+    def pass_at(scale: float) -> DiagnosticsSummary:
         _, rows = chunked_attention(
             inputs.q4,
             inputs.k4,
@@ -205,8 +217,12 @@ def analyze_scaling(
             block_size=block_size,
         )
         assert rows is not None
-        s = summarize(rows, scale=scale, level="summary").summary
-        raw_var = s.score_variance_raw
+        return summarize(rows, scale=scale, level="summary").summary
+
+    for name, divisor in pairs:
+        s = pass_at(1.0 / divisor)
+        if divisor == 1.0:
+            raw_var = s.score_variance_raw
         results.append(
             StrategyResult(
                 name=name,
@@ -219,6 +235,8 @@ def analyze_scaling(
                 grad_health=s.grad_health,
             )
         )
+    if raw_var is None:
+        raw_var = pass_at(1.0).score_variance_raw
     return ScalingReport(
         d_k=spec.d,
         raw_score_variance=raw_var,

@@ -13,7 +13,7 @@ from typing import Any, Final
 
 import torch
 
-from sdpa_core import STANDARD_STRATEGIES, choose_path, make_synthetic_qk
+from sdpa_core import analysis_passes, choose_path, make_synthetic_qk
 from service.runtime.jobs import AnalyzeJob, AttentionJob, PreparedJob, Strategy, prepare
 from service.runtime.policy import CostModel, WorkShape
 from service.serving.limits import (
@@ -148,14 +148,6 @@ def prepare_attention(body: bytes, settings: Settings, cost: CostModel) -> Prepa
     )
 
 
-def _strategy_count(strategies: tuple[Strategy, ...] | None) -> int:
-    """How many strategies the analysis evaluates (custom ones alone come after the standard)."""
-    if strategies is None:
-        return len(STANDARD_STRATEGIES)
-    only_custom = all(not isinstance(s, str) for s in strategies)
-    return len(strategies) + (len(STANDARD_STRATEGIES) if only_custom else 0)
-
-
 def _check_analysis_work(
     *,
     heads: int,
@@ -168,7 +160,7 @@ def _check_analysis_work(
     settings: Settings,
     loc: tuple[str | int, ...],
 ) -> None:
-    shape = WorkShape(batch, heads, n_q, n_kv, d, d, _strategy_count(strategies))
+    shape = WorkShape(batch, heads, n_q, n_kv, d, d, analysis_passes(strategies, d))
     how = (
         "Use fewer queries, keys or heads (a few hundred of each estimate the statistics "
         "well), or fewer strategies."

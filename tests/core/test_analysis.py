@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from sdpa_core import SdpaError, analyze_scaling, make_synthetic_qk
+from sdpa_core import SdpaError, analysis_passes, analyze_scaling, make_synthetic_qk
 from tests.core.reference import reference_attention, reference_rows, visibility
 
 
@@ -113,3 +113,32 @@ def test_synthetic_is_seeded_and_shaped() -> None:
     assert float(np.std(big.numpy())) == pytest.approx(2.0, rel=0.02)
     with pytest.raises(SdpaError):
         make_synthetic_qk(n_q=0, n_k=1, d_k=1)
+
+
+@pytest.mark.parametrize(
+    "strategies",
+    [None, ["dk"], ["sqrt_dk", ("tiny", 1e-40)], [("huge", 1e30)], [("tiny", 1e-40), "none"]],
+)
+def test_raw_statistics_do_not_depend_on_the_strategies(strategies: object) -> None:
+    """The raw score variance (and recommended divisor) equal the float64 reference whatever
+    the strategies, even a divisor of 1e-40 whose scaled scores overflow float32."""
+    q, k = make_synthetic_qk(n_q=16, n_k=16, d_k=8, seed=5, heads=2)
+    report = analyze_scaling(q, k, strategies=strategies)  # type: ignore[arg-type]
+    vis = visibility(b=1, h=2, n_q=16, n_kv=16, causal="none")
+    expected = reference_rows(reference_attention(q, k, k, vis), scale=1.0).pooled_var_raw
+    assert report.raw_score_variance == pytest.approx(expected, rel=1e-5)
+    assert report.recommended_divisor == pytest.approx(math.sqrt(expected), rel=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("strategies", "passes"),
+    [
+        (None, 5),  # the standard five include "none" (divisor 1)
+        (["sqrt_dk"], 2),  # one more pass at scale 1 for the raw statistics
+        (["none", "dk"], 2),
+        ([("t", 2.0)], 6),  # custom alone: after the standard five
+        ([("one", 1.0), "dk"], 2),
+    ],
+)
+def test_analysis_passes_counts_the_raw_pass(strategies: object, passes: int) -> None:
+    assert analysis_passes(strategies, 16) == passes  # type: ignore[arg-type]
