@@ -67,17 +67,19 @@ def live_server(
     tmp_path: Path,
     ready_timeout: float = 90.0,
     extra_args: tuple[str, ...] = (),
+    port: int | None = None,
 ) -> Iterator[LiveServer]:
     """Start `python -m service.cli serve` on a free port with SDPA_* settings from `env`.
 
-    The server's stdout and stderr go to tmp_path/server.log (read it with .log()).
+    The server's stdout and stderr go to tmp_path/server-PORT.log (read it with .log()). `port`:
+    a given port (to start a replica again where it was), else a free one.
     """
-    port = free_port()
+    port = free_port() if port is None else port
     child_env = {k: v for k, v in os.environ.items() if not k.startswith("SDPA_")}
     child_env.update(env or {})
     child_env.setdefault("SDPA_DEVICE", "cpu")
     log_path = tmp_path / f"server-{port}.log"
-    with log_path.open("wb") as log_file:
+    with log_path.open("ab") as log_file:
         process = subprocess.Popen(
             [sys.executable, "-m", "service.cli", "serve", "--host", "127.0.0.1",
              "--port", str(port), *extra_args],
