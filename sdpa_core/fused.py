@@ -179,6 +179,11 @@ def fused_attention(
     (math kernel) scores. sdpa is the kernel to call (torch's, unless a test counts calls).
     -> (output [B, H, N_q, D_v] in the input dtype, the backend name or None).
     """
+    if scale < 0:
+        # torch 2.13.0's CPU flash kernel (is_causal, D == D_v) returns NaN for a negative
+        # scale. q·k·scale == (-q)·k·|scale| exactly (negation is exact), so no kernel ever
+        # sees a negative scale; the cost is one copy of q.
+        q4, scale = -q4, -scale
     enable_gqa = q4.shape[1] != k4.shape[1]
     n_q, n_kv = plan.n_q, plan.n_kv
     rows = fused_rows_per_call(q4, k4, v4, plan, scale=scale, tile_bytes=tile_bytes)
