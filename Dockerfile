@@ -2,54 +2,104 @@
 #
 # sdpa-service image: one uvicorn worker, non-root, CPU torch by default.
 #
-#   docker build -t sdpa-service .                                   # CPU
-#   docker build -t sdpa-service:cuda --build-arg TORCH_VARIANT=cu128 .   # CUDA wheels
-#   docker run --rm -p 8000:8000 sdpa-service
+#   docker build -t localhost/sdpa-service:latest .                    # CPU (or: make image)
+#   docker build -t localhost/sdpa-service:latest-cuda --build-arg TORCH_VARIANT=cu128 .
+#   docker run --rm -p 127.0.0.1:8000:8000 --read-only --tmpfs /tmp localhost/sdpa-service
 #   docker stop -t 40 <container>      # the grace period must exceed SDPA_DRAIN_TIMEOUT_S (30)
 #
-# TORCH_VARIANT picks the wheel index https://download.pytorch.org/whl/<variant> (cpu, cu126,
-# cu128, ...); the CUDA wheels carry their CUDA libraries, so the slim base only needs the
-# host's driver (NVIDIA Container Toolkit, `docker run --gpus all`, or the compose `gpu` profile).
+# Where torch comes from (the build stage installs it first, alone):
+# - TORCH_INDEX_URL (build arg): a pip index that serves torch. Default: the PyTorch index for
+#   TORCH_VARIANT, https://download.pytorch.org/whl/<variant> (cpu, cu126, cu128, ...); point it
+#   at a mirror of that index where download.pytorch.org is out of reach.
+# - the build context named `torch-wheels`: a directory of wheels, for air-gapped builds and
+#   machines that already hold the wheel. When it holds a torch wheel, pip installs torch from
+#   it and TORCH_INDEX_URL is not used:
+#     docker buildx build --build-context torch-wheels=/opt/wheels ...
+#     buildah bud --build-context torch-wheels=/opt/wheels ...        (make image TORCH_WHEELS=DIR)
+#   torch's own dependencies and the service's come from the directory too when it has them,
+#   else from PIP_INDEX_URL (build arg, default PyPI: set it to your mirror). Fully offline:
+#   fill the directory (`pip download` on a connected machine) and pass PIP_NO_INDEX=1.
+# The build checks that the torch it installed is the TORCH_VARIANT build (a CPU image never
+# ships a multi-GB CUDA torch by accident).
+# The CUDA wheels carry their CUDA libraries, so the slim base only needs the host's driver
+# (NVIDIA Container Toolkit, `docker run --gpus all`, or the compose `gpu` profile).
 #
 # Shutdown: on SIGTERM the server stops admitting work (readiness 503, new requests 503), finishes
 # queued and in-flight requests within SDPA_DRAIN_TIMEOUT_S, lets responses flush (<= 5 s) and
 # exits 0. `docker stop`'s default 10 s would SIGKILL a long drain: pass `-t 40` (or set
 # stop_grace_period, as docker-compose.yml does, or terminationGracePeriodSeconds on Kubernetes).
+#
+# tests/deploy/test_container.py builds this file and runs the image (README: Operations).
 
 ARG PYTHON_VERSION=3.11
 
-# ---- build: a virtual environment with torch, the dependencies, then the package -------------
-FROM python:${PYTHON_VERSION}-slim AS build
+# ---- torch-wheels: empty unless the build is given a directory of wheels (see above) --------
+FROM scratch AS torch-wheels
+
+# ---- deps: a virtual environment with torch and the dependencies, no code of ours -----------
+FROM python:${PYTHON_VERSION}-slim AS deps
 
 ARG TORCH_VERSION=2.13.0
 ARG TORCH_VARIANT=cpu
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/${TORCH_VARIANT}
+ARG PIP_INDEX_URL=https://pypi.org/simple
+ARG PIP_NO_INDEX=0
+# A digest of the wheel directory's listing (make image sets it): buildah does not hash what a RUN
+# mounts, so without it a build with other wheels (or none) would reuse the cached torch layer.
+ARG TORCH_WHEELS_DIGEST=none
 
+# PIP_FIND_LINKS: every pip below also looks in the wheel directory (mounted at build time only).
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PIP_NO_CACHE_DIR=1 \
+    PIP_FIND_LINKS=/torch-wheels \
     PATH=/opt/venv/bin:$PATH
 
-# torch first and alone: the largest layer, and it changes least often.
-RUN python -m venv /opt/venv \
-    && pip install --no-cache-dir \
-        --index-url "https://download.pytorch.org/whl/${TORCH_VARIANT}" \
-        "torch==${TORCH_VERSION}"
+# torch first and alone: the largest layer, and it changes least often. Then out of the same
+# layer: torch's C++ test binaries (torch/test, torch/bin/test_*) and C++ headers (torch/include,
+# useful only with a compiler, which the image does not have): 140 MB. torch_shm_manager stays.
+RUN --mount=type=bind,from=torch-wheels,target=/torch-wheels \
+    python -m venv /opt/venv \
+    && if ls /torch-wheels/torch-*.whl >/dev/null 2>&1; then \
+        pip install --no-cache-dir "torch==${TORCH_VERSION}"; \
+    else \
+        pip install --no-cache-dir --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"; \
+    fi \
+    && python -W ignore -c "import sys, torch; cpu = '${TORCH_VARIANT}' == 'cpu'; \
+sys.exit(0 if (torch.version.cuda is None) == cpu else \
+f'torch {torch.__version__} is not the ${TORCH_VARIANT} build')" \
+    && site="$(python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/torch" \
+    && rm -rf "${site}/test" "${site}/include" \
+    && find "${site}/bin" -mindepth 1 -maxdepth 1 ! -name torch_shm_manager -exec rm -rf {} +
 
 WORKDIR /src
 
 # The remaining dependencies, read from pyproject.toml alone, so that editing the code does not
 # invalidate this layer. torch is already satisfied, so pip does not fetch another build.
 COPY pyproject.toml ./
-RUN python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']))" \
+RUN --mount=type=bind,from=torch-wheels,target=/torch-wheels \
+    python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']))" \
         > /tmp/requirements.txt \
     && pip install --no-cache-dir -r /tmp/requirements.txt
 
-# The code last. --no-deps: everything it needs is installed above.
+# The venv also imports from /opt/app, where the next stage installs the code: the runtime copies
+# this venv (0.85 GB) and /opt/app (< 1 MB) apart, so a change to the code rebuilds and stores only
+# the small layer, and the big one is reused from the layer cache.
+RUN echo /opt/app > "$(python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/sdpa-app.pth"
+
+# ---- build: the package, on top of deps ------------------------------------------------------
+FROM deps AS build
+
+# The code last. --no-deps: everything it needs is in the venv. --target /opt/app: the package
+# and its console scripts (sdpa-service, sdpa-loadtest; run by the venv's python) alone. The
+# checks run the installed copy: the script from /opt/app/bin, and python -I, which leaves the
+# working directory (/src, the sources) off sys.path.
 COPY README.md ./
 COPY sdpa_core ./sdpa_core
 COPY sdpa_client ./sdpa_client
 COPY service ./service
-RUN pip install --no-cache-dir --no-deps . \
-    && python -c "import sdpa_core, sdpa_client, service.cli"
+RUN pip install --no-cache-dir --no-deps --target /opt/app . \
+    && PATH="/opt/app/bin:$PATH" sdpa-service --help >/dev/null \
+    && python -I -c "import sdpa_core, sdpa_client, service.cli"
 
 # ---- runtime: the virtual environment on a fresh slim base, as a non-root user -------------
 FROM python:${PYTHON_VERSION}-slim AS runtime
@@ -62,11 +112,12 @@ RUN groupadd --system --gid 10001 sdpa \
     && useradd --system --uid 10001 --gid sdpa --no-create-home --home-dir /tmp \
         --shell /usr/sbin/nologin sdpa
 
-COPY --from=build /opt/venv /opt/venv
+COPY --from=deps /opt/venv /opt/venv
+COPY --from=build /opt/app /opt/app
 
 # HOME=/tmp: torch and friends may cache under $HOME; /tmp is the one writable place when the
 # root filesystem is read-only (Kubernetes mounts an emptyDir there).
-ENV PATH=/opt/venv/bin:$PATH \
+ENV PATH=/opt/app/bin:/opt/venv/bin:$PATH \
     HOME=/tmp \
     PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \

@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 # Pinning it here stops pip from resolving a bare range to a multi-GB build it must download.
 TORCH ?= torch==2.13.0
 
-.PHONY: venv serve test unit lint typecheck bench-core clean
+.PHONY: venv serve test unit lint typecheck bench-core clean image
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -36,6 +36,19 @@ test: lint typecheck
 # subprocesses, no slow marks. `make test` stays the whole suite.
 unit: venv
 	$(BIN)/pytest -n 2 -q -m "not slow" tests/core tests/service tests/client
+
+# The container image (README: Operations): docker, podman or buildah, whichever works here.
+#   make image                                   # localhost/sdpa-service:latest, CPU torch
+#   make image IMAGE=registry.example/sdpa-service:0.1.0 TORCH_WHEELS=/opt/wheels
+# TORCH_WHEELS: install torch from a directory of wheels (mirror / air-gapped); TORCH_VARIANT,
+# TORCH_INDEX_URL, PIP_INDEX_URL, PIP_NO_INDEX, CONTAINER_TOOL, STAND_IN_BASE, BUILD_FLAGS: see
+# scripts/build-image.sh.
+IMAGE ?= localhost/sdpa-service:latest
+image:
+	IMAGE="$(IMAGE)" TORCH_WHEELS="$(TORCH_WHEELS)" TORCH_VARIANT="$(TORCH_VARIANT)" \
+	TORCH_INDEX_URL="$(TORCH_INDEX_URL)" PIP_INDEX_URL="$(PIP_INDEX_URL)" PIP_NO_INDEX="$(PIP_NO_INDEX)" \
+	CONTAINER_TOOL="$(CONTAINER_TOOL)" STAND_IN_BASE="$(STAND_IN_BASE)" BUILD_FLAGS="$(BUILD_FLAGS)" \
+	scripts/build-image.sh
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

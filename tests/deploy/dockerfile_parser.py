@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import re
 import shlex
+import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -147,3 +149,34 @@ def dockerignore_excludes(path: str, patterns: list[str]) -> bool:
 def dockerignore_patterns() -> list[str]:
     lines = DOCKERIGNORE.read_text(encoding="utf-8").splitlines()
     return [line.strip() for line in lines if line.strip() and not line.strip().startswith("#")]
+
+
+MAKEFILE = REPO_ROOT / "Makefile"
+PYPROJECT = REPO_ROOT / "pyproject.toml"
+
+
+def default_image() -> tuple[str, str]:
+    """(repository, tag) of the image `make image` builds by default (the Makefile's IMAGE)."""
+    match = re.search(r"^IMAGE \?= (\S+)$", MAKEFILE.read_text(encoding="utf-8"), re.MULTILINE)
+    assert match is not None, "the Makefile has no `IMAGE ?= ...` default"
+    repository, _, tag = match.group(1).rpartition(":")
+    assert repository, match.group(1)
+    assert tag, match.group(1)
+    return repository, tag
+
+
+def package_version() -> str:
+    """The version in pyproject.toml: the one source of the image's release tag."""
+    with PYPROJECT.open("rb") as handle:
+        version = tomllib.load(handle)["project"]["version"]
+    assert isinstance(version, str)
+    return version
+
+
+def exposed_port(stage: Stage) -> int:
+    """The one port the stage EXPOSEs."""
+    inst = stage.last("EXPOSE")
+    assert inst is not None, "the final stage has no EXPOSE"
+    ports = inst.args.split()
+    assert len(ports) == 1, ports
+    return int(ports[0].split("/")[0])

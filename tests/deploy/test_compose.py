@@ -20,7 +20,13 @@ import yaml
 
 from service.server import RESPONSE_FLUSH_TIMEOUT_S
 from service.settings import Settings
-from tests.deploy.dockerfile_parser import REPO_ROOT, final_stage, healthcheck
+from tests.deploy.dockerfile_parser import (
+    REPO_ROOT,
+    default_image,
+    exposed_port,
+    final_stage,
+    healthcheck,
+)
 
 COMPOSE_FILE = REPO_ROOT / "docker-compose.yml"
 SCHEMA_FILE = REPO_ROOT.parent / "shared" / "schemas" / "compose-spec.json"
@@ -68,7 +74,8 @@ def _schema() -> dict[str, Any]:
 
 
 def _sdpa_services() -> dict[str, Any]:
-    return {n: s for n, s in _services().items() if s["image"].startswith("sdpa-service")}
+    repository, _ = default_image()
+    return {n: s for n, s in _services().items() if s["image"].startswith(repository + ":")}
 
 
 def test_compose_file_validates_against_the_compose_spec() -> None:
@@ -86,12 +93,40 @@ def test_the_schema_check_rejects_a_typo() -> None:
     assert list(jsonschema.Draft7Validator(_schema()).iter_errors(broken))
 
 
+def test_services_run_the_image_make_image_builds() -> None:
+    # The name tests/deploy/test_container.py builds and runs (make image's IMAGE default).
+    repository, tag = default_image()
+    services = _sdpa_services()
+    assert set(services) == {"sdpa", "sdpa-gpu", "sdpa-replica"}
+    assert services["sdpa"]["image"] == services["sdpa-replica"]["image"] == f"{repository}:{tag}"
+    assert services["sdpa-gpu"]["image"] == f"{repository}:{tag}-cuda"
+    # `docker compose build` builds the same Dockerfile from the repository root.
+    for name, service in services.items():
+        assert service["build"]["context"] == ".", name
+        assert "dockerfile" not in service["build"], name
+
+
+def test_ports_are_the_ones_the_image_serves_on() -> None:
+    port = exposed_port(final_stage())
+    for name, service in _sdpa_services().items():
+        assert int(service["environment"]["SDPA_PORT"]) == port, name
+        assert [int(p) for p in service["expose"]] == [port], name
+        for published in service.get("ports", []):
+            assert int(published.rsplit(":", 1)[1]) == port, f"{name}: {published}"
+
+
 def test_every_instance_has_the_images_healthcheck_and_a_restart_policy() -> None:
-    _, image_healthcheck = healthcheck(final_stage())
+    options, image_healthcheck = healthcheck(final_stage())
     services = _sdpa_services()
     assert set(services) == {"sdpa", "sdpa-gpu", "sdpa-replica"}
     for name, service in services.items():
         assert service["healthcheck"]["test"] == ["CMD", *image_healthcheck], name
+        # Compose's options override the image's: they must say the same thing.
+        check = service["healthcheck"]
+        for option, key in (("interval", "interval"), ("timeout", "timeout"),
+                            ("start-period", "start_period")):  # fmt: skip
+            assert _seconds(check[key]) == _seconds(options[option]), f"{name}: {key}"
+        assert int(check["retries"]) == int(options["retries"]), name
         assert service["restart"] in {"unless-stopped", "always", "on-failure"}, name
         assert service["stop_signal"] == "SIGTERM", name
 

@@ -16,6 +16,7 @@ from service.settings import Settings
 from tests.deploy.dockerfile_parser import (
     DOCKERFILE,
     REPO_ROOT,
+    Stage,
     cmd,
     dockerignore_excludes,
     dockerignore_patterns,
@@ -64,10 +65,20 @@ def test_hadolint_catches_a_bad_dockerfile(tmp_path: Path) -> None:
     assert proc.returncode != 0
 
 
+def _stage(name: str) -> Stage:
+    found = [s for s in stages(DOCKERFILE.read_text(encoding="utf-8")) if s.name == name]
+    assert len(found) == 1, name
+    return found[0]
+
+
 def test_multi_stage_on_a_slim_python_base() -> None:
     all_stages = stages(DOCKERFILE.read_text(encoding="utf-8"))
-    assert len(all_stages) >= 2
-    for stage in all_stages:
+    assert [s.name for s in all_stages] == ["torch-wheels", "deps", "build", "runtime"]
+    # torch-wheels is an empty placeholder a build replaces with a directory (a build context).
+    assert _stage("torch-wheels").base == "scratch"
+    assert _stage("torch-wheels").instructions == []
+    assert _stage("build").base == "deps"
+    for stage in (_stage("deps"), _stage("runtime")):
         assert re.fullmatch(r"python:\$\{PYTHON_VERSION\}-slim|python:3\.1[1-9]-slim", stage.base)
     args = {
         i.args.split("=")[0]: i.args.split("=")[1]
@@ -75,31 +86,53 @@ def test_multi_stage_on_a_slim_python_base() -> None:
         if i.keyword == "ARG" and "=" in i.args
     }
     assert args["PYTHON_VERSION"] in {"3.11", "3.12", "3.13"}
-    # The final stage copies the environment from the build stage: no compilers, no pip caches.
+    # The final stage copies the environment and the code from the build stages: no compilers,
+    # no pip caches, no sources. The 1 GB venv comes from deps, apart from the code, so that a
+    # code change does not make a new 1 GB layer.
     runtime = all_stages[-1]
-    assert any("--from=build" in i.args for i in runtime.all("COPY"))
+    copies = [i.args for i in runtime.all("COPY")]
+    assert copies == ["--from=deps /opt/venv /opt/venv", "--from=build /opt/app /opt/app"]
+    assert "/opt/app/bin" in runtime.env()["PATH"].split(":")
 
 
-def test_cpu_torch_by_default_and_a_cuda_variant_by_build_arg() -> None:
-    build = stages(DOCKERFILE.read_text(encoding="utf-8"))[0]
-    args = dict(i.args.split("=", 1) for i in build.all("ARG") if "=" in i.args)
+def test_cpu_torch_by_default_from_its_index_or_a_wheel_directory() -> None:
+    deps = _stage("deps")
+    args = dict(i.args.split("=", 1) for i in deps.all("ARG") if "=" in i.args)
     assert args["TORCH_VARIANT"] == "cpu"
     assert args["TORCH_VERSION"] == "2.13.0"
-    torch_run = next(i for i in build.all("RUN") if '"torch==${TORCH_VERSION}"' in i.args)
-    assert 'download.pytorch.org/whl/${TORCH_VARIANT}"' in torch_run.args
+    assert args["TORCH_INDEX_URL"] == "https://download.pytorch.org/whl/${TORCH_VARIANT}"
+    torch_run = next(i for i in deps.all("RUN") if '"torch==${TORCH_VERSION}"' in i.args)
+    # Either source installs the same pinned version; the index only when no wheel was given.
+    assert '--index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"' in torch_run.args
+    assert "--mount=type=bind,from=torch-wheels,target=/torch-wheels" in torch_run.args
+    assert deps.env()["PIP_FIND_LINKS"] == "/torch-wheels"
+    # The build refuses a torch that is not the TORCH_VARIANT build (a CUDA torch in a CPU image).
+    assert "torch.version.cuda is None" in torch_run.args
+    # buildah does not hash a RUN's bind mounts: the wheel set's digest, a build arg declared
+    # before the torch RUN, is what makes other wheels rebuild the layer.
+    assert args["TORCH_WHEELS_DIGEST"] == "none"
+    digest_arg = next(i for i in deps.all("ARG") if i.args.startswith("TORCH_WHEELS_DIGEST="))
+    assert digest_arg.line < torch_run.line
+    assert "TORCH_WHEELS_DIGEST=" in (REPO_ROOT / "scripts" / "build-image.sh").read_text()
+    # Every pip run sees the wheel directory, so an air-gapped build finds the dependencies too.
+    for run in deps.all("RUN"):
+        if "pip install" in run.args:
+            assert run.args.startswith("--mount=type=bind,from=torch-wheels"), run.line
 
 
 def test_dependencies_are_layered_before_the_code() -> None:
-    build = stages(DOCKERFILE.read_text(encoding="utf-8"))[0]
-    order = [(i.keyword, i.args) for i in build.instructions if i.keyword in {"COPY", "RUN"}]
-    copy_pyproject = next(n for n, (k, a) in enumerate(order) if k == "COPY" and "pyproject" in a)
-    copy_code = next(n for n, (k, a) in enumerate(order) if k == "COPY" and "service" in a)
-    deps_install = next(
-        n for n, (k, a) in enumerate(order) if k == "RUN" and "requirements.txt" in a
-    )
-    assert copy_pyproject < deps_install < copy_code
-    # The dependency layer sees only pyproject.toml: nothing else is copied before it.
-    assert [a for k, a in order[:deps_install] if k == "COPY"] == ["pyproject.toml ./"]
+    deps, build = _stage("deps"), _stage("build")
+    order = [(i.keyword, i.args) for i in deps.instructions if i.keyword in {"COPY", "RUN"}]
+    # deps sees pyproject.toml alone: editing the code never invalidates the dependency layers.
+    assert [a for k, a in order if k == "COPY"] == ["pyproject.toml ./"]
+    copy_pyproject = next(n for n, (k, a) in enumerate(order) if k == "COPY")
+    deps_install = next(n for n, (k, a) in enumerate(order) if "requirements.txt" in a)
+    assert copy_pyproject < deps_install
+    code = [i.args for i in build.all("COPY")]
+    assert "service ./service" in code
+    install = build.last("RUN")
+    assert install is not None
+    assert "--no-deps --target /opt/app ." in install.args
 
 
 def test_runs_as_a_non_root_user() -> None:

@@ -1,6 +1,8 @@
 """deploy/k8s: every manifest valid for Kubernetes (kubernetes-validate, offline, strict), and the
 properties a rolling update needs: probes on the right paths, a grace period that covers the
-preStop sleep + drain + response flush, non-root, resources, HPA/PDB/Service wired to the pods.
+preStop sleep + drain + response flush, non-root, resources, autoscaler/PDB/Service wired to the
+pods. The autoscaler is KEDA's ScaledObject (no schema here: tests/deploy/test_autoscaling.py
+checks its fields); the image name and tag agree with `make image` and pyproject.toml.
 
 The GPU variant is a kustomize overlay; it is rendered with `kubectl kustomize` where kubectl is
 installed (skipped otherwise) and validated the same way.
@@ -17,9 +19,17 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from service.healthcheck import default_url
 from service.server import RESPONSE_FLUSH_TIMEOUT_S
 from service.settings import Settings
-from tests.deploy.dockerfile_parser import REPO_ROOT, final_stage
+from tests.deploy.dockerfile_parser import (
+    REPO_ROOT,
+    default_image,
+    exposed_port,
+    final_stage,
+    healthcheck,
+    package_version,
+)
 
 K8S = REPO_ROOT / "deploy" / "k8s"
 BASE = K8S / "base"
@@ -75,7 +85,15 @@ def test_every_manifest_file_is_in_the_kustomization() -> None:
 )
 def test_base_manifest_is_valid_kubernetes(path: str) -> None:
     for doc in _documents((BASE / path).read_text(encoding="utf-8")):
+        if _is_keda(doc):
+            continue
         kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+
+
+def _is_keda(doc: dict[str, Any]) -> bool:
+    """KEDA's ScaledObject: a CRD kubernetes-validate has no schema for. tests/deploy/
+    test_autoscaling.py checks its fields against KEDA's specification instead."""
+    return str(doc.get("apiVersion", "")).startswith("keda.sh/")
 
 
 def test_validation_rejects_a_misspelt_field() -> None:
@@ -89,11 +107,13 @@ def test_validation_rejects_a_misspelt_field() -> None:
 @pytest.mark.parametrize("overlay", [BASE, GPU_OVERLAY], ids=["base", "gpu"])
 def test_rendered_kustomization_is_valid_kubernetes(overlay: Path) -> None:
     docs = _rendered(overlay)
+    # The autoscaler is KEDA's ScaledObject (KEDA makes and owns the HPA).
     assert {d["kind"] for d in docs} >= {
-        "Deployment", "Service", "HorizontalPodAutoscaler", "PodDisruptionBudget", "ConfigMap",
+        "Deployment", "Service", "ScaledObject", "PodDisruptionBudget", "ConfigMap",
     }  # fmt: skip
     for doc in docs:
-        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+        if not _is_keda(doc):
+            kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
 
 
 def test_probes_hit_health_and_readiness() -> None:
@@ -159,12 +179,11 @@ def test_rolling_update_keeps_capacity_and_objects_select_the_pods() -> None:
     service_port = _by_kind(docs, "Service")["spec"]["ports"][0]
     assert service_port["targetPort"] == _container(deployment)["ports"][0]["name"]
 
-    hpa = _by_kind(docs, "HorizontalPodAutoscaler")
-    target = hpa["spec"]["scaleTargetRef"]
+    scaler = _by_kind(docs, "ScaledObject")
+    target = scaler["spec"]["scaleTargetRef"]
     assert (target["kind"], target["name"]) == ("Deployment", deployment["metadata"]["name"])
-    assert hpa["apiVersion"] == "autoscaling/v2"
-    # With the PDB allowing one pod down, the HPA's floor keeps one serving.
-    assert hpa["spec"]["minReplicas"] >= 2
+    # With the PDB allowing one pod down, the autoscaler's floor keeps one serving.
+    assert scaler["spec"]["minReplicaCount"] >= 2
     assert _by_kind(docs, "PodDisruptionBudget")["spec"]["maxUnavailable"] == 1
 
 
@@ -177,3 +196,44 @@ def test_gpu_overlay_requests_a_gpu_and_the_cuda_image() -> None:
     # Everything the base guarantees survives the patch.
     assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
     assert container["securityContext"]["readOnlyRootFilesystem"] is True
+
+
+def _kustomization(directory: Path) -> dict[str, Any]:
+    loaded = yaml.safe_load((directory / "kustomization.yaml").read_text(encoding="utf-8"))
+    assert isinstance(loaded, dict)
+    return loaded
+
+
+def test_the_image_tag_has_one_owner_the_package_version() -> None:
+    # The manifests name the image make image builds, untagged; kustomization.yaml sets the
+    # tag, and that tag is the package version (a release image is tagged with it).
+    repository, _ = default_image()
+    container = _container(_by_kind(_base_resources(), "Deployment"))
+    assert container["image"] == repository
+    version = package_version()
+    for directory, tag in ((BASE, version), (GPU_OVERLAY, f"{version}-cuda")):
+        images = _kustomization(directory)["images"]
+        assert images == [{"name": repository, "newTag": tag}], directory
+
+
+@pytest.mark.parametrize(("overlay", "suffix"), [(BASE, ""), (GPU_OVERLAY, "-cuda")],
+                         ids=["base", "gpu"])  # fmt: skip
+def test_rendered_image_is_the_versioned_image(overlay: Path, suffix: str) -> None:
+    repository, _ = default_image()
+    container = _container(_by_kind(_rendered(overlay), "Deployment"))
+    assert container["image"] == f"{repository}:{package_version()}{suffix}"
+
+
+def test_probes_and_port_match_what_the_container_test_proved() -> None:
+    # tests/deploy/test_container.py runs the image's HEALTHCHECK (`sdpa-service healthcheck`,
+    # which GETs /readyz on SDPA_PORT) and serves on the EXPOSEd port: the kubelet's readiness
+    # probe asks the same question on the same port.
+    _, command = healthcheck(final_stage())
+    assert command == ["sdpa-service", "healthcheck"]
+    port = exposed_port(final_stage())
+    container = _container(_by_kind(_base_resources(), "Deployment"))
+    assert container["ports"][0]["containerPort"] == port
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert int(env["SDPA_PORT"]) == port
+    readiness_path = "/" + default_url(port).split("/", 3)[3]
+    assert container["readinessProbe"]["httpGet"]["path"] == readiness_path

@@ -1,8 +1,10 @@
 """The image's CMD and HEALTHCHECK, parsed from the Dockerfile as written, run as real processes.
 
-No Docker engine runs here, so the commands run on this machine with what the image sets up
-around them: PATH starts with the environment that holds `sdpa-service` (the image's /opt/venv
-is this checkout's .venv) and the final stage's ENV (SDPA_PORT, SDPA_DRAIN_TIMEOUT_S, ...).
+This is the fast check, without building the image (tests/deploy/test_container.py builds it and
+runs the same commands inside it, where buildah and root are available). The commands run on
+this machine with what the image sets up around them: PATH starts with the environment that
+holds `sdpa-service` (the image's /opt/venv and /opt/app are this checkout's .venv) and the final
+stage's ENV (SDPA_PORT, SDPA_DRAIN_TIMEOUT_S, ...).
 
 One deliberate change: the CMD binds --host 0.0.0.0, which a container needs (its loopback is
 its own), but a test process must not listen on every interface of a shared machine. The test
