@@ -18,7 +18,7 @@ import jsonschema  # type: ignore[import-untyped]
 import pytest
 import yaml
 
-from service.server import RESPONSE_FLUSH_TIMEOUT_S
+from service.server import LINGER_S, RESPONSE_FLUSH_TIMEOUT_S
 from service.settings import Settings
 from tests.deploy.dockerfile_parser import (
     REPO_ROOT,
@@ -135,7 +135,7 @@ def test_grace_period_exceeds_drain_timeout_plus_response_flush() -> None:
     for name, service in _sdpa_services().items():
         drain = float(service["environment"]["SDPA_DRAIN_TIMEOUT_S"])
         grace = _seconds(service["stop_grace_period"])
-        assert grace > drain + RESPONSE_FLUSH_TIMEOUT_S, name
+        assert grace > drain + LINGER_S + RESPONSE_FLUSH_TIMEOUT_S, name
 
 
 def test_environment_names_and_defaults_match_the_settings() -> None:

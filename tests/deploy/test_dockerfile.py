@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from service.server import RESPONSE_FLUSH_TIMEOUT_S
+from service.server import LINGER_S, RESPONSE_FLUSH_TIMEOUT_S
 from service.settings import Settings
 from tests.deploy.dockerfile_parser import (
     DOCKERFILE,
@@ -165,7 +165,7 @@ def test_stop_signal_and_drain_timeout() -> None:
     # The documented `docker stop -t` covers the drain and the response flush.
     documented = re.search(r"docker stop -t (\d+)", DOCKERFILE.read_text(encoding="utf-8"))
     assert documented is not None
-    assert int(documented.group(1)) > drain + RESPONSE_FLUSH_TIMEOUT_S
+    assert int(documented.group(1)) > drain + LINGER_S + RESPONSE_FLUSH_TIMEOUT_S
 
 
 def test_dockerignore_keeps_what_the_build_copies_and_drops_the_rest() -> None:
