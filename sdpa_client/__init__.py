@@ -7,8 +7,10 @@
         result.output                       # np.ndarray [..., H, N_q, D_v]
         result.diagnostics.summary.entropy
 
-`AsyncSDPAClient` has the same methods as coroutines. Tensors are numpy arrays, or torch tensors
-when the caller has imported torch (this package never imports it). It needs numpy and httpx
+`AsyncSDPAClient` has the same methods as coroutines. `SDPAClient(url, protocol="v2")` sends
+attention through the Open Inference Protocol with binary tensor data (`sdpa_client.v2`).
+Tensors are numpy arrays, or torch tensors when the caller has imported torch (this package
+never imports it). It needs numpy and httpx
 only. The load generator is `sdpa-loadtest` (`sdpa_client.loadtest`), its core
 `sdpa_client.loadgen`.
 """
@@ -16,7 +18,7 @@ only. The load generator is `sdpa-loadtest` (`sdpa_client.loadtest`), its core
 from __future__ import annotations
 
 from sdpa_client.bodies import Causal, DiagnosticsLevel, StrategySpec
-from sdpa_client.calls import build_analyze_body, build_attention_body
+from sdpa_client.calls import Protocol, build_analyze_body, build_attention_body
 from sdpa_client.client import DEFAULT_TIMEOUT, AsyncSDPAClient, SDPAClient
 from sdpa_client.codec import Encoding, decode_tensor, encode_body, encode_tensor
 from sdpa_client.errors import (
@@ -48,6 +50,7 @@ from sdpa_client.types import (
     parse_analyze_response,
     parse_attention_response,
 )
+from sdpa_client.v2 import build_infer_request, parse_infer_response
 from sdpa_client.version import __version__
 
 __all__ = [
@@ -61,6 +64,7 @@ __all__ = [
     "DiagnosticsReport",
     "Encoding",
     "FieldProblem",
+    "Protocol",
     "ResponseMeta",
     "RetryPolicy",
     "SDPAAuthError",
@@ -83,11 +87,13 @@ __all__ = [
     "__version__",
     "build_analyze_body",
     "build_attention_body",
+    "build_infer_request",
     "decode_tensor",
     "encode_body",
     "encode_tensor",
     "error_from_response",
     "parse_analyze_response",
     "parse_attention_response",
+    "parse_infer_response",
     "parse_retry_after",
 ]

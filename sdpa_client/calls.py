@@ -35,6 +35,9 @@ from sdpa_client.types import (
     parse_analyze_response,
     parse_attention_response,
 )
+from sdpa_client.v2 import INFER_PATH, build_infer_request, parse_infer_response
+
+Protocol = Literal["v1", "v2"]
 
 T = TypeVar("T")
 P = ParamSpec("P")
@@ -57,6 +60,8 @@ class Call(Generic[T]):
         request_id: sent as X-Request-ID.
         retryable: whether the request may be sent again (a pure computation may).
         answers: statuses other than 2xx that `read` turns into a result instead of an error.
+        content: the bytes to POST instead of `body` (a v2 request with binary data).
+        headers: more headers for this request (v2's Inference-Header-Content-Length).
     """
 
     method: Literal["GET", "POST"]
@@ -67,6 +72,8 @@ class Call(Generic[T]):
     request_id: str | None = None
     retryable: bool = False
     answers: frozenset[int] = frozenset()
+    content: bytes | None = None
+    headers: Mapping[str, str] | None = None
 
 
 def json_of(response: httpx.Response) -> Any:
@@ -108,10 +115,16 @@ def _probe(path: str) -> Call[bool]:
 
 
 class Endpoints(Generic[AttentionOut, AnalyzeOut, InfoOut, ProbeOut]):
-    """The endpoints of the service's v1 API. The type parameters are what each kind of
-    endpoint returns in a subclass: the result itself, a coroutine of it, or its Call."""
+    """The endpoints of the service's API. The type parameters are what each kind of
+    endpoint returns in a subclass: the result itself, a coroutine of it, or its Call.
+
+    `protocol` says how `attention` travels: "v1" (POST /v1/attention, JSON) or "v2" (the Open
+    Inference Protocol, POST /v2/models/attention/infer; binary tensor data unless the
+    encoding is "json"). The other endpoints are v1's on either.
+    """
 
     __slots__ = ()
+    protocol: Protocol = "v1"
 
     def _dispatch(self, make: Callable[[], Call[Any]]) -> Any:
         """Realize the call that `make` builds (building it is part of the call: a coroutine
@@ -134,6 +147,7 @@ class Endpoints(Generic[AttentionOut, AnalyzeOut, InfoOut, ProbeOut]):
         timeout_ms: float | None = None,
         encoding: Encoding = "base64",
         request_id: str | None = None,
+        temperature: float | None = None,
     ) -> AttentionOut:
         """Compute softmax(q kᵀ · scale + masks) v on the server (POST /v1/attention).
 
@@ -158,8 +172,10 @@ class Endpoints(Generic[AttentionOut, AnalyzeOut, InfoOut, ProbeOut]):
             timeout_ms: the server's deadline for this request (a 504 after it); the client
                 then waits for the answer at least timeout_ms + 5 s.
             encoding: "base64" (raw little-endian bytes, fast) or "json" (nested lists), for
-                the request and the answer.
+                the request and the answer. With protocol "v2", "base64" means binary tensor
+                data (raw bytes after a JSON header, no base64 at all).
             request_id: sent as X-Request-ID, to find this call in the server's log.
+            temperature: T > 0 means scale = 1/(T·sqrt(D)); not together with scale.
 
         Returns:
             An `AttentionResponse`: output [..., H, N_q, D_v], weights, diagnostics and meta
@@ -178,11 +194,23 @@ class Endpoints(Generic[AttentionOut, AnalyzeOut, InfoOut, ProbeOut]):
         """
 
         def make() -> Call[AttentionResponse]:
+            if self.protocol == "v2":
+                content, headers = build_infer_request(
+                    q, k, v, causal=causal, key_lengths=key_lengths,
+                    key_padding_mask=key_padding_mask, attn_mask=attn_mask, scale=scale,
+                    temperature=temperature, return_weights=return_weights,
+                    diagnostics=diagnostics, timeout_ms=timeout_ms, binary=encoding == "base64",
+                )  # fmt: skip
+                return Call(
+                    "POST", INFER_PATH, None, parse_infer_response, timeout_ms=timeout_ms,
+                    request_id=request_id, retryable=True, content=content, headers=headers,
+                )  # fmt: skip
             body = {
                 **tensors(encoding, q=q, k=k, v=v),
                 "causal": causal,
                 **mask_fields(key_lengths, key_padding_mask, attn_mask, encoding),
                 "scale": optional_float(scale),
+                **({} if temperature is None else {"temperature": float(temperature)}),
                 "return_weights": bool(return_weights),
                 "diagnostics": diagnostics,
                 "response_encoding": encoding,

@@ -22,7 +22,7 @@ from typing import Any, Generic, Self, TypeVar
 
 import httpx
 
-from sdpa_client.calls import Call, Endpoints
+from sdpa_client.calls import Call, Endpoints, Protocol
 from sdpa_client.codec import encode_body
 from sdpa_client.retry import Attempts, RetryPolicy
 from sdpa_client.types import AnalyzeResponse, AttentionResponse
@@ -65,6 +65,7 @@ class _Connection(Generic[HttpT, TransportT, SleepT]):
         sleep: SleepT | None = None,
         rng: random.Random | None = None,
         clock: Callable[[], float] = time.monotonic,
+        protocol: Protocol = "v1",
     ) -> None:
         """Open a connection pool to one server (connections are made on first use).
 
@@ -81,10 +82,18 @@ class _Connection(Generic[HttpT, TransportT, SleepT]):
                 AsyncSDPAClient), e.g. a fake that records the delays.
             rng: the source of retry jitter (a seeded random.Random for reproducible waits).
             clock: monotonic seconds, for the retries' total time budget.
+            protocol: "v1" (default) or "v2": `attention` through the Open Inference Protocol
+                (POST /v2/models/attention/infer) with binary tensor data, the fast path: no
+                base64, and BF16 as its raw bits. The answer is the same AttentionResponse
+                (without per-head statistics, which v2 does not carry).
 
         Raises:
-            ValueError: a base_url that is not an http:// or https:// URL.
+            ValueError: a base_url that is not an http:// or https:// URL, or an unknown
+                protocol.
         """
+        if protocol not in ("v1", "v2"):
+            raise ValueError(f"protocol must be 'v1' or 'v2', got {protocol!r}")
+        self.protocol = protocol
         self.base_url = _checked_base_url(base_url)
         self.timeout = timeout if isinstance(timeout, httpx.Timeout) else httpx.Timeout(timeout)
         self.retry = retry if retry is not None else RetryPolicy()
@@ -103,10 +112,11 @@ class _Connection(Generic[HttpT, TransportT, SleepT]):
     def _prepare(self, call: Call[Any]) -> tuple[httpx.Request, Attempts]:
         """The request to send (built once: a retry repeats the same bytes) and its attempts."""
         headers: dict[str, str] = {}
-        content = None
+        content = call.content
         if call.body is not None:
             headers["content-type"] = "application/json"
             content = encode_body(call.body)
+        headers.update(call.headers or {})
         if call.request_id is not None:
             headers["x-request-id"] = call.request_id
         request = self._http.build_request(

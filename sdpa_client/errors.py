@@ -199,7 +199,8 @@ def error_from_response(response: httpx.Response, *, attempts: int = 1) -> SDPAR
         detail = response.text[:500]
     if isinstance(payload, dict):
         title = str(payload.get("title") or title)
-        detail = str(payload.get("detail") or "")
+        # problem+json's detail, or the Open Inference Protocol's {"error": ...} (v2)
+        detail = str(payload.get("detail") or payload.get("error") or "")
         problem_type = str(payload.get("type") or problem_type)
         errors = [
             _field_problem(item) for item in payload.get("errors") or () if isinstance(item, dict)

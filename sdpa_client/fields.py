@@ -11,8 +11,8 @@ from typing import Final
 
 SUMMARY_STAT_NAMES: Final[tuple[str, ...]] = (
     "entropy", "normalized_entropy", "effective_keys", "max_weight", "saturated_fraction",
-    "score_mean_raw", "score_variance_raw", "score_variance_scaled", "score_abs_max_scaled",
-    "grad_health", "jacobian_fro", "masked_rows",
+    "sink_share", "score_mean_raw", "score_variance_raw", "score_variance_scaled",
+    "score_abs_max_scaled", "grad_health", "jacobian_fro", "masked_rows",
 )  # fmt: skip
 """diagnostics.summary: scalars pooled over the request."""
 
@@ -20,7 +20,8 @@ PER_HEAD_STAT_NAMES: Final[tuple[str, ...]] = SUMMARY_STAT_NAMES
 """diagnostics.per_head: the summary's statistics, as arrays [..., H]."""
 
 PER_ROW_STAT_NAMES: Final[tuple[str, ...]] = (
-    "entropy", "normalized_entropy", "max_weight", "effective_keys", "lse", "visible_keys",
+    "entropy", "normalized_entropy", "max_weight", "effective_keys", "sink_share", "lse",
+    "visible_keys",
 )  # fmt: skip
 """diagnostics.per_row (level "full"): arrays [..., H, N_q]."""
 

@@ -76,7 +76,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--rate). A run ends after --duration and/or --requests (10 s when neither is given).",
     )
     parser.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL")
-    parser.add_argument("--path", default="/v1/attention", help="endpoint (default %(default)s)")
+    parser.add_argument(
+        "--path",
+        help="endpoint (default /v1/attention; with --protocol v2, /v2/models/attention/infer)",
+    )
+    parser.add_argument(
+        "--protocol",
+        choices=["v1", "v2"],
+        default="v1",
+        help="v1 JSON, or v2 (Open Inference Protocol; --encoding base64 sends binary tensor "
+        "data) (default %(default)s)",
+    )
     what = parser.add_mutually_exclusive_group()
     what.add_argument(
         "--preset",
@@ -186,11 +196,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     )  # fmt: skip
     try:
         if args.request_file is not None:
-            payload = Payload.from_file(args.request_file, path=args.path)
+            payload = Payload.from_file(args.request_file, path=args.path or "/v1/attention")
         else:
             payload = Payload.from_preset(
-                PRESETS[args.preset], encoding=args.encoding, seed=args.seed, path=args.path
-            )
+                PRESETS[args.preset], encoding=args.encoding, seed=args.seed, path=args.path,
+                protocol=args.protocol,
+            )  # fmt: skip
     except (OSError, ValueError) as exc:
         parser.error(str(exc))
     with _event_loop_runner() as runner:

@@ -19,6 +19,7 @@ from sdpa_core.analysis import (
 from sdpa_core.attention import PATHS, AttentionResult, attention, choose_path, weights_nbytes
 from sdpa_core.chunked import DEFAULT_BLOCK_SIZE
 from sdpa_core.diagnostics import (
+    DEFAULT_SINK_TOKENS,
     DIAGNOSTICS_LEVELS,
     PER_HEAD_FIELDS,
     PER_ROW_FIELDS,
@@ -61,6 +62,7 @@ from sdpa_core.shapes import (
 __all__ = [
     "DEFAULT_BLOCK_SIZE",
     "DEFAULT_FUSED_TILE_BYTES",
+    "DEFAULT_SINK_TOKENS",
     "DIAGNOSTICS_LEVELS",
     "PATHS",
     "PER_HEAD_FIELDS",

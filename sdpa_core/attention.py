@@ -22,15 +22,17 @@ import torch
 from sdpa_core.chunked import DEFAULT_BLOCK_SIZE, chunked_attention
 from sdpa_core.dense import dense_attention
 from sdpa_core.diagnostics import (
+    DEFAULT_SINK_TOKENS,
     Diagnostics,
     DiagnosticsLevel,
     RowStats,
     check_diagnostics_level,
+    sink_keys,
     summarize,
 )
 from sdpa_core.errors import LimitError, SdpaError
 from sdpa_core.fused import fused_attention
-from sdpa_core.masks import KeyLengths, MaskPlan, build_mask_plan
+from sdpa_core.masks import KeyLengths, MaskPlan, build_mask_plan, key_padding
 from sdpa_core.nonfinite import check_no_overflow, poison_results, quarantine
 from sdpa_core.shapes import (
     CausalArg,
@@ -193,6 +195,7 @@ def attention(
     path: PathName | str | None = None,
     block_size: int | None = None,
     check_finite: bool = True,
+    sink_tokens: int = DEFAULT_SINK_TOKENS,
 ) -> AttentionResult:
     """Scaled dot-product attention, softmax(q k^T * scale + mask) v, with optional weights
     and diagnostics.
@@ -229,6 +232,10 @@ def attention(
         check_finite: False skips the scan of q, k, v (and a float attn_mask) for NaN/Inf,
             for a caller that has already run validate_inputs on these very tensors; a
             result that overflows is still refused.
+        sink_tokens: how many first keys of each sequence are its attention sink, whose share
+            of each row's attention the diagnostics report as sink_share (default
+            DEFAULT_SINK_TOKENS = 4); keys a key_padding_mask marks as padding do not count
+            (a left-padded sequence's sink is its first real tokens).
 
     Returns:
         AttentionResult: output [..., H, N_q, D_v] in q's dtype; weights (or None); diagnostics
@@ -268,6 +275,13 @@ def attention(
             what="a positive integer",
             expected="int >= 1",
         )
+    _check_int_option(
+        sink_tokens,
+        param="sink_tokens",
+        minimum=0,
+        what="a non-negative integer",
+        expected="int >= 0",
+    )
     if memory_budget_bytes is not None:
         _check_int_option(
             memory_budget_bytes,
@@ -289,6 +303,14 @@ def attention(
     if allow_nonfinite:
         q4, k4, v4, poisoned = quarantine(q4, k4, v4, plan)
 
+    # The sink is the first sink_tokens keys that are not padding: positions [0, sink_tokens)
+    # unless a key_padding_mask may hide some of them (key lengths only hide a suffix).
+    sink_cols = None
+    if level != "none" and key_padding_mask is not None:
+        padding = key_padding(
+            spec, key_lengths=key_lengths, key_padding_mask=key_padding_mask, device=q.device
+        )
+        sink_cols = None if padding is None else sink_keys(padding, sink_tokens)
     backend: str | None = None
     weights4: torch.Tensor | None = None
     rows4: RowStats | None = None
@@ -304,6 +326,8 @@ def attention(
             accum_dtype=spec.accum_dtype,
             need_weights=return_weights,
             need_stats=level != "none",
+            sink_tokens=sink_tokens,
+            sink_cols=sink_cols,
         )
     else:
         out4, rows4 = chunked_attention(
@@ -315,6 +339,8 @@ def attention(
             accum_dtype=spec.accum_dtype,
             need_stats=level != "none",
             block_size=block_size or DEFAULT_BLOCK_SIZE,
+            sink_tokens=sink_tokens,
+            sink_cols=sink_cols,
         )
     if poisoned is not None:
         out4, weights4, rows4 = poison_results(poisoned, out4, weights4, rows4)

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sdpa_core.diagnostics import ROW_STATS_FIELDS, RowStats
+from sdpa_core.diagnostics import DEFAULT_SINK_TOKENS, ROW_STATS_FIELDS, RowStats
 from sdpa_core.masks import MaskPlan
 
 DEFAULT_BLOCK_SIZE = 512
@@ -56,6 +56,7 @@ class _RowState:
 
     m: torch.Tensor
     denom: torch.Tensor  # l: sum of exps relative to m
+    sink: torch.Tensor  # the part of l on the first sink_tokens keys
     acc: torch.Tensor  # [B, H, tq, D_v]
     t: torch.Tensor
     rest1: torch.Tensor  # sum of e^{s'} over every visible key but one row max
@@ -68,24 +69,23 @@ class _RowState:
     ref: torch.Tensor | None  # [B, H, tq, 1]: the per-row shift of the raw scores
 
 
-def _new_state(
-    b: int, h: int, tq: int, d_v: int, dtype: torch.dtype, device: torch.device
-) -> _RowState:
-    def z() -> torch.Tensor:
-        return torch.zeros(b, h, tq, dtype=dtype, device=device)
-
+def _new_state(zero: torch.Tensor, neg_inf: torch.Tensor) -> _RowState:
+    """The state of a tile that has seen no key: 0-d tensors (broadcast where read). A row's
+    first visible block replaces every field with its own [B, H, tq] tensors before anything
+    updates one in place, so the shared scalars are never written."""
     return _RowState(
-        m=torch.full((b, h, tq), -math.inf, dtype=dtype, device=device),
-        denom=z(),
-        acc=torch.zeros(b, h, tq, d_v, dtype=dtype, device=device),
-        t=z(),
-        rest1=z(),
-        rest2=z(),
-        rest3=z(),
-        count=z(),
-        mean=z(),
-        m2=z(),
-        abs_max=z(),
+        m=neg_inf,
+        denom=zero,
+        sink=zero,
+        acc=zero,
+        t=zero,
+        rest1=zero,
+        rest2=zero,
+        rest3=zero,
+        count=zero,
+        mean=zero,
+        m2=zero,
+        abs_max=zero,
         ref=None,
     )
 
@@ -102,12 +102,15 @@ def attend_tiles(
     block_size: int,
     tile_q: int,
     keep_weights: bool = False,
+    sink_tokens: int = DEFAULT_SINK_TOKENS,
+    sink_cols: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, RowStats | None]:
     """Attention over [B, H, N, D] inputs in (tile_q x block_size) tiles.
 
     Returns output [B, H, N_q, D_v], the weights [B, H, N_q, N_kv] (only with keep_weights,
     which needs block_size >= N_kv) and RowStats [B, H, N_q] when need_stats; all in
-    accum_dtype.
+    accum_dtype. sink_share in RowStats is the weight on the keys of sink_cols (bool
+    [B|1, H|1, N_kv], diagnostics.sink_keys) or, without it, on positions [0, sink_tokens).
     """
     b, h, n_q, _ = q4.shape
     h_kv, n_kv, d_v = k4.shape[1], k4.shape[2], v4.shape[-1]
@@ -127,16 +130,34 @@ def attend_tiles(
     neg_inf = torch.tensor(-math.inf, dtype=accum_dtype, device=dev)
     zero = torch.zeros((), dtype=accum_dtype, device=dev)
     fmin = torch.finfo(accum_dtype).min
+    # Where the sink's keys end: blocks past it add nothing to the sink.
+    sink_end = min(sink_tokens, n_kv)
+    sink_w: torch.Tensor | None = None
+    if need_stats and sink_cols is not None:
+        sink_w = sink_cols.to(accum_dtype).unsqueeze(-2)  # [B|1, H|1, 1, N_kv]
+        hits = sink_cols.reshape(-1, n_kv).any(0).nonzero()
+        sink_end = int(hits.max()) + 1 if hits.numel() else 0
 
-    out = torch.empty(b, h, n_q, d_v, dtype=accum_dtype, device=dev)
+    # One query tile (every small request, every dense row that fits a tile): the results are
+    # the tile's own tensors; several: each tile is copied into preallocated results.
+    single = tq_max >= n_q
+    out = torch.empty(0) if single else torch.empty(b, h, n_q, d_v, dtype=accum_dtype, device=dev)
     # The weights are written tile by tile straight into the matrix we hand out.
     weights = torch.empty(b, h, n_q, n_kv, dtype=accum_dtype, device=dev) if keep_weights else None
     rows: dict[str, torch.Tensor] = {}
-    if need_stats:
+    if need_stats and not single:
         rows = {
             name: torch.empty(b, h, n_q, dtype=accum_dtype, device=dev)  # [B, H, N_q]
             for name in ROW_STATS_FIELDS
         }
+
+    def put(name: str, q0: int, q1: int, value: torch.Tensor) -> None:
+        """A tile's row statistic ([B, H, tq], or 0-d for a tile that saw no key)."""
+        if single:
+            shape = (b, h, q1 - q0)
+            rows[name] = value if value.shape == shape else value.expand(shape).contiguous()
+        else:
+            rows[name][:, :, q0:q1] = value
 
     buffers: dict[tuple[str, int, int], torch.Tensor] = {}
 
@@ -155,7 +176,7 @@ def attend_tiles(
         if fold:
             q_tile = q_tile * scale
         qg = group_queries(q_tile, h_kv)  # [B, H_kv, G*tq, D]
-        st = _new_state(b, h, tq, d_v, accum_dtype, dev)
+        st = _new_state(zero, neg_inf)
         wrote_weights = False
         for k0 in range(0, n_kv, bk):
             k1 = min(k0 + bk, n_kv)
@@ -163,6 +184,10 @@ def attend_tiles(
             skip, vis = plan.sparse_block(q0, q1, k0, k1)
             if skip:
                 continue
+            # The row's first visible block starts the online state rather than merging into
+            # it: the same numbers (every merge term is an exact 0 then), a third fewer torch
+            # calls, which dominate small requests and every single-block (dense) row.
+            first = not wrote_weights
             wrote_weights = True
             s = scratch("s", tq, w)
             # q.k [B, H, tq, w], times the scale when folded
@@ -191,14 +216,17 @@ def attend_tiles(
                 has = cnt > 0
                 bmean = torch.where(has, bmean, zero)
                 bm2 = torch.where(has, bm2, zero)
-                # Chan merge of (count, mean, M2) with this block's.
-                n_new = st.count + cnt
-                frac = cnt / n_new.clamp(min=1.0)
-                delta = bmean - st.mean
-                st.m2 += bm2 + delta * delta * st.count * frac
-                st.mean += delta * frac
-                st.count = n_new
-                st.abs_max = torch.maximum(st.abs_max, torch.where(has, bmax, zero))
+                if first:
+                    st.count, st.mean, st.m2 = cnt, bmean, bm2
+                    st.abs_max = torch.where(has, bmax, zero)
+                else:  # Chan merge of (count, mean, M2) with this block's.
+                    n_new = st.count + cnt
+                    frac = cnt / n_new.clamp(min=1.0)
+                    delta = bmean - st.mean
+                    st.m2 += bm2 + delta * delta * st.count * frac
+                    st.mean += delta * frac
+                    st.count = n_new
+                    st.abs_max = torch.maximum(st.abs_max, torch.where(has, bmax, zero))
                 # Scores relative to one per-row reference (the first block's mean): the
                 # softmax needs one shift per row, and a centred row keeps fp32 digits.
                 if st.ref is None:
@@ -215,21 +243,32 @@ def attend_tiles(
                 s.add_(torch.where(vis, zero, neg_inf))  # exact 0 / -inf, never a big finite
 
             blk_max = s.amax(-1)  # [B, H, tq]
-            m_new = torch.maximum(st.m, blk_max)
+            m_new = blk_max if first else torch.maximum(st.m, blk_max)
             m_safe = torch.where(m_new == -math.inf, zero, m_new)
-            alpha = torch.exp(st.m - m_safe)  # 0 while the row has seen nothing
+            # 0 while the row has seen nothing (unused on the first block)
+            alpha = zero if first else torch.exp(st.m - m_safe)
             s.sub_(m_safe.unsqueeze(-1))  # s' <= 0
             if weights is not None:
                 e = torch.exp(s, out=weights[:, :, q0:q1])  # a strided view of the weights
             else:
                 e = torch.exp(s, out=scratch("e", tq, w))
+            # The sink's part of this block's exps, before the statistics below reshape e.
+            sink_blk = None
+            if need_stats and k0 < sink_end:
+                if sink_w is None:
+                    sink_blk = e[..., : sink_end - k0].sum(-1)
+                else:
+                    sink_blk = (e * sink_w[..., k0:k1]).sum(-1)
             if e.is_contiguous():
                 pv = (group_queries(e, h_kv) @ vf[:, :, k0:k1]).view(b, h, tq, d_v)
             else:  # [B, H_kv, G, tq, w] @ [B, H_kv, 1, w, D_v]: no copy of e
                 g = h // h_kv
                 pv = (e.view(b, h_kv, g, tq, w) @ vf[:, :, None, k0:k1]).reshape(b, h, tq, d_v)
-            st.acc.mul_(alpha.unsqueeze(-1))
-            st.acc += pv
+            if first:
+                st.acc = pv
+            else:
+                st.acc.mul_(alpha.unsqueeze(-1))
+                st.acc += pv
 
             if not need_stats:
                 l_blk = e.sum(-1)
@@ -255,21 +294,38 @@ def attend_tiles(
                 if keep_weights:
                     e.add_(ones)
                 l_blk = rest_blk + n_ones
-                holds = (blk_max == m_new) & (st.m < m_new)  # this block has the new row max
-                joins = (holds & (st.denom > 0)).to(accum_dtype)  # the old max joins the rest
-                back = n_ones - holds.to(accum_dtype)  # ties of the max go back to the rest
-                gap = torch.where(st.denom > 0, st.m - m_safe, zero)
-                st.t = alpha * (st.t + st.denom * gap) + t_blk
-                alpha2 = alpha * alpha
-                st.rest1 = alpha * (st.rest1 + joins) + rest_blk + back
-                st.rest2 = alpha2 * (st.rest2 + joins) + a2_blk + back
-                st.rest3 = alpha2 * alpha * (st.rest3 + joins) + a3_blk + back
-            st.denom = alpha * st.denom + l_blk
+                if first:
+                    holds = blk_max > -math.inf  # the row max is in this block
+                    back = n_ones - holds.to(accum_dtype)  # ties of the max go to the rest
+                    st.t = t_blk
+                    st.rest1, st.rest2, st.rest3 = rest_blk + back, a2_blk + back, a3_blk + back
+                else:
+                    holds = (blk_max == m_new) & (st.m < m_new)  # this block has the new max
+                    joins = (holds & (st.denom > 0)).to(accum_dtype)  # the old max joins rest
+                    back = n_ones - holds.to(accum_dtype)  # ties of the max go to the rest
+                    gap = torch.where(st.denom > 0, st.m - m_safe, zero)
+                    st.t = alpha * (st.t + st.denom * gap) + t_blk
+                    alpha2 = alpha * alpha
+                    st.rest1 = alpha * (st.rest1 + joins) + rest_blk + back
+                    st.rest2 = alpha2 * (st.rest2 + joins) + a2_blk + back
+                    st.rest3 = alpha2 * alpha * (st.rest3 + joins) + a3_blk + back
+            if first:
+                st.denom = l_blk
+                if need_stats and sink_blk is not None:
+                    st.sink = sink_blk
+            else:
+                st.denom = alpha * st.denom + l_blk
+                if need_stats:
+                    st.sink = alpha * st.sink if sink_blk is None else alpha * st.sink + sink_blk
             st.m = m_new
 
         active = st.denom > 0
         safe_l = torch.where(active, st.denom, 1.0)
-        out[:, :, q0:q1] = st.acc / safe_l.unsqueeze(-1)  # fully masked rows: 0 / 1 = 0
+        out_tile = st.acc / safe_l.unsqueeze(-1)  # fully masked rows: 0 / 1 = 0
+        if single:
+            out = out_tile.expand(b, h, tq, d_v).contiguous() if not wrote_weights else out_tile
+        else:
+            out[:, :, q0:q1] = out_tile
         if weights is not None:
             if wrote_weights:
                 weights[:, :, q0:q1].div_(safe_l.unsqueeze(-1))
@@ -291,25 +347,29 @@ def attend_tiles(
             one_minus_s2 = r1 * (1.0 + p_max) - r2  # 1 - sum p^2
             cnt_safe = st.count.clamp(min=1.0)
             entropy = torch.log1p(st.rest1) - st.t / full_l
-            rows["visible_keys"][:, :, q0:q1] = st.count
-            rows["entropy"][:, :, q0:q1] = torch.where(active, entropy.clamp(min=0.0), zero)
-            rows["max_weight"][:, :, q0:q1] = torch.where(active, p_max, zero)
+            put("visible_keys", q0, q1, st.count)
+            put("entropy", q0, q1, torch.where(active, entropy.clamp(min=0.0), zero))
+            put("max_weight", q0, q1, torch.where(active, p_max, zero))
+            # The sink's exps are a subset of l's, summed in another order: clamp the rounding.
+            sink_share = (st.sink / safe_l).clamp(max=1.0)
+            put("sink_share", q0, q1, torch.where(active, sink_share, zero))
             # ref is a shift of the (scaled, when folded) scores; moments were taken on the
             # same scores, so convert both back to raw q.k units here.
             ref_scaled = ref if fold else scale * ref
-            rows["lse"][:, :, q0:q1] = torch.where(
-                active, m_safe + torch.log(safe_l) + ref_scaled, neg_inf
+            put(
+                "lse", q0, q1, torch.where(active, m_safe + torch.log(safe_l) + ref_scaled, neg_inf)
             )
-            rows["grad_health"][:, :, q0:q1] = torch.where(
-                active, (one_minus_s2 / cnt_safe).clamp(min=0.0), zero
+            put(
+                "grad_health",
+                q0,
+                q1,
+                torch.where(active, (one_minus_s2 / cnt_safe).clamp(min=0.0), zero),
             )
-            rows["jacobian_fro"][:, :, q0:q1] = torch.where(active, jac, zero)
+            put("jacobian_fro", q0, q1, torch.where(active, jac, zero))
             unit = 1.0 / scale if fold else 1.0
-            rows["score_mean_raw"][:, :, q0:q1] = torch.where(active, st.mean * unit, zero)
-            rows["score_m2_raw"][:, :, q0:q1] = torch.where(active, st.m2 * (unit * unit), zero)
-            rows["score_abs_max_raw"][:, :, q0:q1] = torch.where(
-                active, st.abs_max * abs(unit), zero
-            )
+            put("score_mean_raw", q0, q1, torch.where(active, st.mean * unit, zero))
+            put("score_m2_raw", q0, q1, torch.where(active, st.m2 * (unit * unit), zero))
+            put("score_abs_max_raw", q0, q1, torch.where(active, st.abs_max * abs(unit), zero))
 
     row_stats = None
     if need_stats:
@@ -328,6 +388,8 @@ def chunked_attention(
     accum_dtype: torch.dtype,
     need_stats: bool,
     block_size: int = DEFAULT_BLOCK_SIZE,
+    sink_tokens: int = DEFAULT_SINK_TOKENS,
+    sink_cols: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, RowStats | None]:
     """The chunked path: output [B, H, N_q, D_v] and RowStats [B, H, N_q] (accum dtype).
 
@@ -354,6 +416,10 @@ def chunked_attention(
             need_stats=need_stats,
             block_size=block_size,
             tile_q=tq,
+            sink_tokens=sink_tokens,
+            sink_cols=sink_cols
+            if whole or sink_cols is None or sink_cols.shape[0] == 1
+            else sink_cols[b0:b1],
         )
         outs.append(out)
         if row_stats is not None:

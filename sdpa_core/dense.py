@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from sdpa_core.chunked import TILE_ELEMENTS, attend_tiles
-from sdpa_core.diagnostics import RowStats
+from sdpa_core.diagnostics import DEFAULT_SINK_TOKENS, RowStats
 from sdpa_core.masks import MaskPlan
 
 
@@ -32,9 +32,12 @@ def dense_attention(
     accum_dtype: torch.dtype,
     need_weights: bool,
     need_stats: bool,
+    sink_tokens: int = DEFAULT_SINK_TOKENS,
+    sink_cols: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, RowStats | None]:
     """Output [B, H, N_q, D_v], weights [B, H, N_q, N_kv] (when asked) and RowStats
-    [B, H, N_q] (when asked), all in accum_dtype."""
+    [B, H, N_q] (when asked; sink_share over sink_cols, or the first sink_tokens keys), all
+    in accum_dtype."""
     return attend_tiles(
         q4,
         k4,
@@ -46,4 +49,6 @@ def dense_attention(
         block_size=k4.shape[2],  # one key block: the whole row
         tile_q=dense_tile_q(q4, k4),
         keep_weights=need_weights,
+        sink_tokens=sink_tokens,
+        sink_cols=sink_cols,
     )

@@ -9,12 +9,16 @@ a solo call would give for the same rows. Pooled score moments are Chan merges o
 Definitions (rows with at least one visible key are "active"; every mean is over them):
 - entropy H = -sum p log p (nats); normalized_entropy = H / log(visible keys), 0 for one key;
   effective_keys = exp(H); max_weight = max p; saturated_fraction = share of rows with
-  max_weight >= 0.99; grad_health = row mean over visible keys of p(1 - p);
-  jacobian_fro = ||diag(p) - p p^T||_F.
+  max_weight >= 0.99; sink_share = sum of p over the row's first `sink_tokens` keys (the
+  attention sink of StreamingLLM; the count is the caller's parameter, DEFAULT_SINK_TOKENS by
+  default). Keys a key_padding_mask marks as padding are not among them: a left-padded
+  sequence's sink is its first real tokens (sink_keys). grad_health = row mean over visible
+  keys of p(1 - p); jacobian_fro = ||diag(p) - p p^T||_F.
 - score_*_raw pool every visible raw score q.k (variance with ddof=0);
   score_variance_scaled = scale^2 * raw variance; score_abs_max_scaled = |scale| * max |q.k|.
   A float attn_mask's bias is not part of the score moments (its effect shows in entropy).
-- A fully masked row has entropy, max_weight, effective_keys, grad_health and jacobian_fro 0,
+- A fully masked row has entropy, max_weight, sink_share, effective_keys, grad_health and
+  jacobian_fro 0,
   lse -inf, and counts in masked_rows. A summary over zero active rows reports 0.0.
 """
 
@@ -32,6 +36,18 @@ from sdpa_core.errors import SdpaError
 DiagnosticsLevel: TypeAlias = Literal["none", "summary", "full"]
 DIAGNOSTICS_LEVELS: tuple[DiagnosticsLevel, ...] = ("none", "summary", "full")
 SATURATION_THRESHOLD = 0.99
+# Key positions whose share of each row's attention is sink_share, unless the caller says
+# otherwise (StreamingLLM keeps 4 initial tokens; the service passes SDPA_HEALTH_SINK_TOKENS).
+DEFAULT_SINK_TOKENS = 4
+
+
+def sink_keys(key_padding: torch.Tensor, sink_tokens: int) -> torch.Tensor:
+    """The keys sink_share covers when some may be padding: bool [..., N_kv], True for the
+    first `sink_tokens` keys that are not padding (key_padding: bool [..., N_kv], True =
+    padding). Without padding they are simply the positions [0, sink_tokens)."""
+    kept = ~key_padding
+    rank = kept.to(torch.int64).cumsum(-1)  # 1 for the first kept key, 2 for the next, ...
+    return kept & (rank <= sink_tokens)
 
 
 def check_diagnostics_level(level: object) -> DiagnosticsLevel:
@@ -58,6 +74,7 @@ class RowStats:
     visible_keys: torch.Tensor
     entropy: torch.Tensor
     max_weight: torch.Tensor
+    sink_share: torch.Tensor
     lse: torch.Tensor
     grad_health: torch.Tensor
     jacobian_fro: torch.Tensor
@@ -75,6 +92,8 @@ class RowStats:
 
     def reshape(self, shape: tuple[int, ...]) -> RowStats:
         """Reshape every field (used to give results q's own leading dims)."""
+        if tuple(self.entropy.shape) == tuple(shape):
+            return self  # already shaped (4-D inputs): no torch call per field
         return self.apply(lambda _, t: t.reshape(shape))
 
     def to(self, device: torch.device | str) -> RowStats:
@@ -103,6 +122,7 @@ class DiagnosticsSummary:
     effective_keys: float
     max_weight: float
     saturated_fraction: float
+    sink_share: float
     score_mean_raw: float
     score_variance_raw: float
     score_variance_scaled: float
@@ -125,6 +145,7 @@ class PerHeadStats:
     effective_keys: torch.Tensor
     max_weight: torch.Tensor
     saturated_fraction: torch.Tensor
+    sink_share: torch.Tensor
     score_mean_raw: torch.Tensor
     score_variance_raw: torch.Tensor
     score_variance_scaled: torch.Tensor
@@ -146,6 +167,7 @@ class PerRowStats:
     normalized_entropy: torch.Tensor
     max_weight: torch.Tensor
     effective_keys: torch.Tensor
+    sink_share: torch.Tensor
     lse: torch.Tensor
     visible_keys: torch.Tensor
 
@@ -187,66 +209,106 @@ ROW_STATS_FIELDS: tuple[str, ...] = _field_names(RowStats)
 """The fields of RowStats, the per-row raw material every path produces."""
 
 
-def _row_derived(rs: RowStats) -> dict[str, torch.Tensor]:
-    """Per-row quantities derived from RowStats (float64), 0 on fully masked rows."""
-    vis = rs.visible_keys
-    active = vis > 0
-    ent = rs.entropy.to(torch.float64)
-    zero = torch.zeros((), dtype=torch.float64, device=ent.device)
-    log_n = torch.log(vis.clamp(min=2).to(torch.float64))  # clamp keeps log(1) = 0 out of a divide
-    return {
-        "active": active,
-        "entropy": torch.where(active, ent, zero),
-        "normalized_entropy": torch.where(vis > 1, ent / log_n, zero),
-        "effective_keys": torch.where(active, torch.exp(ent), zero),
-        "max_weight": torch.where(active, rs.max_weight.to(torch.float64), zero),
-        "saturated_fraction": (active & (rs.max_weight >= SATURATION_THRESHOLD)).to(torch.float64),
-        "grad_health": torch.where(active, rs.grad_health.to(torch.float64), zero),
-        "jacobian_fro": torch.where(active, rs.jacobian_fro.to(torch.float64), zero),
-    }
-
-
-# Summary fields that are plain means over the active rows of a per-row quantity.
+# Summary fields that are plain means over the active rows of a per-row quantity, in the
+# order of the stacked tensor _row_means() builds.
 _ROW_MEAN_FIELDS = (
     "entropy",
     "normalized_entropy",
     "effective_keys",
     "max_weight",
     "saturated_fraction",
+    "sink_share",
     "grad_health",
     "jacobian_fro",
 )
+# RowStats fields summarize() reads as float64, stacked in this order (one conversion).
+_STACKED = (
+    "entropy",
+    "max_weight",
+    "sink_share",
+    "grad_health",
+    "jacobian_fro",
+    "score_mean_raw",
+    "score_m2_raw",
+    "score_abs_max_raw",
+)
 
 
-def _pool(
-    rs: RowStats, derived: dict[str, torch.Tensor], dim: int | None, *, scale: float
-) -> dict[str, torch.Tensor]:
+@dataclass(frozen=True, slots=True)
+class _Rows:
+    """RowStats as summarize() needs them: float64, 0 on fully masked rows."""
+
+    active: torch.Tensor  # bool [..., H, N_q]
+    count: torch.Tensor  # visible keys, float64 [..., H, N_q]
+    means: torch.Tensor  # the _ROW_MEAN_FIELDS per row, float64 [F, ..., H, N_q]
+    score_mean: torch.Tensor  # [..., H, N_q]
+    score_m2: torch.Tensor
+    score_abs_max: torch.Tensor
+
+
+def _rows(rs: RowStats) -> _Rows:
+    """The per-row quantities of every summary statistic, in a few stacked operations (each
+    torch call costs microseconds of overhead, which dominate small requests)."""
+    vis = rs.visible_keys
+    active = vis > 0
+    # One float64 copy of every field (contiguous, so equal rows reduce in the same order
+    # whatever their origin), zeroed on fully masked rows.
+    raw = torch.stack([getattr(rs, name) for name in _STACKED]).to(torch.float64)
+    raw = torch.where(active, raw, 0.0)  # [8, ..., H, N_q]
+    ent, mw = raw[0], raw[1]
+    count = vis.to(torch.float64)
+    # H <= log n exactly; fp32 rounding can put a uniform row a few ulps above 1, which
+    # would leave [0, 1] (and a histogram's le="1.0" bucket). clamp(min=2) keeps log(1) = 0
+    # out of the divide; one visible key has normalized entropy 0.
+    normalized = torch.where(vis > 1, (ent / count.clamp(min=2.0).log()).clamp(max=1.0), 0.0)
+    means = torch.stack(
+        [
+            ent,
+            normalized,
+            torch.where(active, ent.exp(), 0.0),  # effective keys
+            mw,
+            (mw >= SATURATION_THRESHOLD).to(torch.float64),  # 0 on masked rows: mw is 0 there
+            raw[2],  # sink share
+            raw[3],  # grad health
+            raw[4],  # jacobian
+        ]
+    )
+    return _Rows(
+        active=active,
+        count=count,
+        means=means,
+        score_mean=raw[5],
+        score_m2=raw[6],
+        score_abs_max=raw[7],
+    )
+
+
+def _pool(rows: _Rows, dim: int | None, *, scale: float) -> dict[str, torch.Tensor]:
     """The summary's statistics, keyed and ordered as SUMMARY_FIELDS, pooled over `dim`
     (-1: per head, [..., H]) or over every row (None: 0-d), in float64 (masked_rows int64)."""
 
-    def total(x: torch.Tensor) -> torch.Tensor:
-        return x.sum() if dim is None else x.sum(dim)
+    def total(x: torch.Tensor, *, lead: int = 0) -> torch.Tensor:
+        if dim is not None:
+            return x.sum(dim)
+        return x.reshape((*x.shape[:lead], -1)).sum(-1) if lead else x.sum()
 
-    active = derived["active"]
+    active = rows.active
     denom = total(active.to(torch.float64)).clamp(min=1.0)  # active rows
-    stats = {name: total(derived[name]) / denom for name in _ROW_MEAN_FIELDS}
+    pooled_means = total(rows.means, lead=1) / denom  # [F, ...]
+    stats = dict(zip(_ROW_MEAN_FIELDS, pooled_means.unbind(0), strict=True))
 
     # Chan's parallel merge of per-row (n_i, mean_i, M2_i), written in closed form:
     # n = sum n_i, mean = sum n_i mean_i / n, M2 = sum M2_i + sum n_i (mean_i - mean)^2.
-    n_i = rs.visible_keys.to(torch.float64)
-    mean_i = torch.where(active, rs.score_mean_raw.to(torch.float64), 0.0)
-    m2_i = torch.where(active, rs.score_m2_raw.to(torch.float64), 0.0)
+    n_i, mean_i = rows.count, rows.score_mean
     n_safe = total(n_i).clamp(min=1.0)
     mean = total(n_i * mean_i) / n_safe
     mean_b = mean if dim is None else mean.unsqueeze(-1)
-    variance = (total(m2_i) + total(n_i * (mean_i - mean_b) ** 2)) / n_safe
-    absmax = torch.where(active, rs.score_abs_max_raw.to(torch.float64), 0.0)
+    variance = (total(rows.score_m2) + total(n_i * (mean_i - mean_b).square())) / n_safe
+    absmax = rows.score_abs_max.amax() if dim is None else rows.score_abs_max.amax(dim)
     stats["score_mean_raw"] = mean
     stats["score_variance_raw"] = variance
     stats["score_variance_scaled"] = (scale * scale) * variance
-    stats["score_abs_max_scaled"] = abs(scale) * (
-        absmax.amax() if dim is None else absmax.amax(dim)
-    )
+    stats["score_abs_max_scaled"] = abs(scale) * absmax
     stats["masked_rows"] = total((~active).to(torch.int64))
     return {name: stats[name] for name in SUMMARY_FIELDS}
 
@@ -267,27 +329,28 @@ def summarize(
             expected='"summary" or "full"',
             got=repr(level),
         )
-    # Contiguous copies so that equal rows reduce in the same order whatever their origin.
-    rs = row_stats.apply(lambda _, t: t.contiguous())
-    derived = _row_derived(rs)
-
-    pooled = _pool(rs, derived, None, scale=scale)
+    rows = _rows(row_stats)
+    pooled = _pool(rows, None, scale=scale)
     # One host transfer for every scalar (one sync on CUDA); masked_rows is exact in float64.
-    values = torch.stack([pooled[n].to(torch.float64) for n in SUMMARY_FIELDS]).tolist()
-    scalars: dict[str, Any] = dict(zip(SUMMARY_FIELDS, values, strict=True))
+    # Every field but masked_rows is a float64 0-d tensor already.
+    masked = pooled["masked_rows"].to(torch.float64)
+    values = torch.stack([masked if n == "masked_rows" else pooled[n] for n in SUMMARY_FIELDS])
+    scalars: dict[str, Any] = dict(zip(SUMMARY_FIELDS, values.tolist(), strict=True))
     scalars["masked_rows"] = int(scalars["masked_rows"])
     summary = DiagnosticsSummary(**scalars)
-    per_head = PerHeadStats(**_pool(rs, derived, -1, scale=scale))
+    per_head = PerHeadStats(**_pool(rows, -1, scale=scale))
 
     per_row = None
     if level == "full":
-        accum = rs.entropy.dtype
+        accum = row_stats.entropy.dtype
+        means = dict(zip(_ROW_MEAN_FIELDS, rows.means.to(accum).unbind(0), strict=True))
         per_row = PerRowStats(
-            entropy=derived["entropy"].to(accum),
-            normalized_entropy=derived["normalized_entropy"].to(accum),
-            max_weight=derived["max_weight"].to(accum),
-            effective_keys=derived["effective_keys"].to(accum),
-            lse=torch.where(derived["active"], rs.lse, -math.inf),
-            visible_keys=rs.visible_keys,
+            entropy=means["entropy"],
+            normalized_entropy=means["normalized_entropy"],
+            max_weight=means["max_weight"],
+            effective_keys=means["effective_keys"],
+            sink_share=means["sink_share"],
+            lse=torch.where(rows.active, row_stats.lse, -math.inf),
+            visible_keys=row_stats.visible_keys,
         )
     return Diagnostics(summary=summary, per_head=per_head, per_row=per_row)

@@ -14,22 +14,26 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any, Final
 
+import torch
 from fastapi import FastAPI
 from fastapi_offline import FastAPIOffline
 
-from service.api import analyze, attention, health, ui
+from service.api import analyze, attention, health, ui, v2
 from service.api.deps import AppState, Batcher, state_of
 from service.api.errors import install_error_handlers
 from service.api.openapi import openapi_document
 from service.metrics import Metrics
 from service.middleware.access_log import AccessLogMiddleware
-from service.middleware.auth import ApiKeyMiddleware
+from service.middleware.auth import DEFAULT_OPEN_PATHS, ApiKeyMiddleware
 from service.middleware.body_limit import BodyLimitMiddleware
+from service.middleware.content_encoding import ContentEncodingMiddleware
 from service.middleware.drain import ConnectionCloseWhileDrainingMiddleware
 from service.middleware.inflight import InflightBytesMiddleware, default_inflight_bytes
 from service.runtime.batcher import DynamicBatcher
 from service.runtime.device import resolve_device
 from service.runtime.engine import Engine
+from service.runtime.policy import job_work
+from service.serving.health import HealthMonitor
 from service.settings import Settings
 from service.version import VERSION
 
@@ -81,6 +85,16 @@ def _lifespan(engine: Engine | None) -> Any:
             else Engine(resolve_device(settings.device), metrics=state.metrics)
         )
         running.report_to(state.metrics)
+        running.sink_tokens = settings.health_sink_tokens
+        if running.device.type == "cuda":
+            device = running.device
+            state.metrics.track_device_memory(lambda: torch.cuda.memory_allocated(device))
+        health = HealthMonitor(
+            metrics=state.metrics,
+            diagnose=running.diagnose,
+            sample_rate=settings.health_sample_rate,
+            max_tags=settings.health_max_tags,
+        )
         policy = running.policy
         batcher: Batcher = DynamicBatcher(
             running.run_batch,
@@ -93,9 +107,16 @@ def _lifespan(engine: Engine | None) -> Any:
             max_batch_delay_s=settings.max_batch_delay_ms / 1000.0,
             max_queue=settings.max_queue,
             metrics=state.metrics,
+            # Sampled health summaries run on the device only while nothing is queued.
+            idle_work=health.next_sample,
+            # Each request's estimated device seconds (the cost model, recalibrated at warm-up):
+            # the backlog behind Retry-After and sdpa_backlog_seconds.
+            work_seconds=lambda prepared: state.cost_model.seconds(*job_work(prepared)),
         )
+        health.on_offer = batcher.wake
         state.engine = running
         state.batcher = batcher
+        state.health = health
         await batcher.start()
         # Warm-up runs beside serving, so liveness answers at once and readiness tells the truth.
         warm_up = asyncio.create_task(_warm_up(state, running, batcher))
@@ -104,6 +125,7 @@ def _lifespan(engine: Engine | None) -> Any:
         finally:
             # Idempotent: service.server drains on SIGTERM before the lifespan ends.
             await batcher.drain(settings.drain_timeout_s)
+            health.drop_pending()
             warm_up.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await warm_up
@@ -151,14 +173,23 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
     app.include_router(analyze.router)
     app.include_router(health.router)
     app.include_router(ui.router)
+    app.include_router(v2.router)
 
     # add_middleware puts each new one outermost: the order below is innermost first, so a
-    # request meets the access log, then the API key check, then the in-flight bytes, then the
-    # body limit.
+    # request meets the access log, then the API key check, then the inflation of a gzip or
+    # deflate body, then the in-flight bytes, then the body limit (both count inflated bytes).
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.max_body_bytes, metrics=metrics)
-    app.add_middleware(InflightBytesMiddleware, max_bytes=state.max_inflight_bytes, metrics=metrics)
+    app.add_middleware(
+        InflightBytesMiddleware,
+        max_bytes=state.max_inflight_bytes,
+        max_body_bytes=settings.max_body_bytes,
+        metrics=metrics,
+    )
+    app.add_middleware(ContentEncodingMiddleware)
     if api_keys:
-        app.add_middleware(ApiKeyMiddleware, keys=api_keys, metrics=metrics)
+        # v2's probes stay open too: KServe's and Triton's orchestrators probe them.
+        open_paths = DEFAULT_OPEN_PATHS | {"/v2/health/live", "/v2/health/ready"}
+        app.add_middleware(ApiKeyMiddleware, keys=api_keys, open_paths=open_paths, metrics=metrics)
     app.add_middleware(ConnectionCloseWhileDrainingMiddleware, draining=state.draining)
     app.add_middleware(AccessLogMiddleware, metrics=metrics)
 

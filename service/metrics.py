@@ -1,8 +1,24 @@
-"""Prometheus collectors, one registry per app so that apps made in tests never collide."""
+"""Prometheus collectors, one registry per app so that apps made in tests never collide.
+
+Because the registry is the app's own (not prometheus_client's global REGISTRY), the process,
+GC and platform collectors that the global registry carries by default are registered here
+explicitly: without them /metrics would lack the process's RSS, CPU, descriptors and GC.
+"""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from collections.abc import Callable
+from typing import Final
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    GCCollector,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+)
 
 # Latency buckets from 0.5 ms to 30 s: small payloads answer in about a millisecond, while a
 # request with weights at the element limit can take seconds.
@@ -11,6 +27,15 @@ _LATENCY_BUCKETS = (
 )  # fmt: skip
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
 
+# Statistics in [0, 1]: buckets 0.05 apart, 0 included (a head with no saturated row, or no
+# weight on its sink, lands exactly in le="0.0").
+UNIT_BUCKETS: Final = tuple(round(i * 0.05, 2) for i in range(21))
+# max |scaled score|: log-spaced, powers of 2 from 1/4 to 16384. Healthy heads sit around 1-10;
+# ViT-22B's and Wortsman et al.'s logit growth runs to the thousands before divergence.
+LOGIT_BUCKETS: Final = tuple(2.0**e for e in range(-2, 15))
+
+HEALTH_SOURCES: Final = ("requested", "sampled")
+
 
 class Metrics:
     """The service's Prometheus collectors (sdpa_*), registered on one registry."""
@@ -18,6 +43,10 @@ class Metrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         reg = self.registry
+        # process_* (RSS, CPU seconds, open descriptors, start time), python_gc_*, python_info.
+        ProcessCollector(registry=reg)
+        PlatformCollector(registry=reg)
+        GCCollector(registry=reg)  # registers nothing off CPython
         self.requests_total = Counter(
             "sdpa_requests_total", "HTTP requests answered.", ["route", "status"], registry=reg
         )
@@ -28,8 +57,19 @@ class Metrics:
             buckets=_LATENCY_BUCKETS,
             registry=reg,
         )
+        self.requests_in_flight = Gauge(
+            "sdpa_requests_in_flight",
+            "Compute requests (attention, analyze) being read, queued, computed or encoded.",
+            registry=reg,
+        )
         self.queue_depth = Gauge(
             "sdpa_queue_depth", "Requests waiting in the batcher's queue.", registry=reg
+        )
+        self.backlog_seconds = Gauge(
+            "sdpa_backlog_seconds",
+            "Estimated seconds to work off the queue and the batch on the device: the cost "
+            "model's estimate over the measured throughput (what Retry-After says).",
+            registry=reg,
         )
         self.queue_wait_seconds = Histogram(
             "sdpa_queue_wait_seconds",
@@ -54,3 +94,76 @@ class Metrics:
             ["reason"],
             registry=reg,
         )
+
+        # -- attention health (service.serving.health) ----------------------------------------
+        # Each histogram is observed once per (sequence, head) of a request that computed
+        # diagnostics, with the rows of that head that see at least one key.
+        self.attention_entropy_normalized = Histogram(
+            "sdpa_attention_entropy_normalized",
+            "Mean normalized row entropy (H / log visible keys) of one head; near 0 = collapse.",
+            ["tag"],
+            buckets=UNIT_BUCKETS,
+            registry=reg,
+        )
+        self.attention_max_weight = Histogram(
+            "sdpa_attention_max_weight",
+            "Mean of the rows' largest weight, per head.",
+            ["tag"],
+            buckets=UNIT_BUCKETS,
+            registry=reg,
+        )
+        self.attention_saturated_fraction = Histogram(
+            "sdpa_attention_saturated_fraction",
+            "Share of a head's rows whose max weight is >= 0.99.",
+            ["tag"],
+            buckets=UNIT_BUCKETS,
+            registry=reg,
+        )
+        self.attention_sink_share = Histogram(
+            "sdpa_attention_sink_share",
+            "Mean share of a row's attention on its first SDPA_HEALTH_SINK_TOKENS keys, per head.",
+            ["tag"],
+            buckets=UNIT_BUCKETS,
+            registry=reg,
+        )
+        self.attention_logit_abs_max = Histogram(
+            "sdpa_attention_logit_abs_max",
+            "Largest |scaled score| (q.k times the scale) of a head.",
+            ["tag"],
+            buckets=LOGIT_BUCKETS,
+            registry=reg,
+        )
+        self.attention_masked_rows_total = Counter(
+            "sdpa_attention_masked_rows_total",
+            "Query rows that saw no key (output 0), in requests that computed diagnostics.",
+            ["tag"],
+            registry=reg,
+        )
+        self.nonfinite_inputs_total = Counter(
+            "sdpa_nonfinite_inputs_total",
+            "Requests refused because an input held NaN or Inf.",
+            registry=reg,
+        )
+        self.health_observations_total = Counter(
+            "sdpa_health_observations_total",
+            "Requests whose diagnostics fed the health histograms, by source "
+            "(requested: the client asked for diagnostics; sampled: SDPA_HEALTH_SAMPLE_RATE).",
+            ["tag", "source"],
+            registry=reg,
+        )
+        self.health_samples_dropped_total = Counter(
+            "sdpa_health_samples_dropped_total",
+            "Sampled requests whose health summary was not computed: the bounded queue of "
+            "samples was full, or the service was draining.",
+            registry=reg,
+        )
+
+    def track_device_memory(self, read_bytes: Callable[[], float]) -> None:
+        """Export sdpa_device_memory_allocated_bytes, read at each scrape (CUDA: the bytes of
+        tensors torch holds on the device). Called once, by the app, when the device is CUDA."""
+        gauge = Gauge(
+            "sdpa_device_memory_allocated_bytes",
+            "Device memory held by tensors (torch.cuda.memory_allocated), read at scrape time.",
+            registry=self.registry,
+        )
+        gauge.set_function(read_bytes)

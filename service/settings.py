@@ -69,6 +69,15 @@ class Settings(BaseSettings):
     # A file with one key per line ('#' comments allowed); merged with api_keys.
     api_keys_file: Path | None = None
 
+    # Attention health (service.serving.health): the share of requests that did not ask for
+    # diagnostics whose summary is still computed for the metrics, when the device is idle;
+    # the key positions whose share of a row's attention is sink_share; how many distinct
+    # request tags label the health metrics before the rest count as "other" (each tag is a
+    # set of series in Prometheus: the bound keeps its memory bounded).
+    health_sample_rate: float = Field(default=0.01, ge=0.0, le=1.0)
+    health_sink_tokens: int = Field(default=4, ge=0, le=1 << 20)
+    health_max_tags: int = Field(default=64, ge=1, le=10_000)
+
     log_level: Literal["debug", "info", "warning", "error", "critical"] = "info"
     drain_timeout_s: float = Field(default=30.0, ge=0.0, le=3600.0)
 

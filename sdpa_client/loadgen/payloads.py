@@ -14,8 +14,9 @@ from typing import Any, Literal
 import numpy as np
 import numpy.typing as npt
 
-from sdpa_client.calls import build_attention_body
+from sdpa_client.calls import Protocol, build_attention_body
 from sdpa_client.codec import Encoding, encode_body
+from sdpa_client.v2 import INFER_PATH, build_infer_request
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +51,15 @@ class Preset:
             encoding=encoding,
         )  # fmt: skip
 
+    def infer_request(self, *, binary: bool, seed: int = 0) -> tuple[bytes, dict[str, str]]:
+        """The body and headers of this preset's v2 infer request (binary tensor data, or
+        JSON lists)."""
+        q, k, v = self.arrays(seed=seed)
+        return build_infer_request(
+            q, k, v, return_weights=self.return_weights, diagnostics=self.diagnostics,
+            binary=binary,
+        )  # fmt: skip
+
     def describe(self) -> str:
         """One line: shape, weights, diagnostics."""
         parts = [f"B={self.batch} H={self.heads} N={self.n} D={self.d}"]
@@ -75,14 +85,25 @@ class Payload:
     path: str
     body: bytes
     description: str = ""
+    # Headers of this request besides the sender's own (v2's Inference-Header-Content-Length).
+    headers: tuple[tuple[str, str], ...] = ()
 
     @classmethod
     def from_preset(
         cls, preset: Preset, *, encoding: Encoding = "base64", seed: int = 0,
-        path: str = "/v1/attention",
+        path: str | None = None, protocol: Protocol = "v1",
     ) -> Payload:  # fmt: skip
+        """A preset's request: v1 JSON (encoding: base64 or lists), or v2 (encoding base64:
+        binary tensor data; json: JSON lists). `path` None: the protocol's endpoint."""
+        if protocol == "v2":
+            body, headers = preset.infer_request(binary=encoding == "base64", seed=seed)
+            form = "binary" if encoding == "base64" else "json"
+            return cls(
+                preset.name, path or INFER_PATH, body, f"{preset.describe()}, v2 {form}",
+                tuple(headers.items()),
+            )  # fmt: skip
         body = encode_body(preset.request(encoding=encoding, seed=seed))
-        return cls(preset.name, path, body, f"{preset.describe()}, {encoding}")
+        return cls(preset.name, path or "/v1/attention", body, f"{preset.describe()}, {encoding}")
 
     @classmethod
     def from_file(cls, file: Path, *, path: str = "/v1/attention") -> Payload:

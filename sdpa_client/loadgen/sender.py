@@ -29,6 +29,7 @@ class HttpSender:
         self._base_url = base_url.rstrip("/")
         self._path = payload.path
         self._body = payload.body
+        self._extra_headers = dict(payload.headers) or None
         self._timeout = httpx.Timeout(timeout_s, connect=min(10.0, timeout_s))
         self._headers = {
             "content-type": "application/json",
@@ -58,7 +59,9 @@ class HttpSender:
     async def __call__(self) -> int:
         client = self._client()
         try:
-            response = await client.post(self._path, content=self._body)
+            response = await client.post(
+                self._path, content=self._body, headers=self._extra_headers
+            )
             return response.status_code
         finally:
             self._idle.append(client)

@@ -40,18 +40,32 @@ async def read_call(request: Request, state: AppState) -> tuple[bytes, Call]:
         started=started,
         received=received,
         reserve_answer=getattr(request.state, RESERVE_ANSWER, None),
+        health=state.health,
     )
     return body, call
 
 
 async def serve(request: Request, state: AppState, pipeline: Pipeline) -> Response:
     """Read the request, run `pipeline` on it, answer (499 in the log if the client left)."""
-    body, call = await read_call(request, state)
-    try:
-        reply = await pipeline(body, call)
-    except ClientDisconnected:
-        return client_closed()
-    return reply_response(request, reply)
+
+    async def answer(body: bytes, call: Call) -> Response:
+        return reply_response(request, await pipeline(body, call))
+
+    return await serve_with(request, state, answer)
+
+
+async def serve_with(
+    request: Request, state: AppState, answer: Callable[[bytes, Call], Awaitable[Response]]
+) -> Response:
+    """The frame of every compute route, v1's and v2's: read the request, bind its Call, let
+    `answer` run a serving pipeline and build the response (499 in the log if the client
+    left)."""
+    with state.metrics.requests_in_flight.track_inprogress():
+        body, call = await read_call(request, state)
+        try:
+            return await answer(body, call)
+        except ClientDisconnected:
+            return client_closed()
 
 
 def reply_response(request: Request, reply: Reply) -> Response:

@@ -18,6 +18,7 @@ from service.runtime.batcher import DynamicBatcher
 from service.runtime.engine import Engine
 from service.runtime.jobs import Outcome, PreparedJob
 from service.runtime.policy import CostModel
+from service.serving.health import HealthMonitor
 from service.settings import Settings
 
 Batcher = DynamicBatcher[PreparedJob, Outcome]
@@ -34,6 +35,7 @@ class AppState:
     # Set by the lifespan: None until it starts.
     engine: Engine | None = None
     batcher: Batcher | None = None
+    health: HealthMonitor | None = None
     warmed_up: bool = False
     warmup_error: str | None = None
     # Measured on the device at warm-up; a slow CPU's figures until then (they err on the side

@@ -60,7 +60,12 @@ _INFO_EXAMPLE: Final = {
             "analyze": {"gflops_per_second": 11.2, "d_floor": 96, "overhead_ms": 4.0},
         },
     },
-    "batching": {"max_batch_size": 32, "max_batch_delay_ms": 0.0, "max_queue": 1024},
+    "batching": {
+        "max_batch_size": 32,
+        "max_batch_delay_ms": 0.0,
+        "max_queue": 1024,
+        "backlog_seconds": 0.0,
+    },
     "auth": False,
 }
 
@@ -132,6 +137,9 @@ async def info(state: StateDep) -> Response:
                 "max_batch_size": settings.max_batch_size,
                 "max_batch_delay_ms": settings.max_batch_delay_ms,
                 "max_queue": settings.max_queue,
+                "backlog_seconds": 0.0
+                if state.batcher is None
+                else round(state.batcher.backlog_seconds(), 3),
             },
             "auth": state.auth_enabled,
         }

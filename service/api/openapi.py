@@ -15,6 +15,7 @@ from fastapi.openapi.utils import get_openapi
 from pydantic.json_schema import models_json_schema
 
 from service.wire.models import REQUEST_MODELS, RESPONSE_MODELS
+from service.wire.v2_models import V2_REQUEST_MODELS, V2_RESPONSE_MODELS
 
 
 def json_ref(name: str) -> dict[str, str]:
@@ -36,6 +37,34 @@ def problem_doc(description: str, *, retry_after: bool = False) -> dict[str, Any
             }
         }
     return doc
+
+
+def v2_error_doc(description: str, *, retry_after: bool = False) -> dict[str, Any]:
+    """An OpenAPI response of the v2 routes, whose errors are {"error": "..."}."""
+    doc = problem_doc(description, retry_after=retry_after)
+    doc["content"] = {"application/json": {"schema": json_ref("InferError")}}
+    return doc
+
+
+def v2_infer_request_body() -> dict[str, Any]:
+    """openapi_extra of v2 infer: a JSON body, or a JSON header followed by binary data."""
+    example = {
+        "inputs": [
+            {"name": name, "shape": [1, 2, 2], "datatype": "FP32",
+             "data": [1.0, 0.0, 0.0, 1.0]}
+            for name in ("q", "k", "v")
+        ],
+        "parameters": {"causal": True, "diagnostics": "summary"},
+        "outputs": [{"name": "output"}],
+    }  # fmt: skip
+    return {
+        "requestBody": {
+            "required": True,
+            "content": {
+                "application/json": {"schema": json_ref("InferRequest"), "example": example}
+            },
+        }
+    }
 
 
 UNAUTHORIZED_DOC: Final = problem_doc("Missing or invalid API key (when keys are configured).")
@@ -78,8 +107,8 @@ def openapi_document(app: FastAPI, *, auth: bool) -> dict[str, Any]:
         title=app.title, version=app.version, description=app.description, routes=app.routes
     )
     _, defs = models_json_schema(
-        [(model, "validation") for model in REQUEST_MODELS]
-        + [(model, "serialization") for model in RESPONSE_MODELS],
+        [(model, "validation") for model in (*REQUEST_MODELS, *V2_REQUEST_MODELS)]
+        + [(model, "serialization") for model in (*RESPONSE_MODELS, *V2_RESPONSE_MODELS)],
         ref_template="#/components/schemas/{model}",
     )
     components = schema.setdefault("components", {})

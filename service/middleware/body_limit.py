@@ -6,10 +6,12 @@ and refused as soon as the count passes the limit. A 1 GB upload therefore costs
 limit plus one chunk of memory.
 
 Requests with a body (POST, PUT, PATCH) to a route that takes their method must declare JSON:
-application/json or any application/*+json, parameters (charset) allowed. Anything else is a 415
-before the body is read. A method the path does not have (PUT /healthz) is left to routing, which
-answers 405 with an Allow header (and 404 for an unknown path): the request would never reach a
-route, so its content type is no reason to refuse it. Its body is still limited.
+application/json or any application/*+json, parameters (charset) allowed; v2 bodies (under
+/v2/) are exempt, since Triton's binary extension puts raw bytes after their JSON header.
+Anything else is a 415 before the body is read. A method the path does not have (PUT
+/healthz) is left to routing, which answers 405 with an Allow header (and 404 for an unknown
+path): the request would never reach a route, so its content type is no reason to refuse it.
+Its body is still limited.
 """
 
 from __future__ import annotations
@@ -90,7 +92,11 @@ class BodyLimitMiddleware:
             elif name == b"content-length":
                 content_length = value
 
-        if not is_json_content_type(content_type) and reaches_a_route(scope):
+        # v2 (Open Inference Protocol) bodies may carry binary tensor data after their JSON
+        # header, and its clients declare them as application/octet-stream or not at all: the
+        # route reads the framing from Inference-Header-Content-Length instead.
+        v2 = scope["path"].startswith("/v2/")
+        if not v2 and not is_json_content_type(content_type) and reaches_a_route(scope):
             shown = content_type.decode("latin-1")[:100] or "none"
             msg = f"request bodies must be JSON (Content-Type: application/json); got {shown}"
             error: ServiceError = UnsupportedMediaType(

@@ -3,9 +3,10 @@
 A request holds the body it has read and the answer bytes it hands to the server until the app
 is done with it; after that, what its client has not taken yet waits in the connection's write
 buffer (service.middleware.connections counts those of clients that fell behind; the send
-timeout frees a client that reads nothing). While the total is over the limit, a new request
-gets 503 with Retry-After before any of its body is read; and once a request is parsed, its
-answer's estimated size is reserved before it is computed, or the request gets that 503.
+timeout frees a client that reads nothing). A new request reserves its declared body
+(Content-Length, at most SDPA_MAX_BODY_BYTES) at once; when that does not fit beside the bytes
+held, it gets 503 with Retry-After before any of its body is read. Once a request is parsed,
+its answer's working set is reserved before it is computed, or the request gets that 503.
 Probes and metrics are never refused for it: an orchestrator must still see the process alive,
 and an operator why it refuses.
 """
@@ -19,12 +20,23 @@ from typing import Final
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.api.errors import service_error_response
-from service.errors import FieldError, InvalidRequest, MemoryBusy
+from service.errors import FieldError, InvalidRequest, MemoryBusy, PayloadTooLarge
 from service.metrics import Metrics
 from service.middleware.connections import unsent_bytes
 
 MB: Final = 1e6
-EXEMPT_PATHS: Final = frozenset({"/healthz", "/readyz", "/metrics"})
+# The probes of both protocols (orchestrators and KServe probe v2's) and the metrics.
+EXEMPT_PATHS: Final = frozenset(
+    {
+        "/healthz",
+        "/readyz",
+        "/metrics",
+        "/v2/health/live",
+        "/v2/health/ready",
+        "/v2/models/attention/ready",
+        "/v2/models/attention/versions/1/ready",
+    }
+)
 # The request-state key of a request's reserve_answer(nbytes): it raises MemoryBusy (503) when
 # the answer's estimated size would take the bytes in flight over the limit.
 RESERVE_ANSWER: Final = "reserve_answer"
@@ -56,9 +68,17 @@ def default_inflight_bytes() -> int:
 class InflightBytesMiddleware:
     """503 for new requests while the requests in flight hold more than `max_bytes`."""
 
-    def __init__(self, app: ASGIApp, *, max_bytes: int, metrics: Metrics | None = None) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        max_bytes: int,
+        max_body_bytes: int,
+        metrics: Metrics | None = None,
+    ) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.max_body_bytes = max_body_bytes  # SDPA_MAX_BODY_BYTES: no body reads past it
         self.metrics = metrics
         self.held = 0  # bytes all requests in flight hold now
 
@@ -66,13 +86,20 @@ class InflightBytesMiddleware:
         if scope["type"] != "http" or scope["path"] in EXEMPT_PATHS:
             await self.app(scope, receive, send)
             return
-        if self.held + unsent_bytes() > self.max_bytes:
-            await self._refuse(scope, receive, send)
+        # The declared body is reserved at once: clients that send their headers together
+        # would otherwise all be admitted while nothing is held yet, and read past the limit.
+        declared = min(_content_length(scope), self.max_body_bytes)
+        if declared > self.max_bytes:
+            await service_error_response(self._body_too_big(declared))(scope, receive, send)
+            return
+        if self.held + unsent_bytes() + declared > self.max_bytes:
+            await self._refuse(scope, receive, send, declared)
             return
 
-        body = 0  # bytes of the body read
+        body = 0  # bytes of the body held: declared (reserved), or read (whichever is more)
         answer = 0  # the answer's bytes: reserved, or handed over (whichever is more)
         sent = 0
+        received = 0  # bytes of the body read
 
         def hold(body_now: int, answer_now: int) -> None:
             nonlocal body, answer
@@ -91,11 +118,14 @@ class InflightBytesMiddleware:
             hold(body, max(nbytes, sent))
 
         scope.setdefault("state", {})[RESERVE_ANSWER] = reserve_answer
+        hold(declared, 0)
 
         async def counting_receive() -> Message:
+            nonlocal received
             message = await receive()
             if message["type"] == "http.request":
-                hold(body + len(message.get("body", b"")), answer)
+                received += len(message.get("body", b""))
+                hold(max(declared, received), answer)
             return message
 
         async def counting_send(message: Message) -> None:
@@ -130,6 +160,25 @@ class InflightBytesMiddleware:
             msg, errors=[FieldError(loc=("body",), msg=msg, type="inflight_limit")]
         )
 
-    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
-        error = self._busy(self.held + unsent_bytes())
+    def _body_too_big(self, declared: int) -> PayloadTooLarge:
+        msg = (
+            f"the body ({declared} bytes, Content-Length) is larger than SDPA_MAX_INFLIGHT_BYTES "
+            f"= {self.max_bytes} allows all requests together; split the request or send "
+            "base64 tensors"
+        )
+        return PayloadTooLarge(
+            msg, errors=[FieldError(loc=("header", "content-length"), msg=msg, type="inflight")]
+        )
+
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send, declared: int) -> None:
+        error = self._busy(self.held + unsent_bytes() + declared)
         await service_error_response(error)(scope, receive, send)
+
+
+def _content_length(scope: Scope) -> int:
+    """The request's Content-Length, 0 when absent or not a number (the server refuses those)."""
+    for name, value in scope.get("headers", ()):
+        if name == b"content-length":
+            text = value.decode("latin-1").strip()
+            return int(text) if text.isascii() and text.isdigit() else 0
+    return 0

@@ -37,9 +37,17 @@ away; it is dropped before compute if still queued). An item's state moves QUEUE
 DONE or QUEUED -> DROPPED, and only the side that moves it out of QUEUED may answer it, so the
 deadline timer, a cancelled client and the worker can never both answer one item.
 
-Retry-After for a full queue is the estimated time to work off the queue: (queued + in flight)
-divided by the recent throughput, an exponentially weighted mean of items per busy second over
-recent batches.
+Retry-After and the backlog
+---------------------------
+Each item carries its estimated work (``work_seconds``: the runtime's cost model, in estimated
+device seconds; one unit per item without it). The backlog is the queued work plus what is left
+of the batch on the device, divided by the measured throughput: the estimated work done per
+second the device was busy, both summed with a half-life of THROUGHPUT_HALF_LIFE_S of device
+time and starting from THROUGHPUT_PRIOR_S of the model's own pace. Weighing batches by their
+time, a stream of tiny requests (whose fixed costs the model under-counts) cannot make a queue
+of large ones look long or short, and a model off by a constant factor is corrected.
+Retry-After (a full queue, a drain) is that backlog in whole seconds, within [1, 60];
+``backlog_seconds()`` and the gauge sdpa_backlog_seconds report it.
 """
 
 from __future__ import annotations
@@ -66,10 +74,14 @@ V = TypeVar("V")
 
 logger = logging.getLogger("sdpa.batcher")
 
-# Weight of the newest batch in the throughput EWMA: about the last ten batches count.
-_EWMA_ALPHA = 0.2
 # Retry-After before any batch has run (no throughput measured yet).
 _DEFAULT_RETRY_AFTER_S = 1.0
+# A client told to come back later than this would rather try another replica.
+_MAX_RETRY_AFTER_S = 60.0
+# The measured throughput (module docstring): the model is trusted for its first second of
+# device time; measurements older than the half-life of device time weigh half.
+THROUGHPUT_PRIOR_S = 1.0
+THROUGHPUT_HALF_LIFE_S = 30.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +127,7 @@ class _State(enum.Enum):
 class _Pending(Generic[T, R]):
     __slots__ = (
         "cost", "deadline", "enqueued", "future", "item", "key", "queue_s", "seq", "state",
+        "work",
     )  # fmt: skip
 
     def __init__(
@@ -123,6 +136,7 @@ class _Pending(Generic[T, R]):
         item: T,
         key: Hashable,
         cost: float,
+        work: float,
         seq: int,
         deadline: float,
         future: asyncio.Future[BatchResult[R]],
@@ -130,6 +144,7 @@ class _Pending(Generic[T, R]):
         self.item = item
         self.key = key
         self.cost = cost
+        self.work = work  # estimated device seconds (one unit without a cost model)
         self.seq = seq
         self.deadline = deadline
         self.enqueued = time.monotonic()
@@ -152,6 +167,8 @@ class DynamicBatcher(Generic[T, R]):
         metrics: Metrics | None = None,
         batch_cost: Callable[[T], float] | None = None,
         max_batch_cost: float | None = None,
+        idle_work: Callable[[], Callable[[], None] | None] | None = None,
+        work_seconds: Callable[[T], float] | None = None,
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
@@ -170,6 +187,12 @@ class DynamicBatcher(Generic[T, R]):
         # sum of its items' costs stays within max_batch_cost; its first item always goes.
         self._batch_cost = batch_cost
         self._max_batch_cost = math.inf if max_batch_cost is None else max_batch_cost
+        # Work that runs on the device thread only while nothing is queued (the health
+        # monitor's sampled summaries): asked for one call at a time, each awaited before the
+        # queue is looked at again, so it delays a new arrival by one call at most.
+        self._idle_work = idle_work
+        # An item's estimated device seconds, for the backlog (module docstring).
+        self._work_seconds = work_seconds
 
         # Every queued item in arrival order, and the same items per group (arrival order).
         # OrderedDicts: O(1) removal from the middle (cancel, deadline) and O(1) oldest.
@@ -177,6 +200,9 @@ class DynamicBatcher(Generic[T, R]):
         self._groups: dict[Hashable, OrderedDict[int, _Pending[T, R]]] = {}
         self._seq = itertools.count()
         self._in_flight: list[_Pending[T, R]] = []
+        self._queued_work = 0.0  # the sum of the queued items' work
+        self._running_work = 0.0  # the batch on the device: its work, and since when
+        self._running_since = 0.0
 
         self._arrival: asyncio.Event | None = None
         self._worker: asyncio.Task[None] | None = None
@@ -185,7 +211,10 @@ class DynamicBatcher(Generic[T, R]):
         # there; written by both threads (a bool assignment is atomic under the GIL).
         self._device_busy = False
         self._draining = False
-        self._items_per_s: float | None = None
+        # Estimated work done, and device seconds it took: decayed sums (module docstring).
+        self._done_work = THROUGHPUT_PRIOR_S
+        self._busy_s = THROUGHPUT_PRIOR_S
+        self._measured = False
 
     # -- properties ------------------------------------------------------------------------
 
@@ -220,6 +249,11 @@ class DynamicBatcher(Generic[T, R]):
         self._arrival = asyncio.Event()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sdpa-device")
         self._worker = asyncio.create_task(self._work(), name="sdpa-batcher")
+
+    def wake(self) -> None:
+        """Tell an idle worker that idle work may be waiting (the health monitor calls it)."""
+        if self._arrival is not None:
+            self._arrival.set()
 
     async def run_on_device(self, fn: Callable[[], V]) -> V:
         """fn() on the device thread, in turn with the batches (the warm-up, the cost model's
@@ -260,12 +294,14 @@ class DynamicBatcher(Generic[T, R]):
         """
         if self._draining or not self.running or self._arrival is None:
             self._reject("shutting_down")
-            raise ShuttingDown("the service is shutting down", retry_after_s=self._retry_after_s())
+            raise ShuttingDown(
+                "the service is shutting down", retry_after_s=self._retry_after_s(item)
+            )
         if len(self._queue) >= self._max_queue:
             self._reject("queue_full")
             raise QueueFull(
                 f"the queue is full ({self._max_queue} requests waiting)",
-                retry_after_s=self._retry_after_s(),
+                retry_after_s=self._retry_after_s(item),
             )
         remaining = deadline - time.monotonic()
         if remaining <= 0:
@@ -276,8 +312,9 @@ class DynamicBatcher(Generic[T, R]):
         cost = 0.0 if self._batch_cost is None else self._batch_cost(item)
         future: asyncio.Future[BatchResult[R]] = asyncio.get_running_loop().create_future()
         pending = _Pending(
-            item=item, key=key, cost=cost, seq=next(self._seq), deadline=deadline, future=future
-        )
+            item=item, key=key, cost=cost, work=self._work_of(item), seq=next(self._seq),
+            deadline=deadline, future=future,
+        )  # fmt: skip
         self._enqueue(pending)
         # The deadline bounds the queue wait, not the compute (as LitServe's timeout): a timer
         # fails the item only while it is still queued. Awaiting the future itself (rather than
@@ -309,6 +346,7 @@ class DynamicBatcher(Generic[T, R]):
 
     def _enqueue(self, pending: _Pending[T, R]) -> None:
         self._queue[pending.seq] = pending
+        self._queued_work += pending.work
         self._groups.setdefault(pending.key, OrderedDict())[pending.seq] = pending
         self._set_depth()
         assert self._arrival is not None
@@ -318,6 +356,8 @@ class DynamicBatcher(Generic[T, R]):
         """Take a QUEUED item out of the queue without computing it."""
         pending.state = _State.DROPPED
         del self._queue[pending.seq]
+        # Summed floats drift: an empty queue holds exactly no work.
+        self._queued_work = self._queued_work - pending.work if self._queue else 0.0
         group = self._groups[pending.key]
         del group[pending.seq]
         if not group:
@@ -396,6 +436,10 @@ class DynamicBatcher(Generic[T, R]):
             if not self._queue:
                 if self._draining:
                     return
+                idle = None if self._idle_work is None else self._idle_work()
+                if idle is not None:
+                    await self._run_idle(idle)
+                    continue
                 self._arrival.clear()
                 await self._arrival.wait()
                 continue
@@ -413,6 +457,16 @@ class DynamicBatcher(Generic[T, R]):
                 for pending in self._in_flight:
                     self._answer_error(pending, exc)
                 self._in_flight = []
+
+    async def _run_idle(self, fn: Callable[[], None]) -> None:
+        """One piece of idle work on the device thread; its failure is logged, never raised."""
+        assert self._executor is not None
+        try:
+            await asyncio.wrap_future(self._executor.submit(fn))
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            logger.exception("idle work failed on the device thread")
 
     async def _execute(self, batch: list[_Pending[T, R]]) -> None:
         assert self._executor is not None
@@ -451,6 +505,8 @@ class DynamicBatcher(Generic[T, R]):
             with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(self._answer_batch, batch, results, seconds, device_done)
 
+        self._running_work = sum(pending.work for pending in batch)
+        self._running_since = time.monotonic()
         self._device_busy = True
         self._executor.submit(on_device)
         try:
@@ -481,7 +537,8 @@ class DynamicBatcher(Generic[T, R]):
     ) -> None:
         """On the loop, once the device finished a batch: answer its items, free the worker."""
         try:
-            self._note_throughput(len(batch), seconds)
+            work, self._running_work = self._running_work, 0.0
+            self._note_throughput(work, seconds)
             for pending, result in zip(batch, results, strict=True):
                 if pending.state is not _State.TAKEN:
                     continue  # answered already (ShuttingDown after a drain timeout)
@@ -511,19 +568,33 @@ class DynamicBatcher(Generic[T, R]):
 
     # -- throughput, Retry-After, metrics --------------------------------------------------
 
-    def _note_throughput(self, items: int, seconds: float) -> None:
-        rate = items / max(seconds, 1e-6)
-        if self._items_per_s is None:
-            self._items_per_s = rate
-        else:
-            self._items_per_s += _EWMA_ALPHA * (rate - self._items_per_s)
+    def _work_of(self, item: T) -> float:
+        return 1.0 if self._work_seconds is None else max(0.0, self._work_seconds(item))
 
-    def _retry_after_s(self) -> float:
-        """Seconds until the queue is likely worked off: backlog / recent throughput (>= 1)."""
-        if self._items_per_s is None:
-            return _DEFAULT_RETRY_AFTER_S
-        backlog = len(self._queue) + len(self._in_flight) + 1
-        return max(_DEFAULT_RETRY_AFTER_S, backlog / self._items_per_s)
+    def _note_throughput(self, work: float, seconds: float) -> None:
+        keep = 0.5 ** (seconds / THROUGHPUT_HALF_LIFE_S)
+        self._done_work = self._done_work * keep + work
+        self._busy_s = self._busy_s * keep + seconds
+        self._measured = True
+        self._set_depth()
+
+    def backlog_seconds(self, extra_work: float = 0.0) -> float:
+        """Estimated seconds until the queue, the batch on the device and `extra_work` are done:
+        estimated work over the measured throughput (module docstring)."""
+        rate = self._done_work / self._busy_s
+        running_left = 0.0
+        if self._running_work:
+            running_left = max(
+                0.0, self._running_work / rate - (time.monotonic() - self._running_since)
+            )
+        return (self._queued_work + extra_work) / rate + running_left
+
+    def _retry_after_s(self, item: T) -> float:
+        """Seconds until the backlog and this item are likely worked off, within [1, 60]."""
+        if not self._measured and self._work_seconds is None:
+            return _DEFAULT_RETRY_AFTER_S  # nothing measured, nothing estimated
+        backlog = self.backlog_seconds(self._work_of(item))
+        return min(_MAX_RETRY_AFTER_S, max(_DEFAULT_RETRY_AFTER_S, backlog))
 
     def _reject(self, reason: str) -> None:
         if self._metrics is not None:
@@ -532,3 +603,4 @@ class DynamicBatcher(Generic[T, R]):
     def _set_depth(self) -> None:
         if self._metrics is not None:
             self._metrics.queue_depth.set(len(self._queue))
+            self._metrics.backlog_seconds.set(self.backlog_seconds())

@@ -17,12 +17,20 @@ from collections.abc import Callable, Hashable, Sequence
 
 import torch
 
-from sdpa_core import STANDARD_STRATEGIES, AttentionResult, analyze_scaling, attention
+from sdpa_core import (
+    DEFAULT_SINK_TOKENS,
+    STANDARD_STRATEGIES,
+    AttentionResult,
+    Diagnostics,
+    analyze_scaling,
+    attention,
+)
 from service.metrics import Metrics
 from service.runtime.collate import collate, member_diagnostics, split
 from service.runtime.jobs import (
     AnalyzeJob,
     AnalyzeOutcome,
+    AttentionJob,
     AttentionOutcome,
     Outcome,
     PreparedJob,
@@ -48,8 +56,12 @@ class Engine:
         memory_budget_bytes: int | None = None,
         max_batch_score_bytes: int | None = None,
         metrics: Metrics | None = None,
+        sink_tokens: int = DEFAULT_SINK_TOKENS,
     ) -> None:
         self.device = device
+        # The key positions whose share is diagnostics' sink_share (SDPA_HEALTH_SINK_TOKENS;
+        # the app sets it on an engine a test passes in, too).
+        self.sink_tokens = sink_tokens
         self.memory_budget_bytes = memory_budget_bytes
         budget = (
             max_batch_score_bytes
@@ -173,6 +185,32 @@ class Engine:
                 outcomes.append(exc)
         return outcomes
 
+    def diagnose(self, prepared: PreparedJob) -> Diagnostics:
+        """Summary diagnostics of an attention job that did not ask for them (the health
+        monitor's samples): the job alone, on the chunked path, on this device."""
+        job = prepared.job
+        if not isinstance(job, AttentionJob):
+            raise TypeError(f"only attention jobs have diagnostics, not {type(job).__name__}")
+        dev = self.device
+        result = attention(
+            job.q.to(dev),
+            job.k.to(dev),
+            job.v.to(dev),
+            causal=job.causal,
+            key_lengths=_to(job.key_lengths, dev),
+            key_padding_mask=_to(job.key_padding_mask, dev),
+            attn_mask=_to(job.attn_mask, dev),
+            scale=job.scale,
+            diagnostics="summary",
+            memory_budget_bytes=self.memory_budget_bytes,
+            check_finite=False,  # validated once, when the request was prepared
+            sink_tokens=self.sink_tokens,
+        )
+        assert result.diagnostics is not None  # asked for
+        if self.device.type == "cpu":
+            return result.diagnostics
+        return _diagnostics_on_cpu(result.diagnostics)
+
     def _observe(self, path: str, seconds: float) -> None:
         if self._metrics is not None:
             self._metrics.compute_seconds.labels(path=path).observe(seconds)
@@ -232,6 +270,7 @@ class Engine:
             return_weights=job.return_weights,
             diagnostics=job.diagnostics,
             memory_budget_bytes=self.memory_budget_bytes,
+            sink_tokens=self.sink_tokens,
             # Every job was prepared: validated once with its NaN/Inf scan. Padding adds only
             # zeros and (float masks) -inf, so prepared members make a checked batch too.
             check_finite=False,
@@ -273,6 +312,17 @@ class Engine:
             attn_mask=collated.attn_mask,
         )
         return split(collated, result)
+
+
+def _diagnostics_on_cpu(diagnostics: Diagnostics) -> Diagnostics:
+    """Diagnostics with their per-head tensors on the CPU (summaries are floats already)."""
+    return Diagnostics(
+        summary=diagnostics.summary,
+        per_head=type(diagnostics.per_head)(
+            **{name: t.cpu() for name, t in diagnostics.per_head.as_dict().items()}
+        ),
+        per_row=None,
+    )
 
 
 def _to(x: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:

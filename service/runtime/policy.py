@@ -22,7 +22,7 @@ from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Final
 
-from sdpa_core import InputSpec, score_matrix_nbytes
+from sdpa_core import InputSpec, analysis_passes, choose_path, score_matrix_nbytes
 from service.runtime.jobs import AnalyzeJob, AttentionJob, PreparedJob
 
 # A batch grows only while its padded score matrix [B, H, N_q, N_kv] (accumulation dtype) fits
@@ -204,6 +204,25 @@ def path_flops(shape: WorkShape, path: str, d_floor: int) -> float:
     if path == "analyze":
         return float(shape.scores) * (2.0 * d + ANALYZE_OPS_PER_SCORE * shape.strategies)
     return 2.0 * shape.scores * (d + max(shape.d_v, d_floor))
+
+
+def job_work(prepared: PreparedJob) -> tuple[WorkShape, str]:
+    """A prepared job in the cost model's terms: its work shape and the path it runs on (the
+    work limit and the backlog read it here)."""
+    job, spec = prepared.job, prepared.spec
+    if isinstance(job, AnalyzeJob):
+        passes = analysis_passes(job.strategies, spec.d)
+        return WorkShape(spec.batch, spec.heads, spec.n_q, spec.n_kv, spec.d, spec.d, passes), (
+            "analyze"
+        )
+    path = choose_path(
+        spec,
+        return_weights=job.return_weights,
+        diagnostics=job.diagnostics,
+        memory_budget_bytes=None,
+        path=None,
+    )
+    return WorkShape(spec.batch, spec.heads, spec.n_q, spec.n_kv, spec.d, spec.d_v), path
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,7 +7,7 @@ Each refusal is a 422 naming the field, the limit and how to stay under it.
 
 from __future__ import annotations
 
-from typing import Final
+from typing import Final, Literal
 
 from sdpa_core import PER_HEAD_FIELDS, PER_ROW_FIELDS, InputSpec
 from service.errors import FieldError, InvalidRequest
@@ -16,6 +16,8 @@ from service.settings import Settings
 from service.wire.models import Synthetic
 
 Loc = tuple[str | int, ...]
+# How an answer's tensors are sized: v1's JSON lists or base64, or v2's raw binary data.
+SizedAs = Literal["json", "base64", "binary"]
 MB: Final = 1e6
 
 
@@ -125,13 +127,21 @@ def attention_work_hint(path: str) -> str:
 def response_bytes(
     spec: InputSpec, *, encoding: str, return_weights: bool, diagnostics: str
 ) -> int:
-    """An upper estimate of the response's size in `encoding`, before anything is computed."""
+    """An upper estimate of the response's size in `encoding` ("json", "base64", or v2's raw
+    "binary" data), before anything is computed."""
     itemsize = spec.dtype.itemsize
-    per_number = itemsize * 4 / 3 if encoding == "base64" else _JSON_BYTES[max(itemsize, 4)]
+    per_number = {"base64": itemsize * 4 / 3, "binary": itemsize}.get(
+        encoding, _JSON_BYTES[max(itemsize, 4)]
+    )
     rows = spec.batch * spec.heads * spec.n_q
     numbers = rows * spec.d_v + (rows * spec.n_kv if return_weights else 0)
     size = numbers * per_number
-    stat_bytes = _JSON_BYTES[spec.accum_dtype.itemsize]  # statistics are always JSON lists
+    # Statistics are JSON lists on v1; binary tensors on v2 when its answer is binary.
+    stat_bytes = (
+        spec.accum_dtype.itemsize
+        if encoding == "binary"
+        else _JSON_BYTES[spec.accum_dtype.itemsize]
+    )
     if diagnostics != "none":
         size += len(PER_HEAD_FIELDS) * spec.batch * spec.heads * stat_bytes
     if diagnostics == "full":
@@ -140,12 +150,13 @@ def response_bytes(
 
 
 def answer_working_bytes(
-    spec: InputSpec, *, return_weights: bool, diagnostics: str, response_bytes: int
+    spec: InputSpec, *, encoding: str, return_weights: bool, diagnostics: str, response_bytes: int
 ) -> int:
     """The memory a request holds at its peak from compute to send, besides its body: the
     decoded inputs, the result tensors, and while they are encoded both the encoder's copy (the
-    base64 text, or orjson's growing buffer) and the finished answer. The in-flight limit
-    reserves this before compute; once encoded, the request holds only its answer."""
+    base64 text, or orjson's growing buffer) and the finished answer. A binary answer (v2) is
+    written from the result tensors themselves: no copy. The in-flight limit reserves this
+    before compute; once encoded, the request holds only its answer."""
     itemsize = spec.dtype.itemsize
     rows = spec.batch * spec.heads * spec.n_q
     kv_rows = spec.batch * spec.kv_heads * spec.n_kv
@@ -153,6 +164,8 @@ def answer_working_bytes(
     results = rows * spec.d_v * itemsize + (rows * spec.n_kv * itemsize if return_weights else 0)
     if diagnostics == "full":
         results += len(PER_ROW_FIELDS) * rows * spec.accum_dtype.itemsize
+    if encoding == "binary":
+        return inputs + results + _ENVELOPE_BYTES
     return inputs + results + 2 * response_bytes
 
 
@@ -167,7 +180,7 @@ def check_response_size(
     if size <= settings.max_response_bytes:
         return size
     advice = []
-    if encoding != "base64":
+    if encoding == "json":
         as_base64 = response_bytes(
             spec, encoding="base64", return_weights=return_weights, diagnostics=diagnostics
         )

@@ -16,6 +16,7 @@ from typing import Any, Final, TypeVar
 
 import anyio.to_thread
 
+from sdpa_core import NonFiniteError
 from service.runtime.batcher import BatchResult
 from service.runtime.jobs import AnalyzeOutcome, AttentionOutcome, Outcome, PreparedJob
 from service.runtime.policy import CostModel
@@ -26,6 +27,7 @@ from service.serving.encode import (
     response_meta,
     server_timing,
 )
+from service.serving.health import HealthMonitor
 from service.serving.prepare import PreparedRequest, prepare_analyze, prepare_attention
 from service.settings import Settings
 
@@ -57,6 +59,8 @@ class Call:
     # called with the working set before compute and shrunk to the answer once encoded. None
     # where nothing counts them.
     reserve_answer: Callable[[int], None] | None = None
+    # Attention health (service.serving.health): observes diagnostics, samples the rest.
+    health: HealthMonitor | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,7 +72,7 @@ class Reply:
     batch_size: int
 
 
-async def _off_loop_if(big: bool, fn: Callable[..., T], *args: Any) -> T:
+async def off_loop_if(big: bool, fn: Callable[..., T], *args: Any) -> T:
     """fn(*args) on a worker thread when `big`, inline otherwise."""
     if big:
         return await anyio.to_thread.run_sync(fn, *args)
@@ -81,7 +85,7 @@ def _deadline(request: PreparedRequest, call: Call) -> float:
     return call.started + ms / 1000.0
 
 
-async def _run(
+async def run_prepared(
     request: PreparedRequest, call: Call, kind: type[OutcomeT]
 ) -> tuple[OutcomeT, BatchResult[Outcome], dict[str, Any]]:
     """Queue the prepared job and wait for its outcome -> (outcome, its batch, the meta fields)."""
@@ -101,49 +105,85 @@ async def _run(
     return outcome, batch, meta
 
 
-def _ms(start: float, end: float) -> float:
+async def counting_nonfinite(call: Call, preparing: Awaitable[T]) -> T:
+    """The prepared request; one refused for NaN/Inf in an input is counted in the metrics."""
+    try:
+        return await preparing
+    except NonFiniteError:
+        if call.health is not None:
+            call.health.count_nonfinite()
+        raise
+
+
+def ms_between(start: float, end: float) -> float:
     return (end - start) * 1000.0
+
+
+def answered(
+    request: PreparedRequest,
+    call: Call,
+    outcome: AttentionOutcome,
+    batch: BatchResult[Outcome],
+    answer_bytes: int,
+    decoded: float,
+    computed: float,
+) -> str:
+    """Once an attention answer is encoded (either door): shrink the in-flight reservation to
+    the answer, hand the diagnostics to the health monitor -> the Server-Timing value."""
+    if call.reserve_answer is not None and request.working_bytes:
+        call.reserve_answer(answer_bytes)  # the inputs, results and encoder's copy are gone
+    if call.health is not None:
+        call.health.after_answer(
+            request.prepared,
+            tag=request.tag,
+            diagnostics=outcome.result.diagnostics,
+            cost=call.cost_model,
+        )
+    return server_timing(
+        read=ms_between(call.started, call.received),
+        decode=ms_between(call.received, decoded),
+        queue=batch.queue_ms,
+        compute=outcome.compute_ms,
+        # What the wait held besides queue and compute: the device thread hop, batching.
+        dispatch=max(0.0, ms_between(decoded, computed) - batch.queue_ms - outcome.compute_ms),
+        encode=ms_between(computed, time.monotonic()),
+    )
 
 
 async def attention(body: bytes, call: Call) -> Reply:
     """POST /v1/attention: body -> output, weights and diagnostics, with their timing."""
-    request = await _off_loop_if(
-        len(body) > OFFLOAD_BYTES, prepare_attention, body, call.settings, call.cost_model
+    request = await counting_nonfinite(
+        call,
+        off_loop_if(
+            len(body) > OFFLOAD_BYTES, prepare_attention, body, call.settings, call.cost_model
+        ),
     )
     decoded = time.monotonic()
-    outcome, batch, meta = await _run(request, call, AttentionOutcome)
+    outcome, batch, meta = await run_prepared(request, call, AttentionOutcome)
     computed = time.monotonic()
-    content = await _off_loop_if(
+    content = await off_loop_if(
         attention_elements(outcome) * 4 > OFFLOAD_BYTES,
         lambda: encode_attention(outcome, encoding=request.encoding, meta=meta),
     )
-    if call.reserve_answer is not None and request.working_bytes:
-        call.reserve_answer(len(content))  # the inputs, results and encoder's copy are gone
-    timing = server_timing(
-        read=_ms(call.started, call.received),
-        decode=_ms(call.received, decoded),
-        queue=batch.queue_ms,
-        compute=outcome.compute_ms,
-        # What the wait held besides queue and compute: the device thread hop, batching.
-        dispatch=max(0.0, _ms(decoded, computed) - batch.queue_ms - outcome.compute_ms),
-        encode=_ms(computed, time.monotonic()),
-    )
+    timing = answered(request, call, outcome, batch, len(content), decoded, computed)
     return Reply(content=content, server_timing=timing, batch_size=batch.batch_size)
 
 
 async def analyze(body: bytes, call: Call) -> Reply:
     """POST /v1/analyze: body -> the scaling report, with its timing."""
     # Always off the loop: synthetic inputs are generated here, and analysis is not a hot path.
-    request = await anyio.to_thread.run_sync(prepare_analyze, body, call.settings, call.cost_model)
+    request = await counting_nonfinite(
+        call, anyio.to_thread.run_sync(prepare_analyze, body, call.settings, call.cost_model)
+    )
     decoded = time.monotonic()
-    outcome, batch, meta = await _run(request, call, AnalyzeOutcome)
+    outcome, batch, meta = await run_prepared(request, call, AnalyzeOutcome)
     computed = time.monotonic()
     content = encode_analyze(outcome, meta=meta)
     timing = server_timing(
-        read=_ms(call.started, call.received),
-        decode=_ms(call.received, decoded),
+        read=ms_between(call.started, call.received),
+        decode=ms_between(call.received, decoded),
         queue=batch.queue_ms,
         compute=outcome.compute_ms,
-        encode=_ms(computed, time.monotonic()),
+        encode=ms_between(computed, time.monotonic()),
     )
     return Reply(content=content, server_timing=timing, batch_size=batch.batch_size)

@@ -13,10 +13,11 @@ from typing import Any, Final
 
 import torch
 
-from sdpa_core import analysis_passes, choose_path, make_synthetic_qk
+from sdpa_core import analysis_passes, default_scale, make_synthetic_qk
 from service.runtime.jobs import AnalyzeJob, AttentionJob, PreparedJob, Strategy, prepare
-from service.runtime.policy import CostModel, WorkShape
+from service.runtime.policy import CostModel, WorkShape, job_work
 from service.serving.limits import (
+    SizedAs,
     answer_working_bytes,
     attention_work_hint,
     check_analysis_limits,
@@ -52,6 +53,7 @@ class PreparedRequest:
     encoding: EncodingName  # of the response's tensors
     timeout_ms: float | None
     response_bytes: int = 0  # the answer's estimated size (0: a small, fixed-size answer)
+    tag: str | None = None  # labels the request's health metrics (service.serving.health)
     # What the request holds at its peak from compute to send (limits.answer_working_bytes):
     # reserved against SDPA_MAX_INFLIGHT_BYTES before it is computed.
     working_bytes: int = 0
@@ -101,50 +103,80 @@ def prepare_attention(body: bytes, settings: Settings, cost: CostModel) -> Prepa
     k = decode_tensor(req.k, loc=("body", "k"), role="float", max_elements=limit)
     v = decode_tensor(req.v, loc=("body", "v"), role="float", max_elements=limit)
     masks = _decode_masks(req.key_lengths, req.key_padding_mask, req.attn_mask, max_elements=limit)
-    prepared = prepare(
-        AttentionJob(
-            q=q.tensor,
-            k=k.tensor,
-            v=v.tensor,
-            causal=req.causal,
-            key_lengths=masks.key_lengths,
-            key_padding_mask=masks.key_padding_mask,
-            attn_mask=masks.attn_mask,
-            scale=req.scale,
-            return_weights=req.return_weights,
-            diagnostics=req.diagnostics,
-        )
-    )
-    spec = prepared.spec
-    check_attention_limits(spec, return_weights=req.return_weights, settings=settings)
-    path = choose_path(
-        spec,
+    job = AttentionJob(
+        q=q.tensor,
+        k=k.tensor,
+        v=v.tensor,
+        causal=req.causal,
+        key_lengths=masks.key_lengths,
+        key_padding_mask=masks.key_padding_mask,
+        attn_mask=masks.attn_mask,
+        scale=req.scale
+        if req.temperature is None
+        else temperature_scale(req.temperature, q.tensor),
         return_weights=req.return_weights,
         diagnostics=req.diagnostics,
-        memory_budget_bytes=None,
-        path=None,
     )
-    shape = WorkShape(spec.batch, spec.heads, spec.n_q, spec.n_kv, spec.d, spec.d_v)
+    encoding = req.response_encoding or q.encoding
+    return prepare_attention_job(
+        job,
+        encoding=encoding,
+        timeout_ms=req.timeout_ms,
+        settings=settings,
+        cost=cost,
+        tag=req.tag,
+    )
+
+
+def temperature_scale(temperature: float, q: torch.Tensor) -> float | None:
+    """scale = 1 / (T·sqrt(D)) for a temperature T > 0: the default scale divided by T.
+    None for a q without a head dim (its own error follows in validation)."""
+    d = q.shape[-1] if q.dim() else 0
+    return default_scale(d) / temperature if d else None
+
+
+def prepare_attention_job(
+    job: AttentionJob,
+    *,
+    encoding: EncodingName,
+    timeout_ms: float | None,
+    settings: Settings,
+    cost: CostModel,
+    tag: str | None = None,
+    sized_as: SizedAs | None = None,
+) -> PreparedRequest:
+    """A decoded attention job -> validated once and within every limit. Both protocols' doors
+    (v1 JSON, v2) come through here. The answer is sized in `encoding`, or in `sized_as` when
+    given (v2's raw "binary" data). Raises InvalidRequest / SdpaError (422)."""
+    prepared = prepare(job)
+    spec = prepared.spec
+    check_attention_limits(spec, return_weights=job.return_weights, settings=settings)
+    shape, path = job_work(prepared)
     check_work(
         shape, path, cost=cost, settings=settings, loc=("body", "q"), how=attention_work_hint(path)
     )
-    encoding = req.response_encoding or q.encoding
+    sized = encoding if sized_as is None else sized_as
     size = check_response_size(
         spec,
-        encoding=encoding,
-        return_weights=req.return_weights,
-        diagnostics=req.diagnostics,
+        encoding=sized,
+        return_weights=job.return_weights,
+        diagnostics=job.diagnostics,
         settings=settings,
     )
     working = answer_working_bytes(
-        spec, return_weights=req.return_weights, diagnostics=req.diagnostics, response_bytes=size
+        spec,
+        encoding=sized,
+        return_weights=job.return_weights,
+        diagnostics=job.diagnostics,
+        response_bytes=size,
     )
     return PreparedRequest(
         prepared=prepared,
         encoding=encoding,
-        timeout_ms=req.timeout_ms,
+        timeout_ms=timeout_ms,
         response_bytes=size,
         working_bytes=working,
+        tag=tag,
     )
 
 

@@ -34,6 +34,7 @@ const SUMMARY_FIELDS = [
   ["effective_keys", "effective keys", "exp(entropy): how many keys a row spreads over"],
   ["max_weight", "max weight", "mean of each row's largest weight"],
   ["saturated_fraction", "saturated fraction", "share of rows whose max weight ≥ 0.99"],
+  ["sink_share", "sink share", "mean share of a row's weight on its first keys (the server's SDPA_HEALTH_SINK_TOKENS)"],
   ["score_mean_raw", "score mean (raw)", "mean of q·k over visible entries"],
   ["score_variance_raw", "score variance (raw)", "variance of q·k over visible entries"],
   ["score_variance_scaled", "score variance (scaled)", "variance of s·q·k: ≈ 1 is the aim"],
@@ -48,6 +49,7 @@ const ROW_METRICS = {
   normalized_entropy: { title: "normalized entropy per row", bound: null },
   max_weight: { title: "max weight per row", bound: null },
   effective_keys: { title: "effective keys per row", bound: "keys" },
+  sink_share: { title: "sink share per row (weight on the first keys)", bound: null },
 };
 
 // ---------------------------------------------------------------------------------------------

@@ -168,6 +168,9 @@ def _from_list(
         bool_leaves = kind == "b" or (arr.size == 0 and role == "bool_mask")
         dtype = "bool" if bool_leaves else "float32"
         _check_role(dtype, role=role, loc=loc)
+    if role == "mask" and dtype != "bool" and kind == "O":
+        arr = nulls_as_minus_inf(arr, loc=data_loc)
+        kind = arr.dtype.kind
     if arr.size and dtype == "bool" and kind != "b":
         raise _invalid(data_loc, "a bool tensor's data must hold only true/false", "type")
     if arr.size and dtype != "bool" and kind not in "iuf":
@@ -184,6 +187,22 @@ def _from_list(
     if dtype == "bfloat16":
         return torch.from_numpy(arr.astype(np.float32)).to(torch.bfloat16)
     return torch.from_numpy(arr.astype(_DTYPES[dtype].wire.newbyteorder("="), copy=False))
+
+
+def nulls_as_minus_inf(arr: npt.NDArray[Any], *, loc: Loc) -> npt.NDArray[Any]:
+    """A float attn_mask's null entries as -inf (JSON has no infinity; responses write -inf as
+    null too). Only numbers may sit beside them: anything else is refused as such."""
+    nulls = np.equal(arr, np.array(None, dtype=object))
+    others = arr[~nulls]
+    # Per element, but only on this path: a JSON-list mask that holds nulls at all.
+    if not all(type(x) in (int, float) for x in others.flat):
+        raise _invalid(
+            loc, "a float mask's data holds numbers, and null for -inf (not visible)", "type"
+        )
+    try:
+        return np.where(nulls, -np.inf, arr).astype(np.float64)
+    except OverflowError:  # an integer beyond float64's range
+        raise _invalid(loc, "a number in the mask is beyond the float64 range", "type") from None
 
 
 def _from_b64(

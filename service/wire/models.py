@@ -72,6 +72,8 @@ _INTEGER: Final = {"type": "integer"}
 NESTED_INPUT_SCHEMA: Final = nested_list_schema(_NUMBER_OR_BOOL)
 # q, k and v: numbers only (the codec refuses booleans in them).
 NESTED_FLOAT_SCHEMA: Final = nested_list_schema({"type": "number"})
+# An attn_mask's leaves: booleans, or numbers with null for -inf (JSON has no infinity).
+NESTED_MASK_SCHEMA: Final = nested_list_schema({"type": ["number", "boolean", "null"]})
 # A key padding mask is bool only: the codec refuses numbers in it (and a float dtype).
 NESTED_BOOL_SCHEMA: Final = nested_list_schema(_BOOLEAN)
 NESTED_OUTPUT_SCHEMA: Final = nested_list_schema(_NUMBER_OR_NULL)
@@ -80,6 +82,7 @@ NESTED_INT_SCHEMA: Final = nested_list_schema(_INTEGER, depth=MAX_RANK - 2)
 
 NestedInput = Annotated[list[Any], WithJsonSchema(NESTED_INPUT_SCHEMA)]
 NestedFloat = Annotated[list[Any], WithJsonSchema(NESTED_FLOAT_SCHEMA)]
+NestedMask = Annotated[list[Any], WithJsonSchema(NESTED_MASK_SCHEMA)]
 NestedBool = Annotated[list[Any], WithJsonSchema(NESTED_BOOL_SCHEMA)]
 NestedOutput = Annotated[list[Any], WithJsonSchema(NESTED_OUTPUT_SCHEMA)]
 # Per-head statistics of a 2-D request (one head, no head dim) are scalars.
@@ -113,6 +116,11 @@ TensorData = Annotated[
     Any,
     AfterValidator(_nested_list_data),
     WithJsonSchema({"anyOf": [NESTED_INPUT_SCHEMA, _NULL]}),
+]
+MaskTensorData = Annotated[
+    Any,
+    AfterValidator(_nested_list_data),
+    WithJsonSchema({"anyOf": [NESTED_MASK_SCHEMA, _NULL]}),
 ]
 FloatTensorData = Annotated[
     Any,
@@ -220,6 +228,16 @@ class BoolTensor(WireTensor):
     # b64 (inherited): one byte per element, 0 or 1.
 
 
+class MaskTensor(WireTensor):
+    """An attn_mask: bool (True = may attend), or float (an additive bias; null in `data` is
+    -inf, not visible)."""
+
+    data: MaskTensorData = Field(
+        default=None,
+        description="Nested lists of booleans, or of numbers with null for -inf.",
+    )
+
+
 def _tensor_kind(value: Any) -> str | None:
     if isinstance(value, dict | WireTensor):
         return _TAG_TENSOR_OBJECT
@@ -259,6 +277,18 @@ BoolTensorIn = Annotated[
         custom_error_type="tensor_type",
         custom_error_message="expected a bool tensor object {dtype: 'bool', shape, data | b64} "
         "or a nested list of booleans",
+    ),
+]
+
+
+# attn_mask: a float mask may write -inf as null.
+MaskTensorIn = Annotated[
+    Annotated[MaskTensor, Tag(_TAG_TENSOR_OBJECT)] | Annotated[NestedMask, Tag(_TAG_NESTED_LIST)],
+    Discriminator(
+        _tensor_kind,
+        custom_error_type="tensor_type",
+        custom_error_message="expected a tensor object {dtype, shape, data | b64} or a nested "
+        "list of booleans, or of numbers with null for -inf",
     ),
 ]
 
@@ -312,10 +342,10 @@ class _MaskFields(_Wire):
         default=None,
         description="bool, True = padding; shape [..., N_kv] per sequence or [..., H, N_kv].",
     )
-    attn_mask: TensorIn | None = Field(
+    attn_mask: MaskTensorIn | None = Field(
         default=None,
-        description="bool (True = may attend) or float (additive bias), broadcastable to "
-        "[..., H, N_q, N_kv].",
+        description="bool (True = may attend) or float (additive bias; null in JSON lists is "
+        "-inf, not visible), broadcastable to [..., H, N_q, N_kv].",
     )
     timeout_ms: float | None = Field(
         default=None,
@@ -347,6 +377,12 @@ class AttentionRequest(_MaskFields):
     k: FloatTensorIn = Field(description="Keys [..., H_kv, N_kv, D]; H % H_kv == 0 (GQA/MQA).")
     v: FloatTensorIn = Field(description="Values [..., H_kv, N_kv, D_v].")
     scale: float | None = Field(default=None, description="null = 1/sqrt(D).")
+    temperature: float | None = Field(
+        default=None,
+        gt=0,
+        description="T > 0: scale = 1/(T·sqrt(D)) (T > 1 flattens the weights). Not together "
+        "with scale.",
+    )
     return_weights: bool = Field(
         default=False,
         description="Return the [..., H, N_q, N_kv] weights (bounded by "
@@ -356,6 +392,22 @@ class AttentionRequest(_MaskFields):
     response_encoding: Encoding | None = Field(
         default=None, description="null = the encoding q came in ('data'/list: json, b64: base64)."
     )
+    tag: str | None = Field(
+        default=None,
+        pattern=r"^[A-Za-z0-9_.:/-]{1,64}$",
+        description="Labels this request's attention-health metrics (1-64 characters of "
+        'A-Z a-z 0-9 _ . : / -); null = "default". Past SDPA_HEALTH_MAX_TAGS distinct tags the '
+        'rest are counted as "other".',
+    )
+
+    @model_validator(mode="after")
+    def _scale_or_temperature(self) -> AttentionRequest:
+        if self.scale is not None and self.temperature is not None:
+            raise PydanticCustomError(
+                "scale_and_temperature",
+                "give scale or temperature, not both (temperature T means scale 1/(T·sqrt(D)))",
+            )
+        return self
 
 
 class Synthetic(_Wire):
@@ -451,6 +503,7 @@ class SummaryOut(_Out):
     effective_keys: MaybeFloat
     max_weight: MaybeFloat
     saturated_fraction: MaybeFloat
+    sink_share: MaybeFloat
     score_mean_raw: MaybeFloat
     score_variance_raw: MaybeFloat
     score_variance_scaled: MaybeFloat
@@ -467,7 +520,7 @@ class DiagnosticsOut(_Out):
     )
     per_row: dict[str, NestedOutput] | None = Field(
         description="diagnostics='full': entropy, normalized_entropy, max_weight, "
-        "effective_keys, lse, visible_keys as [..., H, N_q]."
+        "effective_keys, sink_share, lse, visible_keys as [..., H, N_q]."
     )
 
 
@@ -555,6 +608,10 @@ class BatchingOut(_Out):
     max_batch_size: int
     max_batch_delay_ms: float
     max_queue: int
+    backlog_seconds: float = Field(
+        description="Estimated seconds to work off the queue and the batch on the device (the "
+        "cost model over the measured throughput; what Retry-After says)."
+    )
 
 
 class InfoOut(_Out):
@@ -599,6 +656,7 @@ _FIELD_MODELS: Final[tuple[type[BaseModel], ...]] = (
     *REQUEST_MODELS,
     WireTensor,
     BoolTensor,
+    MaskTensor,
     Synthetic,
     CustomStrategy,
 )

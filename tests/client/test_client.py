@@ -79,7 +79,7 @@ def reference_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, causal: 
 
 SUMMARY = {
     "entropy": 1.5, "normalized_entropy": 0.75, "effective_keys": 4.48, "max_weight": 0.4,
-    "saturated_fraction": 0.0, "score_mean_raw": 0.01, "score_variance_raw": 2.0,
+    "saturated_fraction": 0.0, "sink_share": 0.2, "score_mean_raw": 0.01, "score_variance_raw": 2.0,
     "score_variance_scaled": 1.0, "score_abs_max_scaled": 3.1, "grad_health": 0.1,
     "jacobian_fro": 0.5, "masked_rows": 1,
 }  # fmt: skip

@@ -28,16 +28,16 @@ def attention_payload(summary: Mapping[str, object]) -> dict[str, object]:
 
 
 def test_summary_reads_by_name_and_attribute() -> None:
-    result = parse_attention_response(attention_payload(SUMMARY | {"sink_share": 0.25}))
+    result = parse_attention_response(attention_payload(SUMMARY | {"future_stat": 0.25}))
     assert result.diagnostics is not None
     summary = result.diagnostics.summary
     assert isinstance(summary, SummaryStats)
     assert summary.entropy == summary["entropy"] == 0.5
     assert summary.masked_rows == 2
     assert isinstance(summary.masked_rows, int)
-    assert summary.extra == {"sink_share": 0.25}  # a newer server's statistic, kept
+    assert summary.extra == {"future_stat": 0.25}  # a newer server's statistic, kept
     assert set(SUMMARY_STAT_NAMES) <= set(dir(summary))
-    assert dict(summary) == SUMMARY | {"sink_share": 0.25}
+    assert dict(summary) == SUMMARY | {"future_stat": 0.25}
     assert result.diagnostics.per_head["masked_rows"].dtype.kind == "i"
     with pytest.raises(AttributeError, match="no statistic 'entropyy'"):
         _ = summary.entropyy

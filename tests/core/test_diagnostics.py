@@ -21,6 +21,7 @@ from sdpa_core import (
     PerHeadStats,
     PerRowStats,
     RowStats,
+    SdpaError,
     attention,
     summarize,
 )
@@ -313,6 +314,7 @@ SUMMARY_BY_HAND = [
     "effective_keys",
     "max_weight",
     "saturated_fraction",
+    "sink_share",
     "score_mean_raw",
     "score_variance_raw",
     "score_variance_scaled",
@@ -326,6 +328,7 @@ PER_ROW_BY_HAND = [
     "normalized_entropy",
     "max_weight",
     "effective_keys",
+    "sink_share",
     "lse",
     "visible_keys",
 ]
@@ -361,3 +364,139 @@ def test_summary_fields_and_as_dict_order() -> None:
     assert summary_only.diagnostics is not None
     assert summary_only.diagnostics.per_row is None
     assert summary_only.row_stats is not None
+
+
+# ---- sink_share ---------------------------------------------------------------------------
+
+
+def _reference_sink(ref_weights: torch.Tensor, sink_tokens: int) -> torch.Tensor:
+    """float64 share of each row's weights on key positions [0, sink_tokens)."""
+    return ref_weights[..., :sink_tokens].sum(-1)
+
+
+@pytest.mark.parametrize("path", STAT_PATHS)
+@pytest.mark.parametrize("sink_tokens", [0, 1, 3, 5, 37, 50])
+@pytest.mark.parametrize("block_size", [1, 4, 36, 100])
+def test_sink_share_matches_float64_reference_with_every_mask(
+    path: str, sink_tokens: int, block_size: int
+) -> None:
+    """Per row, per head and summary, against float64 weights; masks, GQA, padding, a float
+    bias with -inf, key blocks that end inside and beyond the sink."""
+    q, k, v, kw = _masked_inputs(7)
+    res = attention(
+        q, k, v, path=path, diagnostics="full", block_size=block_size, sink_tokens=sink_tokens, **kw
+    )
+    vis = visibility(
+        b=2,
+        h=4,
+        n_q=13,
+        n_kv=37,
+        causal="bottom_right",
+        key_lengths=kw["key_lengths"].tolist(),
+        attn_mask=kw["attn_mask"],
+    )
+    ref = reference_attention(q, k, v, vis, bias=kw["attn_mask"])
+    want = _reference_sink(ref.weights, sink_tokens)  # [2, 4, 13]; masked rows 0
+    assert res.diagnostics is not None
+    assert res.diagnostics.per_row is not None
+    got = res.diagnostics.per_row.sink_share.double()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    active = vis.any(-1)
+    assert res.diagnostics.summary.sink_share == pytest.approx(
+        float(want[active].mean()), rel=1e-5, abs=1e-7
+    )
+    per_head = res.diagnostics.per_head.sink_share
+    for bi in range(2):
+        for hi in range(4):
+            act = active[bi, hi]
+            expected = float(want[bi, hi][act].mean()) if act.any() else 0.0
+            assert float(per_head[bi, hi]) == pytest.approx(expected, rel=1e-5, abs=1e-7)
+
+
+@pytest.mark.parametrize("path", STAT_PATHS)
+def test_sink_share_by_hand(path: str) -> None:
+    """Uniform rows over n keys put sink_tokens / n on the sink; a row whose one hot key is
+    the first puts (almost) all of it there; one hot on the last key, (almost) none."""
+    n = 8
+    q = torch.zeros(1, 1, 2, 2, dtype=torch.float64)
+    k = torch.zeros(1, 1, n, 2, dtype=torch.float64)
+    res = attention(q, k, k, path=path, diagnostics="full", sink_tokens=3, block_size=2)
+    assert res.diagnostics is not None
+    assert res.diagnostics.summary.sink_share == pytest.approx(3 / n, rel=1e-12)
+    q[..., 0] = 1.0
+    k[0, 0, 0, 0] = 100.0  # row 0 and 1: key 0 far ahead: p_0 = 1 / (1 + 7 e^-100)
+    res = attention(q, k, k, scale=1.0, path=path, diagnostics="full", sink_tokens=1)
+    assert res.diagnostics is not None
+    p0 = 1.0 / (1.0 + 7.0 * math.exp(-100.0))
+    assert res.diagnostics.summary.sink_share == pytest.approx(p0, rel=1e-12)
+    k[0, 0, 0, 0], k[0, 0, n - 1, 0] = 0.0, 100.0
+    res = attention(q, k, k, scale=1.0, path=path, diagnostics="full", sink_tokens=4)
+    assert res.diagnostics is not None
+    assert res.diagnostics.summary.sink_share == pytest.approx(4.0 * math.exp(-100.0), rel=1e-9)
+
+
+def test_sink_share_float32_saturated_row_and_batch_slices() -> None:
+    """float32 with the one hot key inside the sink (a saturated row), and the row slices of
+    a batched call (what the service's engine does) equal a solo call's."""
+    gen = torch.Generator().manual_seed(21)
+    q = torch.randn(3, 2, 6, 8, generator=gen)
+    k = torch.randn(3, 2, 10, 8, generator=gen)
+    q = q[:, :, :1] + 0.1 * q  # rows close to one another
+    k[:, :, 1] = q[:, :, 0] * 12.0  # key 1 dominates every row
+    batch = attention(q, k, k, diagnostics="full", sink_tokens=2)
+    assert batch.diagnostics is not None
+    assert batch.diagnostics.summary.saturated_fraction == 1.0
+    ref = reference_attention(q, k, k, torch.ones(3, 2, 6, 10, dtype=torch.bool))
+    assert batch.diagnostics is not None
+    assert batch.diagnostics.per_row is not None
+    torch.testing.assert_close(
+        batch.diagnostics.per_row.sink_share.double(),
+        _reference_sink(ref.weights, 2),
+        rtol=1e-5,
+        atol=1e-6,
+    )
+    assert batch.row_stats is not None
+    for b in range(3):
+        solo = attention(q[b], k[b], k[b], diagnostics="summary", sink_tokens=2)
+        assert solo.diagnostics is not None
+        sliced = summarize(batch.row_stats.index(b), scale=8**-0.5)
+        assert sliced.summary.sink_share == pytest.approx(
+            solo.diagnostics.summary.sink_share, rel=1e-6
+        )
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "4"])
+def test_sink_tokens_must_be_a_non_negative_int(bad: object) -> None:
+    q = torch.randn(1, 2, 3)
+    with pytest.raises(SdpaError) as info:
+        attention(q, q, q, diagnostics="summary", sink_tokens=bad)  # type: ignore[arg-type]
+    assert info.value.param == "sink_tokens"
+
+
+@pytest.mark.parametrize("path", STAT_PATHS)
+def test_sink_share_skips_key_padding(path: str) -> None:
+    """Left padding (key_padding_mask True at the front, as batched decoding pads): the sink
+    is the first sink_tokens real keys, found here by a plain loop over each sequence."""
+    gen = torch.Generator().manual_seed(4)
+    q = torch.randn(3, 2, 5, 4, generator=gen)
+    k = torch.randn(3, 2, 11, 4, generator=gen)
+    kpm = torch.zeros(3, 11, dtype=torch.bool)
+    kpm[0, :4] = True  # four pads, then real keys
+    kpm[1, [0, 2, 3, 7]] = True  # scattered padding
+    kpm[2, :] = True  # every key padding: every row masked
+    res = attention(
+        q, k, k, key_padding_mask=kpm, path=path, diagnostics="full", sink_tokens=3, block_size=4
+    )
+    vis = ~kpm[:, None, None, :].expand(3, 2, 5, 11)
+    ref = reference_attention(q, k, k, vis)
+    want = torch.zeros(3, 2, 5, dtype=torch.float64)
+    for b in range(3):
+        real = [j for j in range(11) if not kpm[b, j]][:3]
+        if real:
+            want[b] = ref.weights[b][..., real].sum(-1)
+    assert res.diagnostics is not None
+    assert res.diagnostics.per_row is not None
+    torch.testing.assert_close(
+        res.diagnostics.per_row.sink_share.double(), want, rtol=1e-5, atol=1e-6
+    )
+    assert res.diagnostics.summary.sink_share == pytest.approx(float(want[:2].mean()), rel=1e-5)

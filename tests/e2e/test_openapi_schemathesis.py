@@ -85,6 +85,16 @@ def _no_instant_deadline(case: schemathesis.Case[Any]) -> None:
             and 1 <= timeout < 1000
         ):
             body["timeout_ms"] = 1000
+        # v2's deadline parameter, in microseconds (0: the server's default).
+        params = body.get("parameters")
+        timeout_us = params.get("timeout") if isinstance(params, dict) else None
+        if (
+            isinstance(params, dict)
+            and isinstance(timeout_us, int)
+            and not isinstance(timeout_us, bool)
+            and 1 <= timeout_us < 1_000_000
+        ):
+            params["timeout"] = 1_000_000
 
 
 def _checks() -> list[Any]:
@@ -107,6 +117,12 @@ def test_schema_driven_requests_conform(api_server: LiveServer) -> None:
         "GET /readyz",
         "GET /v1/info",
         "GET /metrics",
+        "GET /v2",
+        "GET /v2/health/ready",
+        "GET /v2/models/attention",
+        "GET /v2/models/attention/ready",
+        "POST /v2/models/attention/infer",
+        "POST /v2/models/attention/versions/1/infer",
     }
     for operation in operations:
         for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):

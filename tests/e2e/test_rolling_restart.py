@@ -106,9 +106,9 @@ def test_rolling_restart_behind_nginx_fails_no_request(tmp_path: Path) -> None:
                 stack.enter_context(live_server(REPLICA_ENV, tmp_path=tmp_path, port=port))
             )
             slowest_start = max(slowest_start, time.monotonic() - started)
-        # Load long enough for three restarts on this machine: each a drain (about a second)
-        # and a start as slow as the slowest so far, with room to spare.
-        load_seconds = round(3 + REPLICAS * (2 + 1.5 * slowest_start + 1) + 3)
+        # Load long enough for three restarts on this machine: each a drain (up to 3 s of
+        # linger) and a start as slow as the slowest so far, with room for a busier machine.
+        load_seconds = round(3 + REPLICAS * (4 + 2.5 * slowest_start + 1) + 5)
         url = stack.enter_context(nginx(ports, tmp_path))
         report_path = tmp_path / "load.json"
         load = subprocess.Popen(

@@ -235,7 +235,12 @@ def test_info_reports_the_running_configuration(client: httpx.Client) -> None:
     assert info["dtypes"] == ["float16", "bfloat16", "float32", "float64"]
     assert info["limits"]["max_body_bytes"] == int(API_SERVER_ENV["SDPA_MAX_BODY_BYTES"])
     assert info["limits"]["max_elements"] == int(API_SERVER_ENV["SDPA_MAX_ELEMENTS"])
-    assert info["batching"] == {"max_batch_size": 32, "max_batch_delay_ms": 0.0, "max_queue": 1024}
+    assert info["batching"] == {
+        "max_batch_size": 32,
+        "max_batch_delay_ms": 0.0,
+        "max_queue": 1024,
+        "backlog_seconds": 0.0,  # nothing queued
+    }
     assert info["auth"] is False
 
 

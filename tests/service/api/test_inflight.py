@@ -1,6 +1,7 @@
-"""SDPA_MAX_INFLIGHT_BYTES through the app (ASGI, driven as uvicorn drives it): while one
-request holds more body bytes than the limit, a new request gets 503 with Retry-After before
-any of its body is read, probes still answer, and once the holder leaves the budget is free."""
+"""SDPA_MAX_INFLIGHT_BYTES through the app (ASGI, driven as uvicorn drives it): while the
+requests in flight hold bodies (declared or read) and answers near the limit, a new request
+gets 503 with Retry-After before any of its body is read, probes still answer, and once the
+holders leave the budget is free."""
 
 from __future__ import annotations
 
@@ -48,19 +49,20 @@ def test_a_new_request_waits_for_the_bytes_in_flight_to_come_back() -> None:
 
     async def scenario() -> None:
         leave, stalled = asyncio.Event(), asyncio.Event()
-        # The holder: 5,000 body bytes read, then it stalls (and later leaves).
+        # The holder: declares 4,090 bytes, sends 3,000, then stalls (and later leaves).
         holder = asyncio.create_task(
             call(
                 app,
-                asgi_scope("POST", "/v1/attention", content_length=10_000),
+                asgi_scope("POST", "/v1/attention", content_length=4090),
                 [
-                    {"type": "http.request", "body": b" " * 5000, "more_body": True},
+                    {"type": "http.request", "body": b" " * 3000, "more_body": True},
                     {"wait": leave, "reached": stalled},
                 ],
             )
         )
         await stalled.wait()
-        assert _held(app) == 5000
+        # Its declared body is held from the start, not only what arrived.
+        assert _held(app) == 4090
         body = b'{"q": [[1.0]], "k": [[1.0]], "v": [[1.0]]}'
         refused, read = await call(
             app, asgi_scope("POST", "/v1/attention", content_length=len(body)),
@@ -73,8 +75,12 @@ def test_a_new_request_waits_for_the_bytes_in_flight_to_come_back() -> None:
             m.get("body", b"") for m in refused if m["type"] == "http.response.body"
         )
         assert read == []  # refused before a byte of its body was read
-        probe, _ = await call(app, asgi_scope("GET", "/healthz"), [])
-        assert status(probe) == 200  # probes are never refused for it
+        for path in ("/healthz", "/v2/health/live", "/v2/health/ready"):
+            probe, _ = await call(app, asgi_scope("GET", path), [])
+            # Probes are never refused for it (this app has no engine: ready says "starting").
+            said = b"".join(m.get("body", b"") for m in probe if m["type"] == "http.response.body")
+            assert b"SDPA_MAX_INFLIGHT_BYTES" not in said, path
+            assert status(probe) == 200 or b"starting" in said, path
         leave.set()
         await holder
         assert _held(app) == 0  # the holder's bytes came back when it ended
@@ -159,5 +165,41 @@ def test_an_answer_that_does_not_fit_beside_others_waits_with_a_503() -> None:
             served, _ = await call(app, scope, [*request, stays])
             assert status(served) == 200
             assert _held(app) == 0
+
+    asyncio.run(scenario())
+
+
+def test_bodies_declared_together_cannot_pass_the_limit_together() -> None:
+    """Two clients send their headers at once, each declaring 3,000 bytes under a 4,096-byte
+    limit: the first reserves its body before a byte arrives, the second gets 503 before any of
+    its body is read. A body declared larger than the limit allows at all is a 413."""
+    app = create_app(small_settings(max_inflight_bytes=LIMIT))
+
+    async def scenario() -> None:
+        leave, stalled = asyncio.Event(), asyncio.Event()
+        first = asyncio.create_task(
+            call(
+                app,
+                asgi_scope("POST", "/v1/attention", content_length=3000),
+                [{"wait": leave, "reached": stalled}],  # nothing sent yet
+            )
+        )
+        await stalled.wait()
+        assert _held(app) == 3000
+        second, read = await call(
+            app, asgi_scope("POST", "/v1/attention", content_length=3000),
+            [{"type": "http.request", "body": b" " * 3000, "more_body": False}],
+        )  # fmt: skip
+        assert status(second) == 503
+        assert read == []
+        too_big, read = await call(
+            app, asgi_scope("POST", "/v1/attention", content_length=LIMIT + 1),
+            [{"type": "http.request", "body": b" " * (LIMIT + 1), "more_body": False}],
+        )  # fmt: skip
+        assert status(too_big) == 413
+        assert read == []
+        leave.set()
+        await first
+        assert _held(app) == 0
 
     asyncio.run(scenario())

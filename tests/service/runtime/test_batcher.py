@@ -7,6 +7,7 @@ each test controls exactly what is queued when the device becomes free.
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 import threading
 import time
@@ -416,7 +417,7 @@ def test_a_failure_while_answering_a_batch_still_answers_it_and_the_worker_lives
         await until(lambda: b.depth == 2)
         failures = iter([RuntimeError("bookkeeping failed")])
 
-        def note_throughput(items: int, seconds: float) -> None:
+        def note_throughput(work: float, seconds: float) -> None:
             failure = next(failures, None)
             if failure is not None:
                 raise failure
@@ -637,6 +638,77 @@ def test_retry_after_is_backlog_over_measured_throughput() -> None:
     # 8 queued + 1 on the device + the new one = 10 items at <= 4 items/s: >= 2.5 s, rounded up.
     # (sleep bounds each batch's time from below, so the estimate is bounded from below.)
     assert run(main()) >= 3
+
+
+def test_retry_after_follows_the_queued_work_not_the_count_of_requests() -> None:
+    """Items named "s" take 5 ms of device time, "L" items 150 ms; the cost model estimates
+    three quarters of each (off by a constant factor, which the measured throughput corrects as
+    device time accrues). After a warm-up of 20 tiny items (a count-based estimate would say
+    about 0.05 s per item), four large items are queued behind a fifth on the device:
+    Retry-After and backlog_seconds follow their work, within a factor of 2 of the queue's real
+    drain time."""
+    seconds = {"s": 0.005, "L": 0.15}
+    metrics = Metrics()
+
+    def device(items: Sequence[str]) -> list[str | BaseException]:
+        time.sleep(sum(seconds[item[0]] for item in items))
+        return [item.upper() for item in items]
+
+    async def main() -> tuple[float, float, float, float, float]:
+        b: DynamicBatcher[str, str] = DynamicBatcher(
+            device, group_key=lambda item: item, max_batch_size=1, max_batch_delay_s=0.0,
+            max_queue=4, metrics=metrics, work_seconds=lambda item: seconds[item[0]] * 0.75,
+        )  # fmt: skip
+        await b.start()
+        for i in range(20):
+            await b.submit(f"s{i}", deadline=deadline_in(FAR))
+        large = [submit(b, "L0")]
+        await until(lambda: b.device_busy)
+        large += [submit(b, f"L{i}") for i in range(1, 5)]
+        await until(lambda: b.depth == 4)  # one on the device, four queued
+        with pytest.raises(QueueFull) as full:
+            await b.submit("L9", deadline=deadline_in(FAR))
+        backlog, with_own = b.backlog_seconds(), b.backlog_seconds(0.1125)
+        gauge = metrics.registry.get_sample_value("sdpa_backlog_seconds")
+        assert gauge is not None
+        refused_at = time.monotonic()
+        await asyncio.gather(*large)
+        drained_s = time.monotonic() - refused_at
+        await b.drain(5)
+        return full.value.retry_after_s, backlog, with_own, gauge, drained_s
+
+    retry_after, backlog, with_own, gauge, drained_s = run(main())
+    # At least the four queued large items' estimate (0.45 s): every item takes longer than
+    # its estimate, so the throughput (estimated work per busy second) is at most 1.
+    assert backlog >= 0.45
+    assert gauge == pytest.approx(backlog, abs=0.2)
+    assert drained_s / 2 <= backlog + 0.15 <= drained_s * 2  # the new item's own work included
+    # Retry-After is the backlog with the refused item's own work, in whole seconds (it was
+    # computed a moment before `with_own`, with slightly more left on the device).
+    assert math.ceil(with_own) <= retry_after <= math.ceil(with_own) + 1
+    assert with_own >= backlog + 0.1125  # its own estimate, at a throughput of at most 1
+
+
+def test_retry_after_is_clamped_to_a_minute() -> None:
+    device = FakeDevice()
+
+    async def main() -> int:
+        b: DynamicBatcher[str, str] = DynamicBatcher(
+            device, group_key=group_of, max_batch_size=1, max_batch_delay_s=0.0, max_queue=2,
+            work_seconds=lambda item: 100.0,
+        )  # fmt: skip
+        first = await held_device(device, b)
+        queued = [submit(b, "a1"), submit(b, "a2")]
+        await until(lambda: b.depth == 2)
+        with pytest.raises(QueueFull) as full:
+            await b.submit("a3", deadline=deadline_in(FAR))
+        device.release()
+        await asyncio.gather(first, *queued)
+        await b.drain(5)
+        return full.value.retry_after_s
+
+    # Nothing measured yet: the model's 300 s of work, told as at most 60.
+    assert run(main()) == 60
 
 
 def test_drain_finishes_queued_work_and_refuses_new_requests() -> None:

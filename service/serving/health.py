@@ -1,0 +1,211 @@
+"""Attention health: request diagnostics turned into Prometheus series, and sampling.
+
+Two sources feed the health histograms (service.metrics, "attention health"):
+- requested: a request that asked for diagnostics is observed from the diagnostics it gets;
+- sampled: of the requests that did not ask, a share SDPA_HEALTH_SAMPLE_RATE is offered here
+  after its answer is computed. Its summary is computed later, on the device thread, only
+  while the batcher has nothing queued (DynamicBatcher's idle work), so it never sits on any
+  request's critical path: at worst a request arriving during a sample waits for that one
+  sample to finish, and samples are bounded so that this wait is too.
+
+Bounds: at most MAX_PENDING_SAMPLES waiting, whose estimated device time (the cost model's
+chunked-path seconds, the path a summary runs on) adds up to at most MAX_PENDING_SAMPLE_S and
+whose input tensors (held until the sample runs, beyond the in-flight limit's reach) add up to
+at most MAX_PENDING_SAMPLE_BYTES; a sample that does not fit is dropped and counted in
+sdpa_health_samples_dropped_total. Tags: the first SDPA_HEALTH_MAX_TAGS distinct tags label
+their own series, every later one is counted as "other", so a client cannot grow the
+registry without bound.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Final, Literal
+
+from sdpa_core import Diagnostics
+from service.metrics import Metrics
+from service.runtime.jobs import PreparedJob
+from service.runtime.policy import CostModel, WorkShape
+
+logger = logging.getLogger("sdpa.health")
+
+DEFAULT_TAG: Final = "default"
+OTHER_TAG: Final = "other"
+MAX_PENDING_SAMPLES: Final = 16
+# A sample runs only while the device is idle, but a request that arrives meanwhile waits for
+# it: 50 ms of device time bounds that wait (and the queue holds at most that much in all).
+MAX_PENDING_SAMPLE_S: Final = 0.05
+MAX_PENDING_SAMPLE_BYTES: Final = 64 * 1024 * 1024
+
+Source = Literal["requested", "sampled"]
+# Computes a job's summary diagnostics on the device thread (service.runtime.engine).
+Diagnose = Callable[[PreparedJob], Diagnostics]
+
+
+@dataclass(frozen=True, slots=True)
+class _Sample:
+    prepared: PreparedJob
+    tag: str
+    seconds: float
+    nbytes: int
+
+
+class HealthMonitor:
+    """Observes diagnostics into the health metrics and keeps the bounded queue of samples.
+
+    Everything but the sample's computation runs on the event loop (offer, next_sample); the
+    computation and its observation run on the device thread (prometheus_client's collectors
+    are thread-safe).
+    """
+
+    def __init__(
+        self,
+        *,
+        metrics: Metrics,
+        diagnose: Diagnose,
+        sample_rate: float,
+        max_tags: int,
+        rng: random.Random | None = None,
+    ) -> None:
+        self._metrics = metrics
+        self._diagnose = diagnose
+        self._sample_rate = sample_rate
+        self._max_tags = max_tags
+        self._tags: set[str] = set()
+        self._rng = rng if rng is not None else random.Random()
+        self._pending: collections.deque[_Sample] = collections.deque()
+        self._pending_s = 0.0
+        self._pending_bytes = 0
+        # Set by the app to wake the batcher's idle worker when a sample arrives.
+        self.on_offer: Callable[[], None] | None = None
+
+    # -- tags --------------------------------------------------------------------------------
+
+    def label(self, tag: str | None) -> str:
+        """The metrics label of a request's tag: its own while fewer than max_tags distinct
+        tags were seen, "other" after (the wire model has validated its characters)."""
+        if tag is None:
+            tag = DEFAULT_TAG
+        if tag in self._tags:
+            return tag
+        if len(self._tags) < self._max_tags:
+            self._tags.add(tag)
+            return tag
+        return OTHER_TAG
+
+    # -- observing ---------------------------------------------------------------------------
+
+    def observe(self, diagnostics: Diagnostics, *, n_q: int, tag: str, source: Source) -> None:
+        """Feed one request's diagnostics to the health metrics: each histogram once per
+        (sequence, head) that has a row seeing at least one key (a fully masked head has no
+        attention to judge: its rows count in masked_rows only)."""
+        m = self._metrics
+        per_head = diagnostics.per_head
+        masked = per_head.masked_rows.reshape(-1).tolist()
+        series = (
+            (m.attention_entropy_normalized, per_head.normalized_entropy),
+            (m.attention_max_weight, per_head.max_weight),
+            (m.attention_saturated_fraction, per_head.saturated_fraction),
+            (m.attention_sink_share, per_head.sink_share),
+            (m.attention_logit_abs_max, per_head.score_abs_max_scaled),
+        )
+        for histogram, values in series:
+            child = histogram.labels(tag=tag)
+            for value, masked_rows in zip(values.reshape(-1).tolist(), masked, strict=True):
+                if masked_rows < n_q:
+                    child.observe(value)
+        m.attention_masked_rows_total.labels(tag=tag).inc(diagnostics.summary.masked_rows)
+        m.health_observations_total.labels(tag=tag, source=source).inc()
+
+    def count_nonfinite(self) -> None:
+        """A request was refused for NaN/Inf in an input."""
+        self._metrics.nonfinite_inputs_total.inc()
+
+    def after_answer(
+        self,
+        prepared: PreparedJob,
+        *,
+        tag: str | None,
+        diagnostics: Diagnostics | None,
+        cost: CostModel,
+    ) -> None:
+        """Once a request's answer is ready: observe the diagnostics it asked for, or else
+        (sampled at the configured rate) queue its summary for an idle device, its device
+        time estimated by the cost model on the chunked path that computes it."""
+        spec = prepared.spec
+        if diagnostics is not None:
+            self.observe(diagnostics, n_q=spec.n_q, tag=self.label(tag), source="requested")
+        elif self.should_sample():
+            shape = WorkShape(spec.batch, spec.heads, spec.n_q, spec.n_kv, spec.d, spec.d_v)
+            seconds = cost.seconds(shape, "chunked")
+            self.offer(prepared, tag=self.label(tag), seconds=seconds)
+
+    # -- sampling ----------------------------------------------------------------------------
+
+    def should_sample(self) -> bool:
+        """Whether a request that did not ask for diagnostics is sampled (rate 1: always;
+        0: never)."""
+        rate = self._sample_rate
+        return rate >= 1.0 or (rate > 0.0 and self._rng.random() < rate)
+
+    def offer(self, prepared: PreparedJob, *, tag: str, seconds: float) -> bool:
+        """Queue a sampled job whose summary costs an estimated `seconds` of device time;
+        False (and counted as dropped) when it does not fit the bounds."""
+        nbytes = _input_bytes(prepared)
+        if (
+            len(self._pending) >= MAX_PENDING_SAMPLES
+            or self._pending_s + seconds > MAX_PENDING_SAMPLE_S
+            or self._pending_bytes + nbytes > MAX_PENDING_SAMPLE_BYTES
+        ):
+            self._metrics.health_samples_dropped_total.inc()
+            return False
+        self._pending.append(_Sample(prepared=prepared, tag=tag, seconds=seconds, nbytes=nbytes))
+        self._pending_s += seconds
+        self._pending_bytes += nbytes
+        if self.on_offer is not None:
+            self.on_offer()
+        return True
+
+    @property
+    def pending(self) -> int:
+        """Samples waiting for an idle device."""
+        return len(self._pending)
+
+    def next_sample(self) -> Callable[[], None] | None:
+        """The batcher's idle work: the oldest sample as a call for the device thread, or None."""
+        if not self._pending:
+            return None
+        sample = self._pending.popleft()
+        self._pending_s = max(0.0, self._pending_s - sample.seconds)
+        self._pending_bytes -= sample.nbytes
+        return lambda: self._run(sample)
+
+    def drop_pending(self) -> None:
+        """Forget every waiting sample (the service is draining), counting them as dropped."""
+        if self._pending:
+            self._metrics.health_samples_dropped_total.inc(len(self._pending))
+        self._pending.clear()
+        self._pending_s = 0.0
+        self._pending_bytes = 0
+
+    def _run(self, sample: _Sample) -> None:
+        """On the device thread: the sample's summary, then its observation."""
+        try:
+            diagnostics = self._diagnose(sample.prepared)
+        except Exception:
+            # The request itself was answered; its sample must not take the worker down.
+            logger.exception("health sample failed")
+            return
+        self.observe(diagnostics, n_q=sample.prepared.spec.n_q, tag=sample.tag, source="sampled")
+
+
+def _input_bytes(prepared: PreparedJob) -> int:
+    """Bytes of the tensors a queued sample keeps alive (its inputs and masks)."""
+    job = prepared.job
+    tensors = [getattr(job, name, None) for name in ("q", "k", "v", "key_lengths",
+                                                      "key_padding_mask", "attn_mask")]  # fmt: skip
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)

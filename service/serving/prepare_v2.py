@@ -1,0 +1,131 @@
+"""Prepare a v2 infer request: body bytes -> the same validated, limit-checked job as v1's,
+plus what the v2 response needs (which outputs, in which form).
+
+The output rule: what the request names in `outputs` is what is computed and returned (naming
+"weights" asks for the weights, naming a per-row statistic asks for diagnostics "full"); with
+no `outputs`, the response holds "output" (and the per-row statistics when diagnostics is
+"full"), never the n^2 weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Final
+
+import torch
+
+from sdpa_core import PER_ROW_FIELDS
+from service.errors import FieldError, InvalidRequest
+from service.runtime.jobs import AttentionJob
+from service.runtime.policy import CostModel
+from service.serving.prepare import PreparedRequest, prepare_attention_job, temperature_scale
+from service.settings import Settings
+from service.wire.codec import loads
+from service.wire.v2_codec import decode_inputs, split_header
+from service.wire.v2_models import InferRequest, RequestParameters, parse_infer_request
+
+# The per-row statistics a request may name as outputs (diagnostics "full"), then all outputs.
+PER_ROW_OUTPUTS: Final = PER_ROW_FIELDS
+OUTPUT_NAMES: Final = ("output", "weights", *PER_ROW_OUTPUTS)
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedInfer:
+    """A prepared v2 request: the serving layer's job and the response's shape."""
+
+    request: PreparedRequest
+    id: str | None  # the request's own "id", echoed in the response
+    outputs: tuple[tuple[str, bool], ...]  # (name, as binary data), in response order
+    summary: bool  # the summary statistics go back as response parameters
+
+
+def _invalid(message: str, *where: str) -> InvalidRequest:
+    return InvalidRequest(message, errors=[FieldError(loc=("v2", *where), msg=message)])
+
+
+def _outputs(req: InferRequest, params: RequestParameters) -> tuple[tuple[str, bool], ...]:
+    default_binary = params.binary_data_output
+    if not req.outputs:  # absent (or empty): the defaults
+        names = ("output", *(PER_ROW_FIELDS if params.diagnostics == "full" else ()))
+        return tuple((name, default_binary) for name in names)
+    seen: set[str] = set()
+    plan: list[tuple[str, bool]] = []
+    for out in req.outputs:
+        if out.name not in OUTPUT_NAMES:
+            raise _invalid(
+                f"unknown output {out.name!r}: the model computes {', '.join(OUTPUT_NAMES)}",
+                "outputs",
+                out.name,
+            )
+        if out.name in seen:
+            raise _invalid(f"output {out.name!r} is requested twice", "outputs", out.name)
+        seen.add(out.name)
+        binary = None if out.parameters is None else out.parameters.binary_data
+        plan.append((out.name, default_binary if binary is None else binary))
+    return tuple(plan)
+
+
+def prepare_infer(
+    body: bytes, header_length: str | None, settings: Settings, cost: CostModel
+) -> PreparedInfer:
+    """A v2 infer body (and its Inference-Header-Content-Length) -> a prepared request within
+    every limit. Raises InvalidRequest / SdpaError (a 400 on v2)."""
+    header, offset = split_header(body, header_length)
+    req = parse_infer_request(loads(header))
+    params = req.parameters or RequestParameters()
+    if params.scale is not None and params.temperature is not None:
+        raise _invalid(
+            "parameters 'scale' and 'temperature': give one, not both (temperature T means "
+            "scale 1/(T·sqrt(D)))",
+            "parameters",
+            "temperature",
+        )
+    outputs = _outputs(req, params)
+    named = {name for name, _ in outputs}
+    tensors = decode_inputs(req, body, offset, max_elements=settings.max_elements)
+    q = tensors["q"]
+    for name, binary in outputs:
+        # BF16 results travel as binary data only (tritonclient cannot read BF16 JSON); the
+        # per-row statistics are float32 or wider.
+        if not binary and name in ("output", "weights") and q.dtype == torch.bfloat16:
+            raise _invalid(
+                f"output {name!r}: BF16 travels only as binary data; ask for it with "
+                "binary_data (or binary_data_output)",
+                "outputs",
+                name,
+            )
+    diagnostics = params.diagnostics
+    if named & set(PER_ROW_FIELDS):
+        diagnostics = "full"  # a per-row statistic was named: compute it
+    scale = params.scale
+    if params.temperature is not None:
+        scale = temperature_scale(params.temperature, q)
+    job = AttentionJob(
+        q=q,
+        k=tensors["k"],
+        v=tensors["v"],
+        causal=params.causal,
+        key_lengths=tensors.get("key_lengths"),
+        key_padding_mask=tensors.get("key_padding_mask"),
+        attn_mask=tensors.get("attn_mask"),
+        scale=scale,
+        return_weights="weights" in named,
+        diagnostics=diagnostics,
+    )
+    all_binary = all(binary for _, binary in outputs)
+    prepared = prepare_attention_job(
+        job,
+        encoding="base64" if all_binary else "json",
+        # Binary outputs are sent as they sit in memory; a mix is sized as JSON (from above).
+        sized_as="binary" if all_binary else "json",
+        timeout_ms=params.timeout / 1000.0 if params.timeout else None,
+        settings=settings,
+        cost=cost,
+        tag=params.tag,
+    )
+    return PreparedInfer(
+        request=prepared,
+        id=req.id,
+        outputs=outputs,
+        summary=params.diagnostics in ("summary", "full"),
+    )

@@ -1,0 +1,274 @@
+"""Wire models of the Open Inference Protocol v2 (KServe's REST protocol, with Triton's binary
+tensor data extension), for the one model this service serves: "attention", version "1".
+
+Request models validate the JSON header of an infer request: field names, parameters and their
+values. Tensor payloads stay as parsed (`data` lists) or as byte counts (`binary_data_size`);
+service.wire.v2_codec decodes them with numpy. No torch here.
+
+Unknown fields and unknown request parameters are refused (a typo such as "casual" must never
+be silently ignored), except the protocol's own parameters that a client sends on its own
+(binary_data_output, timeout, priority).
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable, Mapping
+from typing import Annotated, Any, Final, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from service.errors import FieldError, InvalidRequest
+from service.wire.models import MAX_RANK, Causal, DiagnosticsLevel
+
+MODEL_NAME: Final = "attention"
+MODEL_VERSION: Final = "1"
+SERVER_NAME: Final = "sdpa-service"
+# What GET /v2 lists: the protocol's own extensions this server implements.
+EXTENSIONS: Final = ("binary_tensor_data", "parameters")
+
+FLOAT_DATATYPES: Final = ("FP16", "BF16", "FP32", "FP64")
+INT_DATATYPES: Final = ("INT32", "INT64")
+DATATYPES: Final = (*FLOAT_DATATYPES, "BOOL", *INT_DATATYPES)
+Datatype = Literal["FP16", "BF16", "FP32", "FP64", "BOOL", "INT32", "INT64"]
+
+# The inputs, and the datatypes each may have.
+INPUT_DATATYPES: Final[dict[str, tuple[str, ...]]] = {
+    "q": FLOAT_DATATYPES,
+    "k": FLOAT_DATATYPES,
+    "v": FLOAT_DATATYPES,
+    "key_lengths": INT_DATATYPES,
+    "key_padding_mask": ("BOOL",),
+    "attn_mask": ("BOOL", *FLOAT_DATATYPES),
+}
+REQUIRED_INPUTS: Final = ("q", "k", "v")
+
+# A tag labels the request's health metrics (the same rule as v1's tag field).
+TAG_PATTERN: Final = r"^[A-Za-z0-9_.:/-]{1,64}$"
+# Deadlines up to an hour, in microseconds as tritonclient sends them (0: the server's default).
+MAX_TIMEOUT_US: Final = 3_600_000_000
+
+
+class _V2(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, frozen=True)
+
+
+class InputParameters(_V2):
+    binary_data_size: int | None = Field(
+        default=None,
+        ge=0,
+        description="Binary tensor data extension: the input's bytes follow the JSON header "
+        "(little-endian, row-major), in the order of the inputs.",
+    )
+
+
+class InferInput(_V2):
+    """One input tensor: its data as a JSON list (flat or nested, row-major) or as binary data."""
+
+    name: str = Field(description="q, k, v, key_lengths, key_padding_mask or attn_mask.")
+    shape: list[Annotated[int, Field(ge=0)]] = Field(min_length=1, max_length=MAX_RANK)
+    datatype: str = Field(
+        description="q, k, v: FP16 | BF16 | FP32 | FP64 (BF16 as binary data only); "
+        "key_lengths: INT32 | INT64; key_padding_mask: BOOL (true = padding); "
+        "attn_mask: BOOL (true = attend) or a float datatype (additive)."
+    )
+    parameters: InputParameters | None = None
+    data: list[Any] | None = Field(
+        default=None, description="Row-major values, flat or nested (absent with binary data)."
+    )
+
+
+class OutputParameters(_V2):
+    binary_data: bool | None = Field(
+        default=None, description="This output as binary data (true) or a JSON list (false)."
+    )
+
+
+class RequestedOutput(_V2):
+    name: str = Field(
+        description="output, weights, or a per-row statistic (entropy, normalized_entropy, "
+        "max_weight, effective_keys, sink_share, lse, visible_keys)."
+    )
+    parameters: OutputParameters | None = None
+
+
+class RequestParameters(_V2):
+    """The request's parameters: attention options and the protocol's own."""
+
+    causal: Causal = False
+    scale: float | None = Field(default=None, description="Absent: 1/sqrt(D).")
+    temperature: float | None = Field(
+        default=None, gt=0, description="T > 0: scale = 1/(T·sqrt(D)). Not together with scale."
+    )
+    diagnostics: DiagnosticsLevel = Field(
+        default="none",
+        description="summary: the summary statistics as response parameters; full: also the "
+        "per-row statistics as outputs.",
+    )
+    tag: str | None = Field(
+        default=None, pattern=TAG_PATTERN, description="Labels the health metrics."
+    )
+    timeout: int | None = Field(
+        default=None,
+        ge=0,
+        le=MAX_TIMEOUT_US,
+        description="Deadline in microseconds (as tritonclient sends it); 0 or absent: the "
+        "server's SDPA_REQUEST_TIMEOUT_MS.",
+    )
+    priority: int | None = Field(
+        default=None,
+        ge=0,
+        description="Accepted as tritonclient sends it; the queue serves requests in arrival "
+        "order (it has one priority level).",
+    )
+    binary_data_output: bool = Field(
+        default=False, description="Every output as binary data unless it says otherwise."
+    )
+
+
+class InferRequest(_V2):
+    """POST /v2/models/attention/infer: the JSON body, or the JSON header of a binary one."""
+
+    id: str | None = Field(default=None, max_length=256)
+    parameters: RequestParameters | None = None
+    inputs: list[InferInput] = Field(min_length=1, max_length=len(INPUT_DATATYPES))
+    outputs: list[RequestedOutput] | None = Field(
+        default=None,
+        max_length=16,
+        description="What to compute and return; absent: output (and the per-row statistics "
+        "with diagnostics full), never the weights.",
+    )
+
+
+# ---- responses (documentation and schema checks) -------------------------------------------
+
+
+class _Out(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+
+class ServerMetadata(_Out):
+    name: str
+    version: str
+    extensions: list[str]
+
+
+class ServerLive(_Out):
+    live: bool
+
+
+class ServerReady(_Out):
+    ready: bool
+
+
+class ModelReady(_Out):
+    name: str
+    ready: bool
+
+
+class TensorMetadata(_Out):
+    name: str
+    datatype: str
+    shape: list[int] = Field(description="-1 for a variable dimension.")
+
+
+class ModelMetadata(_Out):
+    name: str
+    versions: list[str]
+    platform: str
+    inputs: list[TensorMetadata]
+    outputs: list[TensorMetadata]
+
+
+class OutputTensorParameters(_Out):
+    binary_data_size: int | None = None
+
+
+class InferOutput(_Out):
+    name: str
+    datatype: str
+    shape: list[int]
+    parameters: OutputTensorParameters | None = None
+    data: list[float | int | bool | None] | None = Field(
+        default=None, description="Flat, row-major; null where a value is not finite (lse)."
+    )
+
+
+class InferResponse(_Out):
+    model_name: str
+    model_version: str
+    id: str | None = None
+    parameters: dict[str, float | int | str | bool | None] = Field(
+        description="The meta fields (path, device, batch_size, queue_ms, compute_ms) and, with "
+        "diagnostics summary or full, the summary statistics under their v1 names."
+    )
+    outputs: list[InferOutput]
+
+
+class InferError(_Out):
+    """Every v2 error: {"error": "<message naming the input or parameter>"}."""
+
+    error: str
+
+
+V2_REQUEST_MODELS: Final[tuple[type[BaseModel], ...]] = (InferRequest,)
+V2_RESPONSE_MODELS: Final[tuple[type[BaseModel], ...]] = (
+    ServerMetadata,
+    ServerLive,
+    ServerReady,
+    ModelReady,
+    ModelMetadata,
+    InferResponse,
+    InferError,
+)
+
+# ---- parsing -------------------------------------------------------------------------------
+
+_KNOWN_NAMES: Final = sorted(
+    {
+        name
+        for model in (InferRequest, InferInput, InputParameters, RequestedOutput, RequestParameters)
+        for name in model.model_fields
+    }
+)
+
+
+def _where(loc: Iterable[str | int]) -> str:
+    """A pydantic loc as the request's own words: parameter 'causal', inputs[0].shape."""
+    parts = list(loc)
+    if len(parts) >= 2 and parts[0] == "parameters" and isinstance(parts[1], str):
+        return f"parameter {parts[1]!r}"
+    out = ""
+    for part in parts:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else part)
+    return out or "request"
+
+
+def _message(err: Mapping[str, Any]) -> tuple[str, tuple[str | int, ...]]:
+    loc = tuple(err.get("loc", ()))
+    msg = str(err.get("msg", "invalid value"))
+    if err.get("type") == "extra_forbidden" and loc and isinstance(loc[-1], str):
+        close = difflib.get_close_matches(loc[-1], _KNOWN_NAMES, n=1, cutoff=0.75)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        what = "parameter" if len(loc) == 2 and loc[0] == "parameters" else "field"
+        return f"unknown {what} {loc[-1]!r}{hint}", loc
+    return f"{_where(loc)}: {msg}", loc
+
+
+def parse_infer_request(payload: Any) -> InferRequest:
+    """The parsed JSON header as an InferRequest, or InvalidRequest naming the first bad field,
+    input or parameter (a 400 on v2)."""
+    try:
+        return InferRequest.model_validate(payload)
+    except ValidationError as exc:
+        errors = exc.errors(include_url=False, include_input=False)
+        messages = [_message(err) for err in errors]
+        first, _ = messages[0]
+        more = f" (and {len(messages) - 1} more)" if len(messages) > 1 else ""
+        raise InvalidRequest(
+            first + more,
+            errors=[
+                FieldError(loc=("v2", *loc), msg=msg, type=str(err.get("type", "value_error")))
+                for (msg, loc), err in zip(messages, errors, strict=True)
+            ],
+        ) from None

@@ -1,0 +1,102 @@
+"""Retry-After from the work queued, against a real server and its calibrated cost model.
+
+After a warm-up of tiny requests (which a count-based estimate would take for the service's
+pace), five requests of about half a second of device time each are admitted: one computing,
+four queued (SDPA_MAX_QUEUE=4). The next is refused with 503; its Retry-After, /v1/info's
+backlog_seconds and the sdpa_backlog_seconds gauge must all tell the time the queue really takes
+to drain, within a factor of 2. Run with `-s` to see the figures.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+import re
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import httpx
+import numpy as np
+import pytest
+
+from tests.support.live_server import LiveServer, live_server
+
+pytestmark = pytest.mark.slow
+
+TINY = {"q": [[1.0, 0.0]], "k": [[1.0, 0.0]], "v": [[1.0, 2.0]]}
+JSON = {"content-type": "application/json"}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    env = {"SDPA_MAX_QUEUE": "4"}
+    with live_server(env, tmp_path=tmp_path_factory.mktemp("backlog")) as live:
+        yield live
+
+
+def big_body() -> bytes:
+    """q = k = v [1, 8, 4096, 16] with summary diagnostics: the chunked path, about half a
+    second of device time on a 2-core CPU."""
+    x = np.random.default_rng(0).standard_normal((1, 8, 4096, 16)).astype(np.float32)
+    encoded = base64.b64encode(x.tobytes()).decode()
+    tensor = {"dtype": "float32", "shape": list(x.shape), "b64": encoded}
+    return json.dumps({"q": tensor, "k": tensor, "v": tensor, "diagnostics": "summary"}).encode()
+
+
+def gauge(server: LiveServer, name: str) -> float:
+    text = httpx.get(f"{server.url}/metrics").text
+    match = re.search(rf"^{name} (\S+)$", text, re.M)
+    assert match is not None, f"{name} missing from /metrics"
+    return float(match.group(1))
+
+
+def wait_until(predicate: Callable[[], bool], timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition never held"
+        time.sleep(0.01)
+
+
+def test_retry_after_tells_the_real_drain_time(server: LiveServer) -> None:
+    for _ in range(20):
+        assert httpx.post(f"{server.url}/v1/attention", json=TINY).status_code == 200
+    body = big_body()
+    statuses: list[int] = []
+
+    def post() -> None:
+        response = httpx.post(f"{server.url}/v1/attention", content=body, headers=JSON, timeout=120)
+        statuses.append(response.status_code)
+
+    started_batches = gauge(server, "sdpa_batch_size_count")
+    threads = [threading.Thread(target=post)]
+    threads[0].start()
+    wait_until(lambda: gauge(server, "sdpa_batch_size_count") > started_batches)  # computing
+    threads += [threading.Thread(target=post) for _ in range(4)]
+    for thread in threads[1:]:
+        thread.start()
+    wait_until(lambda: gauge(server, "sdpa_queue_depth") == 4)
+
+    refused = httpx.post(f"{server.url}/v1/attention", content=body, headers=JSON, timeout=60)
+    refused_at = time.monotonic()
+    info_backlog = httpx.get(f"{server.url}/v1/info").json()["batching"]["backlog_seconds"]
+    gauge_backlog = gauge(server, "sdpa_backlog_seconds")
+    for thread in threads:
+        thread.join(timeout=120)
+    drained_s = time.monotonic() - refused_at
+
+    print(
+        f"\nRetry-After {refused.headers.get('retry-after')} s, backlog {info_backlog:.2f} s "
+        f"(/v1/info), {gauge_backlog:.2f} s (gauge); the queue drained in {drained_s:.2f} s"
+    )
+    assert refused.status_code == 503
+    assert "queue is full" in refused.json()["detail"]
+    retry_after = int(refused.headers["retry-after"])
+    assert statuses == [200] * 5
+    # The backlog (and Retry-After, which adds the refused request's own work and rounds up)
+    # within a factor of 2 of how long the queue really took.
+    assert drained_s / 2 <= info_backlog <= drained_s * 2, (info_backlog, drained_s)
+    assert drained_s / 2 <= gauge_backlog <= drained_s * 2, (gauge_backlog, drained_s)
+    assert math.ceil(info_backlog) <= retry_after <= math.ceil(2 * drained_s) + 1
+    assert gauge(server, "sdpa_backlog_seconds") == 0.0  # worked off

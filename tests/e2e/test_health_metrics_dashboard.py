@@ -1,0 +1,248 @@
+"""The dashboard and the alert rules in a real Prometheus scraping a real server.
+
+A live server gets requests of known attention (tagged), a rejected one and a non-finite one;
+Debian's `prometheus` (2.x) scrapes it every second and loads deploy/monitoring/sdpa.rules.yml.
+Then every query of the Grafana dashboard is evaluated by that Prometheus ($__rate_interval and
+$tag filled in as Grafana would): each returns data, and the health panels return the values
+computed by hand. The panels are drawn from those query results with matplotlib (headless) into
+a PNG; with UPDATE_SCREENSHOTS=1 it is written to docs/monitoring-dashboard.png (the README's
+screenshot).
+
+Skips without the prometheus binary (Debian: apt-get install prometheus).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+
+from tests.e2e.test_health_metrics import (
+    ONE_HOT,
+    SINK,
+    UNIFORM,
+    b64,
+    by_hand,
+    post,
+    scores_request,
+)
+from tests.support.live_server import LiveServer, free_port, live_server
+
+REPO = Path(__file__).resolve().parents[2]
+MONITORING = REPO / "deploy" / "monitoring"
+SCREENSHOT = REPO / "docs" / "monitoring-dashboard.png"
+SCRAPE_S = 1
+RATE_INTERVAL = "20s"
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    env = {
+        "SDPA_HEALTH_SAMPLE_RATE": "1",
+        "SDPA_HEALTH_SINK_TOKENS": "2",
+        "SDPA_MAX_BODY_BYTES": "1048576",
+    }
+    with live_server(env, tmp_path=tmp_path_factory.mktemp("dash_server")) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def prometheus(server: LiveServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    binary = shutil.which("prometheus")
+    if binary is None:
+        pytest.skip("prometheus is not installed (Debian: apt-get install prometheus)")
+    tmp = tmp_path_factory.mktemp("prometheus")
+    target = server.url.removeprefix("http://")
+    config = {
+        "global": {"scrape_interval": f"{SCRAPE_S}s", "evaluation_interval": f"{SCRAPE_S}s"},
+        "rule_files": [str(MONITORING / "sdpa.rules.yml")],
+        "scrape_configs": [{"job_name": "sdpa-service", "static_configs": [{"targets": [target]}]}],
+    }
+    (tmp / "prometheus.yml").write_text(json.dumps(config), encoding="utf-8")  # JSON is YAML
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    with (tmp / "prometheus.log").open("wb") as log:
+        process = subprocess.Popen(
+            [binary, f"--config.file={tmp / 'prometheus.yml'}",
+             f"--storage.tsdb.path={tmp / 'data'}", f"--web.listen-address=127.0.0.1:{port}"],
+            stdout=log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{url}/-/ready", timeout=1.0).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        else:
+            raise TimeoutError((tmp / "prometheus.log").read_text(encoding="utf-8"))
+        yield url
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def traffic(server: LiveServer, prometheus: str) -> tuple[float, float]:
+    """About 25 s of known requests, scraped every second -> (start, end) unix times."""
+    start = time.time()
+    url = server.url
+    deadline = time.monotonic() + 25.0
+    sent = 0
+    while time.monotonic() < deadline and sent < 2000:
+        assert post(url, scores_request([UNIFORM, ONE_HOT]) | {"tag": "mixed"}).status_code == 200
+        assert post(url, scores_request([SINK]) | {"tag": "sinky"}).status_code == 200
+        body = scores_request([SINK]) | {"tag": "sampled", "diagnostics": "none"}
+        assert post(url, body).status_code == 200
+        sent += 3
+        time.sleep(0.05)
+    # One refused for size (413, rejected_total{reason="too_large"}), one for NaN (422).
+    big = httpx.post(
+        f"{url}/v1/attention",
+        content=b" " * 2_000_000,
+        headers={"content-type": "application/json"},
+        timeout=30.0,
+    )
+    assert big.status_code == 413
+    nan = scores_request([UNIFORM])
+    nan["q"] = b64(np.full((1, 1, 3, 2), np.nan))
+    assert post(url, nan).status_code == 422
+    time.sleep(3 * SCRAPE_S)  # the last samples scraped
+    return start, time.time()
+
+
+def grafana_expr(expr: str) -> str:
+    """An expression as Grafana sends it: its variables filled in."""
+    return expr.replace("$__rate_interval", RATE_INTERVAL).replace("$tag", ".*")
+
+
+def query(prometheus: str, expr: str) -> list[dict[str, Any]]:
+    response = httpx.get(f"{prometheus}/api/v1/query", params={"query": expr}, timeout=10.0)
+    payload = response.json()
+    assert payload["status"] == "success", (expr, payload)
+    result: list[dict[str, Any]] = payload["data"]["result"]
+    return result
+
+
+def panels() -> list[dict[str, Any]]:
+    dashboard = json.loads((MONITORING / "sdpa-dashboard.json").read_text(encoding="utf-8"))
+    return [p for p in dashboard["panels"] if p["type"] != "row"]
+
+
+def test_every_dashboard_query_returns_data(prometheus: str, traffic: tuple[float, float]) -> None:
+    for panel in panels():
+        for target in panel["targets"]:
+            result = query(prometheus, grafana_expr(target["expr"]))
+            assert result, (panel["title"], target["expr"])
+
+
+def by_tag(result: list[dict[str, Any]]) -> dict[str, float]:
+    return {r["metric"].get("tag", ""): float(r["value"][1]) for r in result}
+
+
+def test_health_panels_show_the_values_computed_by_hand(
+    prometheus: str, traffic: tuple[float, float]
+) -> None:
+    """Every observation of a tag has the same value here, so a panel's mean is that value."""
+    sink = next(p for p in panels() if p["title"].startswith("Sink share"))
+    values = by_tag(query(prometheus, grafana_expr(sink["targets"][0]["expr"])))
+    hand = {"sinky": by_hand(SINK), "sampled": by_hand(SINK)}
+    for tag, stats in hand.items():
+        assert values[tag] == pytest.approx(stats["sdpa_attention_sink_share"], rel=1e-9)
+    mixed = [by_hand(UNIFORM), by_hand(ONE_HOT)]
+    want = sum(s["sdpa_attention_sink_share"] for s in mixed) / 2
+    assert values["mixed"] == pytest.approx(want, rel=1e-9)
+
+    saturated = next(p for p in panels() if p["title"].startswith("Saturated"))
+    values = by_tag(query(prometheus, grafana_expr(saturated["targets"][0]["expr"])))
+    assert values["mixed"] == pytest.approx(0.5)  # one head of two is one-hot
+    assert values["sinky"] == 0.0
+
+    sources = query(prometheus, 'sum by (source) (sdpa_health_observations_total{tag="sampled"})')
+    assert {r["metric"]["source"] for r in sources} == {"sampled"}
+
+
+def test_the_alert_rules_load_and_stay_quiet_on_healthy_traffic(
+    prometheus: str, traffic: tuple[float, float]
+) -> None:
+    groups = httpx.get(f"{prometheus}/api/v1/rules", timeout=10.0).json()["data"]["groups"]
+    rules = [rule for group in groups for rule in group["rules"]]
+    assert len(rules) == 7
+    assert all(rule["health"] == "ok" for rule in rules), rules
+    # A third of the heads are one-hot, every query 60 logits: the logit and collapse alerts
+    # may go pending (their `for` is minutes away); nothing can have fired yet.
+    assert all(rule["state"] != "firing" for rule in rules)
+
+
+def test_the_dashboard_panels_render(
+    prometheus: str, traffic: tuple[float, float], tmp_path: Path
+) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    start, end = traffic
+    shown = panels()
+    cols = 3
+    rows = math.ceil(len(shown) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(15, 2.6 * rows), squeeze=False)
+    for ax, panel in zip(axes.flat, shown, strict=False):
+        drawn = 0
+        if panel["type"] == "heatmap":  # the distribution at the end, per bucket
+            result = query(prometheus, grafana_expr(panel["targets"][0]["expr"]))
+            cumulative = sorted((float(r["metric"]["le"]), float(r["value"][1])) for r in result)
+            finite = [(le, n) for le, n in cumulative if math.isfinite(le)]
+            counts = [n - (finite[i - 1][1] if i else 0.0) for i, (_, n) in enumerate(finite)]
+            ax.bar([le for le, _ in finite], counts, width=0.04, align="edge")
+            ax.set_xlabel("normalized entropy (bucket upper bound)", fontsize=7)
+            drawn = len(finite)
+        for target in panel["targets"] if panel["type"] != "heatmap" else []:
+            response = httpx.get(
+                f"{prometheus}/api/v1/query_range",
+                params={
+                    "query": grafana_expr(target["expr"]),
+                    "start": start,
+                    "end": end,
+                    "step": SCRAPE_S,
+                },
+                timeout=10.0,
+            )
+            for series in response.json()["data"]["result"]:
+                xs = [float(t) - start for t, _ in series["values"]]
+                ys = [float(v) for _, v in series["values"]]
+                label = target["legendFormat"]
+                for name, value in series["metric"].items():
+                    label = label.replace("{{" + name + "}}", value)
+                ax.plot(xs, ys, label=label.replace("{{pod}}", "").strip() or "value")
+                drawn += 1
+        assert drawn, panel["title"]
+        ax.set_title(panel["title"], fontsize=9)
+        ax.tick_params(labelsize=7)
+        if panel["type"] != "heatmap":
+            ax.legend(fontsize=6, loc="upper left")
+    for ax in list(axes.flat)[len(shown) :]:
+        ax.axis("off")
+    fig.suptitle("sdpa-service dashboard: panels evaluated by Prometheus on a live server (s)")
+    fig.tight_layout()
+    out = tmp_path / "dashboard.png"
+    fig.savefig(out, dpi=80)
+    plt.close(fig)
+    assert out.read_bytes().startswith(b"\x89PNG")
+    if os.environ.get("UPDATE_SCREENSHOTS") == "1":
+        SCREENSHOT.parent.mkdir(exist_ok=True)
+        shutil.copyfile(out, SCREENSHOT)

@@ -1,0 +1,178 @@
+"""HealthMonitor and the batcher's idle work: tag cap, sampling rates, the bounded queue of
+samples, and samples that run only while nothing is queued. Real Metrics (read back through
+the registry), real prepared jobs, a real CPU engine computing the sampled summaries."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+from collections.abc import Callable, Sequence
+
+import pytest
+import torch
+
+from sdpa_core import attention
+from service.metrics import Metrics
+from service.runtime.batcher import DynamicBatcher
+from service.runtime.engine import Engine
+from service.runtime.jobs import AttentionJob, PreparedJob, prepare
+from service.serving.health import (
+    MAX_PENDING_SAMPLE_BYTES,
+    MAX_PENDING_SAMPLE_S,
+    MAX_PENDING_SAMPLES,
+    OTHER_TAG,
+    HealthMonitor,
+)
+
+
+def job(seed: int = 0, *, n: int = 8) -> PreparedJob:
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(1, 2, n, 4, generator=gen, dtype=torch.float64) for _ in range(3))
+    return prepare(AttentionJob(q=q, k=k, v=v))
+
+
+def sample(metrics: Metrics, name: str, **labels: str) -> float:
+    return metrics.registry.get_sample_value(name, labels) or 0.0
+
+
+def monitor(metrics: Metrics, *, rate: float = 1.0, max_tags: int = 64) -> HealthMonitor:
+    engine = Engine(torch.device("cpu"), sink_tokens=3)
+    return HealthMonitor(
+        metrics=metrics,
+        diagnose=engine.diagnose,
+        sample_rate=rate,
+        max_tags=max_tags,
+        rng=random.Random(0),
+    )
+
+
+def test_tags_past_the_cap_are_other_and_known_tags_keep_their_label() -> None:
+    health = monitor(Metrics(), max_tags=2)
+    assert health.label(None) == "default"
+    assert health.label("a") == "a"
+    assert health.label("b") == OTHER_TAG  # "default" and "a" fill the two places
+    assert health.label("a") == "a"
+    assert health.label(None) == "default"
+
+
+@pytest.mark.parametrize(
+    ("rate", "low", "high"), [(0.0, 0, 0), (1.0, 2000, 2000), (0.25, 420, 580)]
+)
+def test_sampling_rate(rate: float, low: int, high: int) -> None:
+    health = monitor(Metrics(), rate=rate)
+    hits = sum(health.should_sample() for _ in range(2000))
+    assert low <= hits <= high  # 0.25: 500 expected, +-4.6 sigma
+
+
+def test_a_sample_observes_what_a_requested_summary_would() -> None:
+    """The sampled summary (engine.diagnose, sink_tokens 3) feeds the same histograms, with
+    source=sampled, as the diagnostics the job would have got by asking."""
+    metrics = Metrics()
+    health = monitor(metrics)
+    prepared = job(3)
+    assert health.offer(prepared, tag="t", seconds=0.001)
+    run = health.next_sample()
+    assert run is not None
+    run()
+    j = prepared.job
+    assert isinstance(j, AttentionJob)
+    asked = attention(j.q, j.k, j.v, diagnostics="summary", sink_tokens=3).diagnostics
+    assert asked is not None
+    assert sample(metrics, "sdpa_health_observations_total", tag="t", source="sampled") == 1
+    assert sample(metrics, "sdpa_attention_sink_share_count", tag="t") == 2  # two heads
+    want = float(asked.per_head.sink_share.sum())
+    assert sample(metrics, "sdpa_attention_sink_share_sum", tag="t") == pytest.approx(want)
+    assert health.next_sample() is None
+
+
+def test_the_queue_of_samples_is_bounded_by_count_and_by_device_time() -> None:
+    metrics = Metrics()
+    health = monitor(metrics)
+    for _ in range(MAX_PENDING_SAMPLES):
+        assert health.offer(job(), tag="t", seconds=0.0)
+    assert not health.offer(job(), tag="t", seconds=0.0)
+    assert health.pending == MAX_PENDING_SAMPLES
+    health.drop_pending()
+    assert health.pending == 0
+    assert sample(metrics, "sdpa_health_samples_dropped_total") == 1 + MAX_PENDING_SAMPLES
+
+    assert not health.offer(job(), tag="t", seconds=MAX_PENDING_SAMPLE_S * 1.01)  # alone too big
+    assert health.offer(job(), tag="t", seconds=MAX_PENDING_SAMPLE_S * 0.6)
+    assert not health.offer(job(), tag="t", seconds=MAX_PENDING_SAMPLE_S * 0.6)
+    run = health.next_sample()  # taken: its time no longer counts
+    assert run is not None
+    assert health.offer(job(), tag="t", seconds=MAX_PENDING_SAMPLE_S * 0.6)
+
+
+def test_idle_work_runs_only_while_nothing_is_queued() -> None:
+    """A batch held on the device with requests queued behind it: the idle work offered
+    meanwhile runs after the queue has drained, never before a queued request."""
+    order: list[str] = []
+    gate = threading.Event()
+    idle: list[str] = []
+
+    def run_batch(items: Sequence[str]) -> list[str]:
+        if "hold" in items:
+            gate.wait(5.0)
+        order.extend(items)
+        return list(items)
+
+    def idle_work() -> Callable[[], None] | None:
+        if not idle:
+            return None
+        name = idle.pop()
+        return lambda: order.append(name)
+
+    async def scenario() -> None:
+        batcher: DynamicBatcher[str, str] = DynamicBatcher(
+            run_batch,
+            group_key=lambda item: item,
+            max_batch_size=1,
+            max_batch_delay_s=0.0,
+            max_queue=16,
+            idle_work=idle_work,
+        )
+        await batcher.start()
+        held = asyncio.create_task(batcher.submit("hold", deadline=1e12))
+        await asyncio.sleep(0.05)
+        queued = [asyncio.create_task(batcher.submit(x, deadline=1e12)) for x in ("a", "b")]
+        await asyncio.sleep(0.01)
+        idle.append("sample")
+        batcher.wake()
+        await asyncio.sleep(0.05)
+        assert order == []  # the device is held: nothing ran, the sample neither
+        gate.set()
+        await asyncio.gather(held, *queued)
+        for _ in range(100):
+            if "sample" in order:
+                break
+            await asyncio.sleep(0.01)
+        await batcher.drain(5.0)
+
+    asyncio.run(scenario())
+    assert order == ["hold", "a", "b", "sample"]
+
+
+def test_the_queue_of_samples_is_bounded_by_the_bytes_it_holds() -> None:
+    """Queued samples keep their inputs alive: their bytes are bounded too."""
+    health = monitor(Metrics())
+    # q, k, v [1, 1, n, 1] float64 holding 40% of the bound together
+    n = int(MAX_PENDING_SAMPLE_BYTES * 0.4) // (3 * 8)
+    tensors = (torch.zeros(1, 1, n, 1, dtype=torch.float64) for _ in range(3))
+    big = prepare(AttentionJob(*tensors))
+    assert health.offer(big, tag="t", seconds=0.0)
+    assert health.offer(big, tag="t", seconds=0.0)
+    assert not health.offer(big, tag="t", seconds=0.0)  # 120% of the bound
+    assert health.next_sample() is not None  # one ran: its bytes are free again
+    assert health.offer(big, tag="t", seconds=0.0)
+
+
+def test_device_memory_is_read_at_each_scrape() -> None:
+    """What the app registers on CUDA (torch.cuda.memory_allocated), read when scraped."""
+    metrics = Metrics()
+    held = [1024.0]
+    metrics.track_device_memory(lambda: held[0])
+    assert sample(metrics, "sdpa_device_memory_allocated_bytes") == 1024.0
+    held[0] = 4096.0
+    assert sample(metrics, "sdpa_device_memory_allocated_bytes") == 4096.0
