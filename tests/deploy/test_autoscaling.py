@@ -1,6 +1,7 @@
-"""Autoscaling on queue depth: both kustomizations (CPU base, GPU overlay) scale the Deployment
-with a KEDA ScaledObject whose Prometheus trigger reads sdpa_queue_depth, CPU only as the base's
-fallback, and no hand-written HorizontalPodAutoscaler beside it (KEDA owns the HPA it makes).
+"""Autoscaling on the queued work: both kustomizations (CPU base, GPU overlay) scale the
+Deployment with a KEDA ScaledObject whose Prometheus trigger reads sdpa_backlog_seconds, CPU
+only as the base's fallback, and no hand-written HorizontalPodAutoscaler beside it (KEDA owns
+the HPA it makes).
 
 kubernetes-validate has no schema for KEDA's CRD: the ScaledObject's fields are checked here by
 hand against KEDA's ScaledObject specification (keda.sh/docs/latest/reference/scaledobject-spec),
@@ -81,7 +82,7 @@ def check_scaled_object(docs: list[dict[str, Any]]) -> dict[str, Any]:
     meta = queue[0]["metadata"]
     assert set(meta) <= PROMETHEUS_METADATA, set(meta) - PROMETHEUS_METADATA
     assert meta["serverAddress"].startswith(("http://", "https://"))
-    assert "sdpa_queue_depth" in meta["query"]
+    assert "sdpa_backlog_seconds" in meta["query"]
     assert isinstance(meta["threshold"], str)  # KEDA's metadata values are strings
     assert float(meta["threshold"]) > 0
     assert queue[0].get("metricType", "AverageValue") == "AverageValue"
@@ -113,7 +114,7 @@ def test_everything_but_the_scaled_object_is_valid_kubernetes(overlay: Path) -> 
         kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
 
 
-def test_the_base_scales_on_queue_depth_with_cpu_as_fallback() -> None:
+def test_the_base_scales_on_the_backlog_with_cpu_as_fallback() -> None:
     spec = check_scaled_object(rendered(BASE))
     cpu = [t for t in spec["triggers"] if t["type"] == "cpu"]
     assert len(cpu) == 1
@@ -125,7 +126,7 @@ def test_the_base_scales_on_queue_depth_with_cpu_as_fallback() -> None:
     assert "fallback" not in spec
 
 
-def test_the_gpu_overlay_scales_on_queue_depth_alone() -> None:
+def test_the_gpu_overlay_scales_on_the_backlog_alone() -> None:
     base = check_scaled_object(rendered(BASE))
     spec = check_scaled_object(rendered(GPU_OVERLAY))
     assert [t["type"] for t in spec["triggers"]] == ["prometheus"]
@@ -133,7 +134,7 @@ def test_the_gpu_overlay_scales_on_queue_depth_alone() -> None:
     gpu_target = float(spec["triggers"][0]["metadata"]["threshold"])
     base_target = float(next(t for t in base["triggers"] if t["type"] == "prometheus")[
         "metadata"]["threshold"])  # fmt: skip
-    assert gpu_target > base_target  # a GPU pod works off more queued requests per pod
+    assert gpu_target > base_target  # more queued work per pod before another GPU
 
 
 def test_the_scaled_object_is_in_the_base_kustomization() -> None:

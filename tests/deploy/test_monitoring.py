@@ -267,4 +267,4 @@ def test_every_alert_and_the_autoscaler_name_exported_metrics(server: LiveServer
         names = metric_names(rule["expr"])
         assert names, rule["alert"]
         assert names <= exported, (rule["alert"], names - exported)
-    assert metric_names(autoscaler_query()) == {"sdpa_queue_depth"}
+    assert metric_names(autoscaler_query()) == {"sdpa_backlog_seconds"}
