@@ -82,8 +82,9 @@ class Metrics:
         )
         self.compute_seconds = Histogram(
             "sdpa_compute_seconds",
-            "Device time of one batch, by the sdpa_core path that ran.",
-            ["path"],
+            "Device time of one batch, by the sdpa_core path that ran and the backend torch's "
+            "SDPA chose on the fused path (none elsewhere).",
+            ["path", "backend"],
             buckets=_LATENCY_BUCKETS,
             registry=reg,
         )

@@ -211,9 +211,12 @@ class Engine:
             return result.diagnostics
         return _diagnostics_on_cpu(result.diagnostics)
 
-    def _observe(self, path: str, seconds: float) -> None:
+    def _observe(self, path: str, seconds: float, backend: str | None = None) -> None:
         if self._metrics is not None:
-            self._metrics.compute_seconds.labels(path=path).observe(seconds)
+            # The backend torch's SDPA chose (flash, efficient, math...): "none" off the fused
+            # path, where no kernel choice is made.
+            labels = {"path": path, "backend": backend or "none"}
+            self._metrics.compute_seconds.labels(**labels).observe(seconds)
 
     def _run_analyze(self, job: AnalyzeJob) -> AnalyzeOutcome | BaseException:
         started = time.perf_counter()
@@ -238,7 +241,7 @@ class Engine:
         started = time.perf_counter()
         results = [self._run_alone(batch[0])] if len(batch) == 1 else self._run_padded(batch)
         seconds = time.perf_counter() - started
-        self._observe(results[0].path, seconds)
+        self._observe(results[0].path, seconds, results[0].backend)
         device = str(self.device)
         return [
             AttentionOutcome(result=result, compute_ms=seconds * 1e3, device=device)

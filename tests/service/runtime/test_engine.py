@@ -124,8 +124,10 @@ def run_and_compare(
         assert_same_result(outcome.result, solo(job), job.q.dtype)
         outcomes.append(outcome)
     if expect_calls is not None and engine._metrics is not None:
+        result = outcomes[0].result
         calls = engine._metrics.registry.get_sample_value(
-            "sdpa_compute_seconds_count", {"path": outcomes[0].result.path}
+            "sdpa_compute_seconds_count",
+            {"path": result.path, "backend": result.backend or "none"},
         )
         assert calls == expect_calls
     return outcomes
