@@ -71,7 +71,7 @@ def prepare_infer(
     """A v2 infer body (and its Inference-Header-Content-Length) -> a prepared request within
     every limit. Raises InvalidRequest / SdpaError (a 400 on v2)."""
     header, offset = split_header(body, header_length)
-    req = parse_infer_request(loads(header))
+    req = parse_infer_request(loads(header, allow_inf_nan=True))
     params = req.parameters or RequestParameters()
     if params.scale is not None and params.temperature is not None:
         raise _invalid(

@@ -307,14 +307,16 @@ def finite_or_none(value: float) -> float | None:
 # ---- JSON ----------------------------------------------------------------------------------
 
 
-def loads(body: bytes) -> Any:
+def loads(body: bytes, *, allow_inf_nan: bool = False) -> Any:
     """Parse a JSON body; raises InvalidRequest (422, loc ["body"]) when it is not JSON.
 
-    NaN and Infinity literals are refused (they are not JSON). A number beyond the float range
-    (1e999) parses as inf and is refused later as a non-finite value of its own field.
+    NaN and Infinity literals are refused (they are not JSON) unless `allow_inf_nan`: v2 takes
+    them, since tritonclient writes a float mask's -inf that way (Python's json module does).
+    Either way a non-finite number (1e999 parses as inf) is refused later where its field
+    forbids it: in q, k and v as NaN/Inf, in a mask as anything but -inf.
     """
     try:
-        return from_json(body, allow_inf_nan=False)
+        return from_json(body, allow_inf_nan=allow_inf_nan)
     except ValueError as exc:
         # from_json reports malformed JSON (and bad UTF-8) as a plain ValueError; nothing else
         # runs inside this try, so no bug of ours can be turned into a 422 here.

@@ -139,3 +139,32 @@ def test_a_binary_answer_is_sized_as_the_bytes_it_sends() -> None:
             assert response.status_code == expected, response.text[:300]
             if expected == 400:
                 assert "SDPA_MAX_RESPONSE_BYTES" in response.json()["error"]
+
+
+def test_json_infinity_literals_as_tritonclient_writes_them() -> None:
+    """tritonclient's JSON path writes a float mask's -inf as -Infinity (Python's json module):
+    it means not visible, as null does. NaN in q is refused naming q, and +Infinity in a mask
+    naming the mask."""
+    url = "/v2/models/attention/infer"
+
+    def body(q: str, mask: str) -> bytes:
+        def tensor(name: str, data: str) -> str:
+            return f'{{"name": "{name}", "shape": [2, 2], "datatype": "FP32", "data": {data}}}'
+
+        inputs = [tensor("q", q), tensor("k", "[1, 0, 0, 1]"), tensor("v", "[1, 2, 3, 4]")]
+        inputs.append(tensor("attn_mask", mask))
+        return ('{"inputs": [' + ", ".join(inputs) + "]}").encode()
+
+    with in_process_client(small_settings()) as client:
+        literal = client.post(url, content=body("[1, 0, 0, 1]", "[0, -Infinity, 0, 0]"))
+        null = client.post(url, content=body("[1, 0, 0, 1]", "[0, null, 0, 0]"))
+        assert literal.status_code == null.status_code == 200, literal.text
+        assert literal.json()["outputs"] == null.json()["outputs"]
+        # Row 0 sees only key 0: its output is v's row 0 exactly.
+        assert literal.json()["outputs"][0]["data"][:2] == [1.0, 2.0]
+        nan = client.post(url, content=body("[NaN, 0, 0, 1]", "[0, 0, 0, 0]"))
+        assert nan.status_code == 400
+        assert nan.json()["error"].startswith("input 'q': contains NaN or Inf")
+        plus = client.post(url, content=body("[1, 0, 0, 1]", "[0, Infinity, 0, 0]"))
+        assert plus.status_code == 400
+        assert plus.json()["error"].startswith("input 'attn_mask':")
