@@ -8,6 +8,7 @@ request is queued.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -130,9 +131,20 @@ def prepare_attention(body: bytes, settings: Settings, cost: CostModel) -> Prepa
 
 def temperature_scale(temperature: float, q: torch.Tensor) -> float | None:
     """scale = 1 / (T·sqrt(D)) for a temperature T > 0: the default scale divided by T.
-    None for a q without a head dim (its own error follows in validation)."""
+    None for a q without a head dim (its own error follows in validation). Raises
+    InvalidRequest naming `temperature` when T is so small that the scale is not finite."""
     d = q.shape[-1] if q.dim() else 0
-    return default_scale(d) / temperature if d else None
+    if not d:
+        return None
+    scale = default_scale(d) / temperature
+    if not math.isfinite(scale):
+        raise over_limit(
+            ("body", "temperature"),
+            f"temperature {temperature!r} is too small: the scale 1/(T·sqrt(D)) it gives is not "
+            "a finite number",
+            kind="value_error",
+        )
+    return scale
 
 
 def prepare_attention_job(

@@ -94,3 +94,13 @@ def test_the_schema_documents_temperature_and_null(client: httpx.Client) -> None
     mask_object = schemas["MaskTensor"]["properties"]["data"]
     assert "null" in str(mask_object)
     assert "-inf" in request["attn_mask"]["description"]
+
+
+def test_a_temperature_too_small_for_a_finite_scale_names_temperature(
+    client: httpx.Client,
+) -> None:
+    response = _attention(client, temperature=1e-320)  # 1/(T·sqrt(8)) overflows float
+    assert response.status_code == 422, response.text
+    error = response.json()["errors"][0]
+    assert error["loc"] == ["body", "temperature"]
+    assert "not a finite number" in error["msg"]
