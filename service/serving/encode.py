@@ -11,7 +11,13 @@ from typing import Any, Final
 
 import torch
 
-from sdpa_core import Diagnostics, ScalingReport, StrategyResult
+from sdpa_core import (
+    PER_HEAD_FIELDS,
+    PER_ROW_FIELDS,
+    Diagnostics,
+    ScalingReport,
+    StrategyResult,
+)
 from service.runtime.batcher import BatchResult
 from service.runtime.jobs import AnalyzeOutcome, AttentionOutcome, Outcome
 from service.wire.codec import (
@@ -66,9 +72,14 @@ def attention_elements(outcome: AttentionOutcome) -> int:
     """How many numbers the response carries (to decide whether encoding leaves the loop)."""
     result = outcome.result
     elements = result.output.numel() + (0 if result.weights is None else result.weights.numel())
-    if result.diagnostics is not None and result.diagnostics.per_row is not None:
-        # "full" adds six per-row tensors [..., H, N_q]; at long N_q they dominate the response.
-        elements += 6 * result.diagnostics.per_row.entropy.numel()
+    diagnostics = result.diagnostics
+    if diagnostics is not None:
+        # One number per (sequence, head) for each per-head field: with many heads of few rows
+        # (a million heads fit the element limit) they dominate the response.
+        elements += len(PER_HEAD_FIELDS) * diagnostics.per_head.masked_rows.numel()
+        if diagnostics.per_row is not None:
+            # "full" adds the per-row tensors [..., H, N_q]; at long N_q they dominate.
+            elements += len(PER_ROW_FIELDS) * diagnostics.per_row.entropy.numel()
     return elements
 
 

@@ -176,3 +176,31 @@ def test_device_memory_is_read_at_each_scrape() -> None:
     assert sample(metrics, "sdpa_device_memory_allocated_bytes") == 1024.0
     held[0] = 4096.0
     assert sample(metrics, "sdpa_device_memory_allocated_bytes") == 4096.0
+
+
+def test_observe_many_writes_what_observe_writes_one_by_one() -> None:
+    """The bulk path must leave a histogram exactly as prometheus_client's own observe() does:
+    values on bucket bounds, between them, beyond the last finite bound, negative, +inf and
+    NaN (which observe() counts in no bucket)."""
+    import numpy as np
+    from prometheus_client import CollectorRegistry, Histogram
+
+    from service.serving.health import observe_many
+
+    bounds = [0.05 * i for i in range(21)]
+    values = np.array([0.0, 0.05, 0.051, 0.5, 0.99, 1.0, 1.5, -0.2, np.inf, 0.7, 0.05], np.float32)
+
+    def samples(histogram: Histogram) -> dict[str, float]:
+        return {
+            f"{s.name}{sorted(s.labels.items())}": s.value
+            for family in histogram.collect()
+            for s in family.samples
+            if not s.name.endswith("_created")
+        }
+
+    one_by_one = Histogram("a", "a", ["tag"], buckets=bounds, registry=CollectorRegistry())
+    for value in values.tolist():
+        one_by_one.labels(tag="t").observe(value)
+    bulk = Histogram("a", "a", ["tag"], buckets=bounds, registry=CollectorRegistry())
+    observe_many(bulk.labels(tag="t"), np.append(values, np.nan))
+    assert samples(bulk) == samples(one_by_one)
