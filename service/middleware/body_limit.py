@@ -36,6 +36,15 @@ class BodyTooLarge(PayloadTooLarge):
     """
 
 
+def declared_length(scope: Scope) -> int | None:
+    """The request's Content-Length when it is a plain number of ASCII digits, else None."""
+    for name, value in scope.get("headers", ()):
+        if name == b"content-length":
+            text = value.strip()
+            return int(text) if text.isdigit() else None  # bytes.isdigit: ASCII digits only
+    return None
+
+
 def _too_large(limit: int) -> PayloadTooLarge:
     msg = (
         f"request body exceeds the limit of {limit} bytes (SDPA_MAX_BODY_BYTES); send smaller "
@@ -85,12 +94,9 @@ class BodyLimitMiddleware:
             return
 
         content_type = b""
-        content_length: bytes | None = None
         for name, value in scope["headers"]:
             if name == b"content-type":
                 content_type = value
-            elif name == b"content-length":
-                content_length = value
 
         # v2 (Open Inference Protocol) bodies may carry binary tensor data after their JSON
         # header, and its clients declare them as application/octet-stream or not at all: the
@@ -107,8 +113,8 @@ class BodyLimitMiddleware:
             return
 
         limit = self.max_body_bytes
-        declared = content_length.strip() if content_length is not None else b""
-        if declared.isdigit() and int(declared) > limit:
+        declared = declared_length(scope)
+        if declared is not None and declared > limit:
             await self._refuse(scope, receive, send)
             return
 

@@ -22,6 +22,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from service.api.errors import service_error_response
 from service.errors import FieldError, InvalidRequest, MemoryBusy, PayloadTooLarge
 from service.metrics import Metrics
+from service.middleware.body_limit import declared_length
 from service.middleware.connections import unsent_bytes
 
 MB: Final = 1e6
@@ -88,7 +89,7 @@ class InflightBytesMiddleware:
             return
         # The declared body is reserved at once: clients that send their headers together
         # would otherwise all be admitted while nothing is held yet, and read past the limit.
-        declared = min(_content_length(scope), self.max_body_bytes)
+        declared = min(declared_length(scope) or 0, self.max_body_bytes)
         if declared > self.max_bytes:
             await service_error_response(self._body_too_big(declared))(scope, receive, send)
             return
@@ -173,12 +174,3 @@ class InflightBytesMiddleware:
     async def _refuse(self, scope: Scope, receive: Receive, send: Send, declared: int) -> None:
         error = self._busy(self.held + unsent_bytes() + declared)
         await service_error_response(error)(scope, receive, send)
-
-
-def _content_length(scope: Scope) -> int:
-    """The request's Content-Length, 0 when absent or not a number (the server refuses those)."""
-    for name, value in scope.get("headers", ()):
-        if name == b"content-length":
-            text = value.decode("latin-1").strip()
-            return int(text) if text.isascii() and text.isdigit() else 0
-    return 0

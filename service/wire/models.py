@@ -80,7 +80,6 @@ NESTED_OUTPUT_SCHEMA: Final = nested_list_schema(_NUMBER_OR_NULL)
 # key_lengths are per sequence or per head: at most q's rank minus 2.
 NESTED_INT_SCHEMA: Final = nested_list_schema(_INTEGER, depth=MAX_RANK - 2)
 
-NestedInput = Annotated[list[Any], WithJsonSchema(NESTED_INPUT_SCHEMA)]
 NestedFloat = Annotated[list[Any], WithJsonSchema(NESTED_FLOAT_SCHEMA)]
 NestedMask = Annotated[list[Any], WithJsonSchema(NESTED_MASK_SCHEMA)]
 NestedBool = Annotated[list[Any], WithJsonSchema(NESTED_BOOL_SCHEMA)]
@@ -244,17 +243,6 @@ def _tensor_kind(value: Any) -> str | None:
     if isinstance(value, list):
         return _TAG_NESTED_LIST
     return None
-
-
-TensorIn = Annotated[
-    Annotated[WireTensor, Tag(_TAG_TENSOR_OBJECT)] | Annotated[NestedInput, Tag(_TAG_NESTED_LIST)],
-    Discriminator(
-        _tensor_kind,
-        custom_error_type="tensor_type",
-        custom_error_message="expected a tensor object {dtype, shape, data | b64} or a nested "
-        "list of numbers",
-    ),
-]
 
 
 # q, k and v: float tensors, or nested lists of numbers.
