@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
-from sdpa_core.attention import prepare_inputs
+from sdpa_core.attention import prepare_inputs, tile_grid
 from sdpa_core.chunked import DEFAULT_BLOCK_SIZE, chunked_attention
-from sdpa_core.diagnostics import DiagnosticsSummary, summarize
+from sdpa_core.diagnostics import DiagnosticsSummary, RowStats, summarize
 from sdpa_core.errors import SdpaError
 from sdpa_core.masks import KeyLengths
 from sdpa_core.shapes import CausalArg
@@ -190,59 +190,138 @@ def analyze_scaling(
             any input error attention() would raise for q, k and these masks (ShapeError,
             DTypeError, MaskError, NonFiniteError).
     """
-    v = k.new_zeros((*k.shape[:-1], 1))  # the output is not needed, only the row statistics
-    inputs = prepare_inputs(
+    return AnalysisRun(
         q,
         k,
-        v,
+        strategies=strategies,
         causal=causal,
         key_lengths=key_lengths,
         key_padding_mask=key_padding_mask,
         attn_mask=attn_mask,
-    )
-    spec = inputs.spec
-    pairs = resolve_strategies(strategies, spec.d)
-    results: list[StrategyResult] = []
-    raw_var: float | None = None
+        block_size=block_size,
+    ).run()
 
-    def pass_at(scale: float) -> DiagnosticsSummary:
+
+class AnalysisRun:
+    """analyze_scaling() as a sequence of tiles a scheduler can step through, one per step():
+    each pass (one per strategy, plus the raw pass at scale 1 when no divisor is 1) runs in
+    tiles of sequences and query rows (attention.tile_grid), and a pass is summarized when
+    its last tile is done. analyze_scaling() is a run of one tile per pass. Its arguments and
+    errors are analyze_scaling()'s, raised by the constructor; tiles asks for about that many
+    tiles in all (tiles_total says how many)."""
+
+    def __init__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        *,
+        strategies: Sequence[StrategySpec] | None = None,
+        causal: CausalArg = False,
+        key_lengths: KeyLengths | None = None,
+        key_padding_mask: torch.Tensor | None = None,
+        attn_mask: torch.Tensor | None = None,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        tiles: int = 1,
+    ) -> None:
+        v = k.new_zeros((*k.shape[:-1], 1))  # the output is not needed, only the row statistics
+        self._inputs = prepare_inputs(
+            q,
+            k,
+            v,
+            causal=causal,
+            key_lengths=key_lengths,
+            key_padding_mask=key_padding_mask,
+            attn_mask=attn_mask,
+        )
+        spec = self._inputs.spec
+        self._pairs = resolve_strategies(strategies, spec.d)
+        self._scales = [1.0 / divisor for _, divisor in self._pairs]
+        if not any(divisor == 1.0 for _, divisor in self._pairs):
+            self._scales.append(1.0)  # the raw statistics' own pass
+        self._grid = tile_grid(spec.batch, spec.n_q, -(-max(1, tiles) // len(self._scales)))
+        self._block_size = block_size
+        self._summaries: list[DiagnosticsSummary] = []
+        self._rows: RowStats | None = None
+        self._tile = 0  # the next tile of the current pass
+
+    @property
+    def tiles_total(self) -> int:
+        return len(self._scales) * len(self._grid)
+
+    @property
+    def tiles_done(self) -> int:
+        return len(self._summaries) * len(self._grid) + self._tile
+
+    @property
+    def done(self) -> bool:
+        return len(self._summaries) == len(self._scales)
+
+    def step(self) -> bool:
+        """Compute the next tile of the current pass; True once every pass is done."""
+        if self.done:
+            return True
+        spec, scale = self._inputs.spec, self._scales[len(self._summaries)]
+        tile = self._grid[self._tile]
+        whole = len(self._grid) == 1
+        inputs = self._inputs
+        q4, k4, v4, plan = (
+            (inputs.q4, inputs.k4, inputs.v4, inputs.plan) if whole else tile.of(inputs)
+        )
         _, rows = chunked_attention(
-            inputs.q4,
-            inputs.k4,
-            inputs.v4,
-            inputs.plan,
+            q4,
+            k4,
+            v4,
+            plan,
             scale=scale,
             accum_dtype=spec.accum_dtype,
             need_stats=True,
-            block_size=block_size,
+            block_size=self._block_size,
         )
         assert rows is not None
-        return summarize(rows, scale=scale, level="summary").summary
-
-    for name, divisor in pairs:
-        s = pass_at(1.0 / divisor)
-        if divisor == 1.0:
-            raw_var = s.score_variance_raw
-        results.append(
-            StrategyResult(
-                name=name,
-                divisor=divisor,
-                score_variance=s.score_variance_scaled,
-                entropy=s.entropy,
-                normalized_entropy=s.normalized_entropy,
-                max_weight=s.max_weight,
-                saturated_fraction=s.saturated_fraction,
-                grad_health=s.grad_health,
-            )
+        self._rows = (
+            rows if whole else tile.place_rows(self._rows, rows, (spec.batch, spec.heads, spec.n_q))
         )
-    if raw_var is None:
-        raw_var = pass_at(1.0).score_variance_raw
-    return ScalingReport(
-        d_k=spec.d,
-        raw_score_variance=raw_var,
-        recommended_divisor=math.sqrt(raw_var),
-        strategies=tuple(results),
-    )
+        self._tile += 1
+        if self._tile == len(self._grid):
+            self._summaries.append(summarize(self._rows, scale=scale, level="summary").summary)
+            self._rows, self._tile = None, 0
+        return self.done
+
+    def result(self) -> ScalingReport:
+        """The report, once every pass is done."""
+        if not self.done:
+            raise RuntimeError(f"{self.tiles_done} of {self.tiles_total} tiles done")
+        results = []
+        raw_var: float | None = None
+        for (name, divisor), s in zip(self._pairs, self._summaries, strict=False):
+            if divisor == 1.0:
+                raw_var = s.score_variance_raw
+            results.append(
+                StrategyResult(
+                    name=name,
+                    divisor=divisor,
+                    score_variance=s.score_variance_scaled,
+                    entropy=s.entropy,
+                    normalized_entropy=s.normalized_entropy,
+                    max_weight=s.max_weight,
+                    saturated_fraction=s.saturated_fraction,
+                    grad_health=s.grad_health,
+                )
+            )
+        if raw_var is None:
+            raw_var = self._summaries[-1].score_variance_raw  # the extra pass at scale 1
+        return ScalingReport(
+            d_k=self._inputs.spec.d,
+            raw_score_variance=raw_var,
+            recommended_divisor=math.sqrt(raw_var),
+            strategies=tuple(results),
+        )
+
+    def run(self) -> ScalingReport:
+        """Every remaining tile, then the report."""
+        while not self.step():
+            pass
+        return self.result()
 
 
 def make_synthetic_qk(

@@ -14,6 +14,7 @@ and per-row tensors have the accumulation dtype. Non-finite values follow nonfin
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Literal, TypeAlias
 
@@ -253,7 +254,7 @@ def attention(
             that cannot give what is asked, a bad block_size or budget, tensors on different
             devices). Every error above derives from it and names the parameter.
     """
-    inputs = prepare_inputs(
+    return AttentionRun(
         q,
         k,
         v,
@@ -262,105 +263,294 @@ def attention(
         key_padding_mask=key_padding_mask,
         attn_mask=attn_mask,
         scale=scale,
+        return_weights=return_weights,
+        diagnostics=diagnostics,
+        memory_budget_bytes=memory_budget_bytes,
         allow_nonfinite=allow_nonfinite,
+        path=path,
+        block_size=block_size,
         check_finite=check_finite,
-    )
-    spec, plan = inputs.spec, inputs.plan
-    level = check_diagnostics_level(diagnostics)
-    if block_size is not None:
-        _check_int_option(
-            block_size,
-            param="block_size",
-            minimum=1,
-            what="a positive integer",
-            expected="int >= 1",
+        sink_tokens=sink_tokens,
+    ).run()
+
+
+def tile_bounds(length: int, tiles: int) -> list[tuple[int, int]]:
+    """[start, stop) of `tiles` near-equal consecutive parts of range(length) (at most
+    `length` parts, at least one)."""
+    parts = max(1, min(tiles, length))
+    return [(i * length // parts, (i + 1) * length // parts) for i in range(parts)]
+
+
+@dataclass(frozen=True, slots=True)
+class Tile:
+    """Sequences [b0, b1) of the normalized batch x query rows [q0, q1)."""
+
+    b0: int
+    b1: int
+    q0: int
+    q1: int
+
+    def of(
+        self, inputs: PreparedInputs
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, MaskPlan]:
+        """q4, k4, v4 and the mask plan of this tile."""
+        b0, b1, q0, q1 = self.b0, self.b1, self.q0, self.q1
+        plan = inputs.plan.batch_slice(b0, b1).query_rows(q0, q1)
+        return inputs.q4[b0:b1, :, q0:q1], inputs.k4[b0:b1], inputs.v4[b0:b1], plan
+
+    def place_rows(
+        self, whole: RowStats | None, part: RowStats, rows_shape: tuple[int, ...]
+    ) -> RowStats:
+        """part written into `whole` (allocated [B, H, N_q] at the first tile)."""
+        if whole is None:
+            whole = part.apply(lambda _, t: t.new_empty(rows_shape))
+        for name, tensor in whole.as_dict().items():
+            tensor[self.b0 : self.b1, :, self.q0 : self.q1] = getattr(part, name)
+        return whole
+
+
+def tile_grid(batch: int, n_q: int, tiles: int) -> list[Tile]:
+    """About `tiles` tiles over [batch, N_q]: the batch split first (up to `batch` chunks),
+    then each chunk's query rows, so at most batch * N_q tiles."""
+    chunks = tile_bounds(batch, tiles)
+    rows = tile_bounds(n_q, -(-tiles // len(chunks)))
+    return [Tile(b0, b1, q0, q1) for b0, b1 in chunks for q0, q1 in rows]
+
+
+class AttentionRun:
+    """attention() as a sequence of tiles a scheduler can step through, one tile per step().
+
+    A tile is a chunk of sequences (the normalized batch) and of query rows: every query row
+    is independent, so each tile runs the path attention() chose on its rows with their own
+    rows of the mask plan (MaskPlan.query_rows keeps causal alignment), and the result is the
+    untiled one up to float reduction order. attention() itself is a run of one tile.
+    Validation and the path choice happen in the constructor, so a bad request fails before
+    any tile runs; the checks that need the whole result (overflow, the summary) run in
+    result().
+
+    tiles asks for that many tiles: the batch is split first (up to B chunks), then each
+    chunk's query rows, so a run has at most B * N_q tiles (tiles_total says how many).
+    """
+
+    def __init__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        causal: CausalArg = False,
+        key_lengths: KeyLengths | None = None,
+        key_padding_mask: torch.Tensor | None = None,
+        attn_mask: torch.Tensor | None = None,
+        scale: float | None = None,
+        return_weights: bool = False,
+        diagnostics: DiagnosticsLevel | str = "none",
+        memory_budget_bytes: int | None = None,
+        allow_nonfinite: bool = False,
+        path: PathName | str | None = None,
+        block_size: int | None = None,
+        check_finite: bool = True,
+        sink_tokens: int = DEFAULT_SINK_TOKENS,
+        tiles: int = 1,
+    ) -> None:
+        inputs = prepare_inputs(
+            q,
+            k,
+            v,
+            causal=causal,
+            key_lengths=key_lengths,
+            key_padding_mask=key_padding_mask,
+            attn_mask=attn_mask,
+            scale=scale,
+            allow_nonfinite=allow_nonfinite,
+            check_finite=check_finite,
         )
-    _check_int_option(
-        sink_tokens,
-        param="sink_tokens",
-        minimum=0,
-        what="a non-negative integer",
-        expected="int >= 0",
-    )
-    if memory_budget_bytes is not None:
+        spec, plan = inputs.spec, inputs.plan
+        level = check_diagnostics_level(diagnostics)
+        if block_size is not None:
+            _check_int_option(
+                block_size,
+                param="block_size",
+                minimum=1,
+                what="a positive integer",
+                expected="int >= 1",
+            )
         _check_int_option(
-            memory_budget_bytes,
-            param="memory_budget_bytes",
+            sink_tokens,
+            param="sink_tokens",
             minimum=0,
             what="a non-negative integer",
-            expected="int >= 0 or null",
+            expected="int >= 0",
         )
-    chosen = choose_path(
-        spec,
-        return_weights=return_weights,
-        diagnostics=level,
-        memory_budget_bytes=memory_budget_bytes,
-        path=path,
-    )
-    scale_f = resolve_scale(scale, spec.d)
+        if memory_budget_bytes is not None:
+            _check_int_option(
+                memory_budget_bytes,
+                param="memory_budget_bytes",
+                minimum=0,
+                what="a non-negative integer",
+                expected="int >= 0 or null",
+            )
+        _check_int_option(tiles, param="tiles", minimum=1, what="a positive integer",
+                          expected="int >= 1")  # fmt: skip
+        self._path = choose_path(
+            spec,
+            return_weights=return_weights,
+            diagnostics=level,
+            memory_budget_bytes=memory_budget_bytes,
+            path=path,
+        )
+        self._spec, self._plan, self._level = spec, plan, level
+        self._scale = resolve_scale(scale, spec.d)
+        self._return_weights = return_weights
+        self._allow_nonfinite = allow_nonfinite
+        self._block_size = block_size or DEFAULT_BLOCK_SIZE
+        self._sink_tokens = sink_tokens
 
-    q4, k4, v4, poisoned = inputs.q4, inputs.k4, inputs.v4, None
-    if allow_nonfinite:
-        q4, k4, v4, poisoned = quarantine(q4, k4, v4, plan)
+        q4, k4, v4, poisoned = inputs.q4, inputs.k4, inputs.v4, None
+        if allow_nonfinite:
+            q4, k4, v4, poisoned = quarantine(q4, k4, v4, plan)
+        self._poisoned = poisoned
 
-    # The sink is the first sink_tokens keys that are not padding: positions [0, sink_tokens)
-    # unless a key_padding_mask may hide some of them (key lengths only hide a suffix).
-    sink_cols = None
-    if level != "none" and key_padding_mask is not None:
-        padding = key_padding(
-            spec, key_lengths=key_lengths, key_padding_mask=key_padding_mask, device=q.device
-        )
-        sink_cols = None if padding is None else sink_keys(padding, sink_tokens)
-    backend: str | None = None
-    weights4: torch.Tensor | None = None
-    rows4: RowStats | None = None
-    if chosen == "fused":
-        out4, backend = fused_attention(q4, k4, v4, plan, scale=scale_f)
-    elif chosen == "dense":
-        out4, weights4, rows4 = dense_attention(
-            q4,
-            k4,
-            v4,
-            plan,
-            scale=scale_f,
-            accum_dtype=spec.accum_dtype,
-            need_weights=return_weights,
-            need_stats=level != "none",
-            sink_tokens=sink_tokens,
-            sink_cols=sink_cols,
-        )
-    else:
-        out4, rows4 = chunked_attention(
-            q4,
-            k4,
-            v4,
-            plan,
-            scale=scale_f,
-            accum_dtype=spec.accum_dtype,
-            need_stats=level != "none",
-            block_size=block_size or DEFAULT_BLOCK_SIZE,
-            sink_tokens=sink_tokens,
-            sink_cols=sink_cols,
-        )
-    if poisoned is not None:
-        out4, weights4, rows4 = poison_results(poisoned, out4, weights4, rows4)
+        # The sink is the first sink_tokens keys that are not padding: positions
+        # [0, sink_tokens) unless a key_padding_mask may hide some of them (key lengths only
+        # hide a suffix).
+        self._sink_cols: torch.Tensor | None = None
+        if level != "none" and key_padding_mask is not None:
+            padding = key_padding(
+                spec, key_lengths=key_lengths, key_padding_mask=key_padding_mask, device=q.device
+            )
+            self._sink_cols = None if padding is None else sink_keys(padding, sink_tokens)
 
-    # Back to the caller's dtype and leading dims.
-    output = out4.to(spec.dtype).reshape(*spec.row_shape, spec.d_v)  # [..., H, N_q, D_v]
-    weights = None
-    if weights4 is not None:
-        weights = weights4.to(spec.dtype).reshape(*spec.row_shape, spec.n_kv)  # [..., H, N_q, N_kv]
-    row_stats = None if rows4 is None else rows4.reshape(spec.row_shape)  # [..., H, N_q]
-    if not allow_nonfinite:
-        check_no_overflow(output, row_stats, scale=scale_f, accum_dtype=spec.accum_dtype)
-    diag = None
-    if row_stats is not None and level != "none":
-        diag = summarize(row_stats, scale=scale_f, level=level)
-    return AttentionResult(
-        output=output,
-        weights=weights,
-        diagnostics=diag,
-        row_stats=row_stats,
-        path=chosen,
-        backend=backend,
-    )
+        self._inputs = dataclasses.replace(inputs, q4=q4, k4=k4, v4=v4)
+        self._tiles = tile_grid(spec.batch, spec.n_q, tiles)
+        self._done = 0
+        self._backend: str | None = None
+        self._out4: torch.Tensor | None = None
+        self._weights4: torch.Tensor | None = None
+        self._rows4: RowStats | None = None
+
+    @property
+    def path(self) -> PathName:
+        """The path every tile runs."""
+        return self._path
+
+    @property
+    def tiles_total(self) -> int:
+        return len(self._tiles)
+
+    @property
+    def tiles_done(self) -> int:
+        return self._done
+
+    @property
+    def done(self) -> bool:
+        return self._done == len(self._tiles)
+
+    def step(self) -> bool:
+        """Compute the next tile; True once every tile is done."""
+        if self.done:
+            return True
+        tile = self._tiles[self._done]
+        whole = self.tiles_total == 1
+        inputs = self._inputs
+        q4, k4, v4, plan = (
+            (inputs.q4, inputs.k4, inputs.v4, inputs.plan) if whole else tile.of(inputs)
+        )
+        sink_cols = self._sink_cols
+        if not whole and sink_cols is not None and sink_cols.shape[0] != 1:
+            sink_cols = sink_cols[tile.b0 : tile.b1]
+        weights4: torch.Tensor | None = None
+        rows4: RowStats | None = None
+        if self._path == "fused":
+            out4, backend = fused_attention(q4, k4, v4, plan, scale=self._scale)
+            self._backend = self._backend or backend
+        elif self._path == "dense":
+            out4, weights4, rows4 = dense_attention(
+                q4,
+                k4,
+                v4,
+                plan,
+                scale=self._scale,
+                accum_dtype=self._spec.accum_dtype,
+                need_weights=self._return_weights,
+                need_stats=self._level != "none",
+                sink_tokens=self._sink_tokens,
+                sink_cols=sink_cols,
+            )
+        else:
+            out4, rows4 = chunked_attention(
+                q4,
+                k4,
+                v4,
+                plan,
+                scale=self._scale,
+                accum_dtype=self._spec.accum_dtype,
+                need_stats=self._level != "none",
+                block_size=self._block_size,
+                sink_tokens=self._sink_tokens,
+                sink_cols=sink_cols,
+            )
+        if whole:
+            self._out4, self._weights4, self._rows4 = out4, weights4, rows4
+        else:
+            self._place(tile, out4, weights4, rows4)
+        self._done += 1
+        return self.done
+
+    def _place(
+        self,
+        tile: Tile,
+        out4: torch.Tensor,
+        weights4: torch.Tensor | None,
+        rows4: RowStats | None,
+    ) -> None:
+        """Write one tile's results into the whole result (allocated by the first tile, in
+        the dtypes the path gives)."""
+        spec = self._spec
+        rows_shape = (spec.batch, spec.heads, spec.n_q)
+        at = (slice(tile.b0, tile.b1), slice(None), slice(tile.q0, tile.q1))
+        if self._out4 is None:
+            self._out4 = out4.new_empty((*rows_shape, out4.shape[-1]))
+        self._out4[at] = out4
+        if weights4 is not None:
+            if self._weights4 is None:
+                self._weights4 = weights4.new_empty((*rows_shape, spec.n_kv))
+            self._weights4[at] = weights4
+        if rows4 is not None:
+            self._rows4 = tile.place_rows(self._rows4, rows4, rows_shape)
+
+    def result(self) -> AttentionResult:
+        """The whole result, once every tile is done: shaped as the inputs, checked for
+        overflow, summarized."""
+        if not self.done or self._out4 is None:
+            raise RuntimeError(f"{self._done} of {self.tiles_total} tiles done")
+        spec, out4, weights4, rows4 = self._spec, self._out4, self._weights4, self._rows4
+        if self._poisoned is not None:
+            out4, weights4, rows4 = poison_results(self._poisoned, out4, weights4, rows4)
+
+        # Back to the caller's dtype and leading dims.
+        output = out4.to(spec.dtype).reshape(*spec.row_shape, spec.d_v)  # [..., H, N_q, D_v]
+        weights = None
+        if weights4 is not None:
+            # [..., H, N_q, N_kv]
+            weights = weights4.to(spec.dtype).reshape(*spec.row_shape, spec.n_kv)
+        row_stats = None if rows4 is None else rows4.reshape(spec.row_shape)  # [..., H, N_q]
+        if not self._allow_nonfinite:
+            check_no_overflow(output, row_stats, scale=self._scale, accum_dtype=spec.accum_dtype)
+        diag = None
+        if row_stats is not None and self._level != "none":
+            diag = summarize(row_stats, scale=self._scale, level=self._level)
+        return AttentionResult(
+            output=output,
+            weights=weights,
+            diagnostics=diag,
+            row_stats=row_stats,
+            path=self._path,
+            backend=self._backend,
+        )
+
+    def run(self) -> AttentionResult:
+        """Every remaining tile, then the result."""
+        while not self.step():
+            pass
+        return self.result()

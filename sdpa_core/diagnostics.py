@@ -101,12 +101,12 @@ class RowStats:
         return self.apply(lambda _, t: t.to(device))
 
     @staticmethod
-    def cat(parts: Sequence[RowStats]) -> RowStats:
-        """Row statistics of consecutive batch chunks concatenated along dim 0 (one part:
-        itself, no copy)."""
+    def cat(parts: Sequence[RowStats], dim: int = 0) -> RowStats:
+        """Row statistics of consecutive chunks concatenated along dim: 0 for batch chunks,
+        -1 for tiles of query rows (one part: itself, no copy)."""
         if len(parts) == 1:
             return parts[0]
-        return parts[0].apply(lambda name, _: torch.cat([getattr(p, name) for p in parts]))
+        return parts[0].apply(lambda name, _: torch.cat([getattr(p, name) for p in parts], dim=dim))
 
     def as_dict(self) -> dict[str, torch.Tensor]:
         """Field name -> tensor, in field order."""

@@ -16,6 +16,7 @@ The plan keeps each part in its smallest broadcastable 4-D shape (key padding is
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Literal, TypeAlias
@@ -38,6 +39,10 @@ class MaskPlan:
     parts: tuple[torch.Tensor, ...]  # bool, each broadcastable to [B, H, N_q, N_kv]
     bias: torch.Tensor | None  # float attn_mask as 4-D, broadcastable; -inf where masked
     device: torch.device
+    # A plan of some query rows (query_rows): its row 0 is row `row_offset` of a matrix of
+    # `full_n_q` rows (None: this plan's own n_q), which is what causal alignment counts from.
+    row_offset: int = 0
+    full_n_q: int | None = None
 
     @property
     def is_empty(self) -> bool:
@@ -51,8 +56,11 @@ class MaskPlan:
 
     @property
     def causal_offset(self) -> int:
-        """Query i sees keys j <= i + offset (top_left: 0; bottom_right: N_kv - N_q)."""
-        return self.n_kv - self.n_q if self.causal == "bottom_right" else 0
+        """Query i sees keys j <= i + offset (top_left: 0; bottom_right: N_kv - N_q), i
+        counted from this plan's first row (a plan of query rows shifts it by row_offset)."""
+        full_n_q = self.n_q if self.full_n_q is None else self.full_n_q
+        aligned = self.n_kv - full_n_q if self.causal == "bottom_right" else 0
+        return aligned + self.row_offset
 
     def causal_state(self, q0: int, q1: int, k0: int, k1: int) -> CausalState:
         """Causal visibility of rows [q0, q1) x keys [k0, k1), decided from indices alone:
@@ -121,21 +129,31 @@ class MaskPlan:
         def cut(x: torch.Tensor) -> torch.Tensor:
             return x if x.shape[0] == 1 else x[b0:b1]
 
-        return MaskPlan(
-            n_q=self.n_q,
-            n_kv=self.n_kv,
-            causal=self.causal,
+        return dataclasses.replace(
+            self,
             parts=tuple(cut(p) for p in self.parts),
             bias=None if self.bias is None else cut(self.bias),
-            device=self.device,
+        )
+
+    def query_rows(self, q0: int, q1: int) -> MaskPlan:
+        """The plan of query rows [q0, q1): the same visibility, row for row, as those rows
+        have in this plan (a resumable run computes a request in such tiles)."""
+        if (q0, q1) == (0, self.n_q):
+            return self
+        return dataclasses.replace(
+            self,
+            n_q=q1 - q0,
+            parts=tuple(_tile(p, q0, q1, 0, self.n_kv) for p in self.parts),
+            bias=None if self.bias is None else _tile(self.bias, q0, q1, 0, self.n_kv),
+            row_offset=self.row_offset + q0,
+            full_n_q=self.n_q if self.full_n_q is None else self.full_n_q,
         )
 
     def causal_only_top_left(self) -> bool:
-        """True when the only mask is causal aligned top-left (bottom_right with N_q = N_kv
-        is the same mask): torch's is_causal expresses it without materializing a mask."""
-        aligned = self.causal == "top_left" or (
-            self.causal == "bottom_right" and self.n_q == self.n_kv
-        )
+        """True when the only mask is causal with offset 0 (top_left, or bottom_right with
+        N_q = N_kv, of a whole matrix): torch's is_causal expresses it without materializing
+        a mask."""
+        aligned = self.causal != "none" and self.causal_offset == 0
         return aligned and not self.parts and self.bias is None
 
 

@@ -18,7 +18,7 @@ import torch
 from torch.nn.functional import scaled_dot_product_attention
 
 from sdpa_core import DEFAULT_FUSED_TILE_BYTES, attention, default_scale
-from sdpa_core.attention import prepare_inputs
+from sdpa_core.attention import AttentionRun, prepare_inputs
 from sdpa_core.fused import SdpaFunction, fused_attention
 from tests.core.reference import (
     assert_matches_golden,
@@ -164,10 +164,13 @@ def check_output(inp: Inputs, output: torch.Tensor, *, scale: float | None = Non
     return ref
 
 
-def check_against_reference(inp: Inputs, path: str, *, scale: float | None = None) -> None:
-    """Output (every path), weights (dense) and row diagnostics (dense, chunked)."""
+def check_against_reference(
+    inp: Inputs, path: str, *, scale: float | None = None, tiles: int = 1
+) -> None:
+    """Output (every path), weights (dense) and row diagnostics (dense, chunked); tiles > 1
+    computes them as an AttentionRun of that many tiles."""
     wants_stats = path != "fused"
-    res = attention(
+    run = AttentionRun(
         inp.q,
         inp.k,
         inp.v,
@@ -176,8 +179,12 @@ def check_against_reference(inp: Inputs, path: str, *, scale: float | None = Non
         return_weights=path == "dense",
         diagnostics="full" if wants_stats else "none",
         block_size=3,
+        tiles=tiles,
         **inp.kwargs,
     )
+    if tiles > 1:
+        assert run.tiles_total >= min(tiles, inp.q.shape[0] * inp.q.shape[-2])
+    res = run.run()
     assert res.path == path
     ref = check_output(inp, res.output, scale=scale)
 

@@ -1,0 +1,149 @@
+"""AttentionRun: attention computed tile by tile (what the service's runtime schedules in
+slices) against the float64 reference, for every path and mask option."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+
+from sdpa_core import MaskError, analyze_scaling, attention
+from sdpa_core.analysis import AnalysisRun
+from sdpa_core.attention import AttentionRun, tile_bounds
+from tests.core.reference import reference_attention, reference_rows, visibility
+from tests.core.test_paths import (
+    AXES,
+    CASES,
+    GRID,
+    _case_id,
+    check_against_reference,
+    make_inputs,
+)
+
+
+@pytest.mark.parametrize("tiles", [2, 5])
+@pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])
+def test_pairwise_table_in_tiles(case: dict[str, Any], tiles: int) -> None:
+    """The same mask / shape / dtype table as the untiled paths, computed in tiles: batch
+    chunks first, then query rows (tiles = 5 on a batch of 2 splits rows too)."""
+    inp = make_inputs(
+        causal=case["causal"],
+        n_q=case["n_q"],
+        n_kv=case["n_kv"],
+        key_lengths=case["key_lengths"],
+        mask=case["mask"],
+        heads=case["heads"],
+        dtype=case["dtype"],
+        seed=CASES.index(case),
+    )
+    check_against_reference(inp, case["path"], tiles=tiles)
+
+
+@pytest.mark.parametrize(("path", "causal", "n_q", "n_kv"), GRID)
+def test_causal_grid_in_tiles(path: str, causal: str, n_q: int, n_kv: int) -> None:
+    """Causal alignment is counted from each tile's first row: every causal mode and
+    N_q x N_kv, with key lengths, a float mask and GQA, in tiles of query rows."""
+    inp = make_inputs(
+        causal=causal,
+        n_q=n_q,
+        n_kv=n_kv,
+        key_lengths="per_sequence",
+        mask="float",
+        heads=(4, 2),
+        dtype=torch.float32,
+        seed=2000 + GRID.index((path, causal, n_q, n_kv)),
+        batch=1,  # every tile is a slice of query rows
+    )
+    check_against_reference(inp, path, tiles=3)
+
+
+@pytest.mark.parametrize("path", AXES["path"])
+@pytest.mark.parametrize("per_head", [False, True])
+def test_key_padding_mask_and_sink_in_tiles(path: str, per_head: bool) -> None:
+    """A key_padding_mask (per sequence or per head) and the attention sink it moves: the
+    output against the reference, and sink_share equal to the untiled run's."""
+    gen = torch.Generator().manual_seed(7)
+    b, h, n_q, n_kv = 3, 2, 7, 9
+    q = torch.randn(b, h, n_q, 4, generator=gen)
+    k = torch.randn(b, h, n_kv, 4, generator=gen)
+    v = torch.randn(b, h, n_kv, 3, generator=gen)
+    shape = (b, h, n_kv) if per_head else (b, n_kv)
+    kpm = torch.rand(shape, generator=gen) < 0.4
+    kpm[..., 0] = True  # a left-padded sequence: its sink starts after the padding
+    kwargs: dict[str, Any] = {"causal": "bottom_right", "key_padding_mask": kpm}
+    diag = "none" if path == "fused" else "summary"
+    whole = attention(q, k, v, path=path, diagnostics=diag, **kwargs)
+    run = AttentionRun(q, k, v, path=path, diagnostics=diag, tiles=8, **kwargs)
+    assert run.tiles_total == 9  # 3 sequences x 3 tiles of rows
+    tiled = run.run()
+
+    pad4 = kpm if per_head else kpm[:, None].expand(b, h, n_kv)
+    vis = visibility(b=b, h=h, n_q=n_q, n_kv=n_kv, causal="bottom_right")
+    vis = vis & ~pad4[:, :, None, :]
+    ref = reference_attention(q, k, v, vis)
+    torch.testing.assert_close(tiled.output.double(), ref.out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(tiled.output, whole.output, atol=1e-6, rtol=1e-6)
+    if path != "fused":
+        assert tiled.diagnostics is not None
+        assert whole.diagnostics is not None
+        assert tiled.diagnostics.summary.sink_share == pytest.approx(
+            whole.diagnostics.summary.sink_share, rel=1e-6
+        )
+        rows = reference_rows(ref, scale=1 / math.sqrt(4))
+        assert tiled.diagnostics.summary.masked_rows == rows.masked_rows
+
+
+def test_a_run_steps_tile_by_tile() -> None:
+    """step() computes one tile at a time and says when the last is done; the result is
+    there only then; a bad request fails in the constructor, before any tile."""
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, 10, 4, generator=gen) for _ in range(3))
+    run = AttentionRun(q, k, v, causal=True, diagnostics="summary", tiles=4)
+    assert (run.tiles_total, run.tiles_done, run.done) == (4, 0, False)
+    with pytest.raises(RuntimeError, match="0 of 4 tiles"):
+        run.result()
+    assert [run.step() for _ in range(4)] == [False, False, False, True]
+    assert run.tiles_done == 4
+    assert run.step() is True
+    torch.testing.assert_close(run.result().output, attention(q, k, v, causal=True).output)
+    with pytest.raises(MaskError):
+        AttentionRun(q, k, v, key_lengths=[11], tiles=4)
+
+
+@pytest.mark.parametrize(
+    ("length", "tiles", "want"),
+    [
+        (10, 1, [(0, 10)]),
+        (10, 3, [(0, 3), (3, 6), (6, 10)]),
+        (2, 5, [(0, 1), (1, 2)]),  # never more parts than rows
+        (1, 1, [(0, 1)]),
+    ],
+)
+def test_tile_bounds(length: int, tiles: int, want: list[tuple[int, int]]) -> None:
+    assert tile_bounds(length, tiles) == want
+
+
+@pytest.mark.parametrize("causal", AXES["causal"])
+def test_analysis_in_tiles(causal: str) -> None:
+    """AnalysisRun in tiles: every strategy's statistics as analyze_scaling's, and the raw
+    score variance that of the visible q.k computed in float64 here."""
+    gen = torch.Generator().manual_seed(11)
+    q = torch.randn(2, 2, 9, 8, generator=gen)
+    k = torch.randn(2, 2, 6, 8, generator=gen)
+    kwargs: dict[str, Any] = {"causal": causal, "key_lengths": [6, 4]}
+    strategies: list[Any] = ["sqrt_dk", ("tiny", 1e-40)]
+    whole = analyze_scaling(q, k, strategies=strategies, **kwargs)
+    run = AnalysisRun(q, k, strategies=strategies, tiles=12, **kwargs)
+    assert run.tiles_total == 12  # 3 passes (the raw one too) x 2 sequences x 2 row tiles
+    tiled = run.run()
+
+    vis = visibility(b=2, h=2, n_q=9, n_kv=6, causal=causal, key_lengths=[6, 4])
+    raw = (q.double() @ k.double().transpose(-1, -2))[vis]
+    assert tiled.raw_score_variance == pytest.approx(float(raw.var(unbiased=False)), rel=1e-5)
+    assert tiled.raw_score_variance == pytest.approx(whole.raw_score_variance, rel=1e-6)
+    for got, want in zip(tiled.strategies, whole.strategies, strict=True):
+        assert got.name == want.name
+        for field in ("score_variance", "entropy", "max_weight", "grad_health"):
+            assert getattr(got, field) == pytest.approx(getattr(want, field), rel=1e-5, abs=1e-7)
