@@ -435,6 +435,11 @@ class AttentionRun:
         return self._path
 
     @property
+    def backend(self) -> str | None:
+        """The fused path's torch backend (known after the first tile), else None."""
+        return self._backend
+
+    @property
     def tiles_total(self) -> int:
         return len(self._tiles)
 

@@ -112,6 +112,10 @@ def _lifespan(engine: Engine | None) -> Any:
             # Each request's estimated device seconds (the cost model, recalibrated at warm-up):
             # the backlog behind Retry-After and sdpa_backlog_seconds.
             work_seconds=lambda prepared: state.cost_model.seconds(*job_work(prepared)),
+            # A request of more than one slice of that work runs alone in tiles, between which
+            # its deadline and client are checked and short batches run.
+            slice_s=settings.slice_ms / 1000.0,
+            start_long=running.start_long,
         )
         health.on_offer = batcher.wake
         state.engine = running

@@ -82,10 +82,18 @@ class Metrics:
         )
         self.compute_seconds = Histogram(
             "sdpa_compute_seconds",
-            "Device time of one batch, by the sdpa_core path that ran and the backend torch's "
+            "Device time of one batch (or one tile of a long request), by the sdpa_core path "
+            "that ran and the backend torch's "
             "SDPA chose on the fused path (none elsewhere).",
             ["path", "backend"],
             buckets=_LATENCY_BUCKETS,
+            registry=reg,
+        )
+        self.abandoned_total = Counter(
+            "sdpa_abandoned_total",
+            "Long requests dropped while they ran, at a tile boundary, by reason "
+            "(deadline, disconnected): no further tile of theirs is computed.",
+            ["reason"],
             registry=reg,
         )
         self.rejected_total = Counter(

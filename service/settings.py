@@ -43,6 +43,9 @@ class Settings(BaseSettings):
     max_batch_delay_ms: float = Field(default=0.0, ge=0.0, le=10_000.0)
     max_queue: int = Field(default=1024, ge=1, le=1_000_000)
     request_timeout_ms: float = Field(default=30_000.0, gt=0.0, le=3_600_000.0)
+    # Estimated device time of one tile of a long request: what a short request waits behind
+    # it at most (about), and how soon its deadline or departure stops it.
+    slice_ms: float = Field(default=50.0, ge=1.0, le=60_000.0)
 
     max_body_bytes: int = Field(default=128 * MiB, ge=1024, le=16 * 1024 * MiB)
     max_elements: int = Field(default=2**26, ge=1, le=2**34)

@@ -64,6 +64,7 @@ _INFO_EXAMPLE: Final = {
         "max_batch_size": 32,
         "max_batch_delay_ms": 0.0,
         "max_queue": 1024,
+        "slice_ms": 50.0,
         "backlog_seconds": 0.0,
     },
     "auth": False,
@@ -137,6 +138,7 @@ async def info(state: StateDep) -> Response:
                 "max_batch_size": settings.max_batch_size,
                 "max_batch_delay_ms": settings.max_batch_delay_ms,
                 "max_queue": settings.max_queue,
+                "slice_ms": settings.slice_ms,
                 "backlog_seconds": 0.0
                 if state.batcher is None
                 else round(state.batcher.backlog_seconds(), 3),

@@ -37,6 +37,24 @@ away; it is dropped before compute if still queued). An item's state moves QUEUE
 DONE or QUEUED -> DROPPED, and only the side that moves it out of QUEUED may answer it, so the
 deadline timer, a cancelled client and the worker can never both answer one item.
 
+Long requests run in slices
+---------------------------
+With ``slice_s`` and ``start_long``, an item whose estimated work exceeds one slice is *long*:
+it runs alone, as a resumable run of about work / slice_s tiles (``start_long(item, tiles)``,
+called on the device thread; each ``step()`` computes one tile). At most one long item runs
+at a time, the oldest; between two of its tiles the worker
+
+- abandons it when its deadline passed (the timer answers DeadlineExceeded at once, the run is
+  dropped at the tile boundary) or its client left (cancelled), freeing what it held;
+- runs the short batches waiting (the oldest short item's group; long items queued behind the
+  running one wait their turn), up to one slice of their estimated work, so a short request
+  waits about one slice behind a long one and a stream of short ones still leaves the long
+  one at least half the device.
+
+Short batches are cut at one slice of estimated work too (their first item always goes).
+sdpa_abandoned_total{reason} counts the runs dropped and sdpa_compute_seconds (one
+observation per tile) shows that no further tile ran.
+
 Retry-After and the backlog
 ---------------------------
 Each item carries its estimated work (``work_seconds``: the runtime's cost model, in estimated
@@ -63,13 +81,14 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 from service.errors import DeadlineExceeded, QueueFull, ShuttingDown
 from service.metrics import Metrics
 
 T = TypeVar("T")
 R = TypeVar("R")
+R_co = TypeVar("R_co", covariant=True)
 V = TypeVar("V")
 
 logger = logging.getLogger("sdpa.batcher")
@@ -82,6 +101,21 @@ _MAX_RETRY_AFTER_S = 60.0
 # device time; measurements older than the half-life of device time weigh half.
 THROUGHPUT_PRIOR_S = 1.0
 THROUGHPUT_HALF_LIFE_S = 30.0
+
+
+class Resumable(Protocol[R_co]):
+    """A long item's run: step() computes one tile on the device thread and says whether
+    the run is done (it never raises: a failure ends the run with outcome() that error)."""
+
+    @property
+    def tiles_total(self) -> int: ...
+
+    @property
+    def tiles_done(self) -> int: ...
+
+    def step(self) -> bool: ...
+
+    def outcome(self) -> R_co | BaseException: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,7 +161,7 @@ class _State(enum.Enum):
 class _Pending(Generic[T, R]):
     __slots__ = (
         "cost", "deadline", "enqueued", "future", "item", "key", "queue_s", "seq", "state",
-        "work",
+        "tiles", "work",
     )  # fmt: skip
 
     def __init__(
@@ -140,8 +174,10 @@ class _Pending(Generic[T, R]):
         seq: int,
         deadline: float,
         future: asyncio.Future[BatchResult[R]],
+        tiles: int = 0,
     ) -> None:
         self.item = item
+        self.tiles = tiles  # > 0: a long item, run in about this many tiles
         self.key = key
         self.cost = cost
         self.work = work  # estimated device seconds (one unit without a cost model)
@@ -169,7 +205,11 @@ class DynamicBatcher(Generic[T, R]):
         max_batch_cost: float | None = None,
         idle_work: Callable[[], Callable[[], None] | None] | None = None,
         work_seconds: Callable[[T], float] | None = None,
+        slice_s: float | None = None,
+        start_long: Callable[[T, int], Resumable[R]] | None = None,
     ) -> None:
+        if slice_s is not None and slice_s <= 0:
+            raise ValueError(f"slice_s must be > 0, got {slice_s}")
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         if max_queue < 1:
@@ -193,6 +233,12 @@ class DynamicBatcher(Generic[T, R]):
         self._idle_work = idle_work
         # An item's estimated device seconds, for the backlog (module docstring).
         self._work_seconds = work_seconds
+        # Long items run in slices (module docstring); without both, every item is short.
+        self._slice_s = slice_s if start_long is not None else None
+        self._start_long = start_long
+        self._long: _Pending[T, R] | None = None  # the long item on the device, between tiles
+        self._long_run: Resumable[R] | None = None
+        self._long_left_work = 0.0  # its estimated work not yet done, beyond the current tile
 
         # Every queued item in arrival order, and the same items per group (arrival order).
         # OrderedDicts: O(1) removal from the middle (cancel, deadline) and O(1) oldest.
@@ -311,13 +357,15 @@ class DynamicBatcher(Generic[T, R]):
         key = self._group_key(item)
         cost = 0.0 if self._batch_cost is None else self._batch_cost(item)
         future: asyncio.Future[BatchResult[R]] = asyncio.get_running_loop().create_future()
+        work = self._work_of(item)
         pending = _Pending(
-            item=item, key=key, cost=cost, work=self._work_of(item), seq=next(self._seq),
-            deadline=deadline, future=future,
+            item=item, key=key, cost=cost, work=work, seq=next(self._seq),
+            deadline=deadline, future=future, tiles=self._tiles_for(work),
         )  # fmt: skip
         self._enqueue(pending)
-        # The deadline bounds the queue wait, not the compute (as LitServe's timeout): a timer
-        # fails the item only while it is still queued. Awaiting the future itself (rather than
+        # The deadline bounds the queue wait and a long item's compute: a timer fails the item
+        # while it is queued, or while a long one runs (dropped at its next tile); a short
+        # batch (one slice at most) runs to its end. Awaiting the future itself (rather than
         # asyncio.wait) saves an event-loop round trip per request, which costs milliseconds
         # when the loop is saturated.
         timer = asyncio.get_running_loop().call_later(remaining, self._expire, pending)
@@ -327,8 +375,9 @@ class DynamicBatcher(Generic[T, R]):
             if pending.state is _State.QUEUED:
                 self._remove(pending)
                 self._reject("disconnected")
-            # A TAKEN item runs to the end; cancelling its future tells the worker that nobody
-            # is listening, so it neither answers it nor leaves an unretrieved exception.
+            # A TAKEN short item runs to the end, a long one to its next tile; cancelling its
+            # future tells the worker that nobody is listening, so it neither answers it nor
+            # leaves an unretrieved exception.
             if not future.cancel() and not future.cancelled():
                 future.exception()  # answered just before the cancel: mark it retrieved
             raise
@@ -336,11 +385,23 @@ class DynamicBatcher(Generic[T, R]):
             timer.cancel()
 
     def _expire(self, pending: _Pending[T, R]) -> None:
-        """The deadline timer: fail the item if it has not left the queue."""
+        """The deadline timer: fail the item if it has not left the queue, or if it is the
+        long item running (the worker drops its run at the next tile)."""
         if pending.state is _State.QUEUED:
             self._remove(pending)
             self._reject("deadline")
             self._answer_error(pending, _queued_too_long())
+        elif pending.state is _State.TAKEN and pending is self._long:
+            run = self._long_run
+            done = 0 if run is None else run.tiles_done
+            total = pending.tiles if run is None else run.tiles_total
+            self._answer_error(
+                pending,
+                DeadlineExceeded(
+                    f"the request's deadline passed while it ran ({done} of {total} tiles "
+                    "done); it was abandoned"
+                ),
+            )
 
     # -- queue bookkeeping -----------------------------------------------------------------
 
@@ -381,22 +442,26 @@ class DynamicBatcher(Generic[T, R]):
             )
 
     def _take_batch(self) -> list[_Pending[T, R]]:
-        """The oldest item's group, oldest first, up to max_batch_size; expired ones fail."""
-        if not self._queue:
+        """The oldest short item's group, oldest first (its long items stay queued), up to
+        max_batch_size, max_batch_cost and one slice of estimated work; expired ones fail."""
+        first = next((p for p in self._queue.values() if not p.tiles), None)
+        if first is None:
             return []
-        key = next(iter(self._queue.values())).key
         now = time.monotonic()
         # The worker's error path answers self._in_flight: should anything below raise, the
         # items already taken out of the queue are there, not lost with a local list.
         batch: list[_Pending[T, R]] = []
         self._in_flight = batch
-        cost = 0.0
-        while len(batch) < self._max_batch_size:
-            group = self._groups.get(key)
-            if not group:
+        cost = work = 0.0
+        slice_s = math.inf if self._slice_s is None else self._slice_s
+        for pending in list(self._groups[first.key].values()):
+            if len(batch) >= self._max_batch_size:
                 break
-            pending = next(iter(group.values()))
-            if batch and cost + pending.cost > self._max_batch_cost:
+            if pending.tiles:
+                continue
+            if batch and (
+                cost + pending.cost > self._max_batch_cost or work + pending.work > slice_s
+            ):
                 break
             self._remove(pending)
             if pending.deadline <= now:
@@ -407,6 +472,7 @@ class DynamicBatcher(Generic[T, R]):
             pending.queue_s = now - pending.enqueued
             batch.append(pending)
             cost += pending.cost
+            work += pending.work
         return batch
 
     async def _wait_for_batch_to_grow(self) -> None:
@@ -433,7 +499,7 @@ class DynamicBatcher(Generic[T, R]):
     async def _work(self) -> None:
         assert self._arrival is not None
         while True:
-            if not self._queue:
+            if self._long is None and not self._queue:
                 if self._draining:
                     return
                 idle = None if self._idle_work is None else self._idle_work()
@@ -444,8 +510,15 @@ class DynamicBatcher(Generic[T, R]):
                 await self._arrival.wait()
                 continue
             try:
+                if self._long is not None:
+                    await self._advance_long()
+                    continue
                 if self._max_batch_delay_s > 0:
                     await self._wait_for_batch_to_grow()
+                oldest = next(iter(self._queue.values()), None)
+                if oldest is not None and oldest.tiles:
+                    self._begin_long(oldest)
+                    continue
                 batch = self._take_batch()
                 if batch:
                     await self._execute(batch)
@@ -457,6 +530,118 @@ class DynamicBatcher(Generic[T, R]):
                 for pending in self._in_flight:
                     self._answer_error(pending, exc)
                 self._in_flight = []
+                self._end_long()
+
+    # -- long items ------------------------------------------------------------------------
+
+    def _tiles_for(self, work: float) -> int:
+        """0 for a short item; else about how many slices its work takes."""
+        if self._slice_s is None or work <= self._slice_s:
+            return 0
+        return math.ceil(work / self._slice_s)
+
+    def _begin_long(self, pending: _Pending[T, R]) -> None:
+        """Take the oldest item, a long one, off the queue as the running long item."""
+        self._remove(pending)
+        now = time.monotonic()
+        if pending.deadline <= now:
+            self._reject("deadline")
+            self._answer_error(pending, _queued_too_long())
+            return
+        pending.state = _State.TAKEN
+        pending.queue_s = now - pending.enqueued
+        if self._metrics is not None:
+            self._metrics.batch_size.observe(1)
+            self._metrics.queue_wait_seconds.observe(pending.queue_s)
+        self._long, self._long_run, self._long_left_work = pending, None, pending.work
+
+    def _end_long(self) -> None:
+        """Forget the long item and its run (what it held on the device goes with it)."""
+        self._long, self._long_run, self._long_left_work = None, None, 0.0
+        self._set_depth()
+
+    def _left_alone(self, pending: _Pending[T, R]) -> bool:
+        """Whether the running long item lost its reason to run: its deadline passed (the
+        timer answered it) or its client left. Then its run is dropped and counted."""
+        if pending.future.cancelled():
+            reason = "disconnected"
+        elif pending.state is not _State.TAKEN:
+            reason = "deadline"
+        else:
+            return False
+        if self._metrics is not None:
+            self._metrics.abandoned_total.labels(reason=reason).inc()
+        pending.state = _State.DONE
+        self._end_long()
+        return True
+
+    async def _advance_long(self) -> None:
+        """Between two tiles of the long item: drop it if nobody waits for it any more, run
+        the short batches waiting (up to one slice of their work), then its next tile."""
+        pending = self._long
+        assert pending is not None
+        assert self._executor is not None
+        if self._left_alone(pending):
+            return
+        budget = self._slice_s or 0.0
+        while budget > 0 and (batch := self._take_batch()):
+            budget -= sum(p.work for p in batch)
+            await self._execute(batch)
+            if self._left_alone(pending):
+                return
+
+        run = self._long_run
+        total = pending.tiles if run is None else run.tiles_total
+        done = 0 if run is None else run.tiles_done
+        tile_work = self._long_left_work / max(1, total - done)
+        self._long_left_work -= tile_work
+        self._running_work, self._running_since = tile_work, time.monotonic()
+        self._in_flight = [pending]
+        started = time.perf_counter()
+        self._device_busy = True
+        try:
+            finished = await asyncio.wrap_future(self._executor.submit(self._long_step, pending))
+        except asyncio.CancelledError:
+            # drain() timed out between or during tiles: the item gets ShuttingDown, its run
+            # is dropped (a tile still computing finishes in the background, unanswered).
+            if pending.state is _State.TAKEN:
+                self._reject("shutting_down")
+                self._answer_error(
+                    pending,
+                    ShuttingDown(
+                        "the service shut down while the request ran",
+                        retry_after_s=_DEFAULT_RETRY_AFTER_S,
+                    ),
+                )
+            self._in_flight = []
+            self._end_long()
+            raise
+        self._in_flight = []
+        self._running_work = 0.0
+        self._note_throughput(tile_work, time.perf_counter() - started)
+        if not finished or self._left_alone(pending):
+            return
+        assert self._long_run is not None
+        outcome = self._long_run.outcome()
+        self._end_long()
+        if isinstance(outcome, BaseException):
+            self._answer_error(pending, outcome)
+            return
+        pending.state = _State.DONE
+        if not pending.future.done():
+            pending.future.set_result(
+                BatchResult(value=outcome, batch_size=1, queue_ms=pending.queue_s * 1e3)
+            )
+
+    def _long_step(self, pending: _Pending[T, R]) -> bool:
+        """One tile of the long item, on the device thread (its run started at the first)."""
+        try:
+            if self._long_run is None:
+                assert self._start_long is not None
+                self._long_run = self._start_long(pending.item, pending.tiles)
+            return self._long_run.step()
+        finally:
+            self._device_busy = False
 
     async def _run_idle(self, fn: Callable[[], None]) -> None:
         """One piece of idle work on the device thread; its failure is logged, never raised."""
@@ -587,7 +772,8 @@ class DynamicBatcher(Generic[T, R]):
             running_left = max(
                 0.0, self._running_work / rate - (time.monotonic() - self._running_since)
             )
-        return (self._queued_work + extra_work) / rate + running_left
+        queued = self._queued_work + self._long_left_work + extra_work
+        return queued / rate + running_left
 
     def _retry_after_s(self, item: T) -> float:
         """Seconds until the backlog and this item are likely worked off, within [1, 60]."""

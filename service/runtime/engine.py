@@ -7,6 +7,10 @@ arrive prepared (validated once, service.runtime.jobs), so the engine neither va
 again nor has attention() scan them for NaN/Inf a second time. If a batched call fails, each
 of its requests is retried alone, so every request still gets its own answer. Analysis jobs
 run alone.
+
+A long job (more than one slice of estimated device time) runs alone as a JobRun
+(start_long): sdpa_core's AttentionRun or AnalysisRun stepped one tile at a time by the
+batcher, which checks the deadline and the client and runs short batches between tiles.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ from sdpa_core import (
     analyze_scaling,
     attention,
 )
+from sdpa_core.analysis import AnalysisRun
+from sdpa_core.attention import AttentionRun
 from service.metrics import Metrics
 from service.runtime.collate import collate, member_diagnostics, split
 from service.runtime.jobs import (
@@ -218,24 +224,52 @@ class Engine:
             labels = {"path": path, "backend": backend or "none"}
             self._metrics.compute_seconds.labels(**labels).observe(seconds)
 
+    def _analysis_run(self, job: AnalyzeJob, tiles: int = 1) -> AnalysisRun:
+        dev = self.device
+        return AnalysisRun(
+            job.q.to(dev),
+            job.k.to(dev),
+            strategies=job.strategies,
+            causal=job.causal,
+            key_lengths=_to(job.key_lengths, dev),
+            key_padding_mask=_to(job.key_padding_mask, dev),
+            attn_mask=_to(job.attn_mask, dev),
+            tiles=tiles,
+        )
+
     def _run_analyze(self, job: AnalyzeJob) -> AnalyzeOutcome | BaseException:
         started = time.perf_counter()
         try:
-            dev = self.device
-            report = analyze_scaling(
-                job.q.to(dev),
-                job.k.to(dev),
-                strategies=job.strategies,
-                causal=job.causal,
-                key_lengths=_to(job.key_lengths, dev),
-                key_padding_mask=_to(job.key_padding_mask, dev),
-                attn_mask=_to(job.attn_mask, dev),
-            )
+            report = self._analysis_run(job).run()
         except Exception as exc:
             return exc
         seconds = time.perf_counter() - started
         self._observe("analyze", seconds)
         return AnalyzeOutcome(report=report, compute_ms=seconds * 1e3, device=str(self.device))
+
+    # -- long jobs -----------------------------------------------------------------------
+
+    def start_long(self, prepared: PreparedJob, tiles: int) -> JobRun:
+        """`prepared` as a run of about `tiles` tiles (on the device thread, like run_batch)."""
+        job = prepared.job
+        if isinstance(job, AnalyzeJob):
+            return JobRun(self, lambda: self._analysis_run(job, tiles), "analyze")
+        member = Member(index=0, job=job, spec=prepared.spec)
+        return JobRun(
+            self,
+            lambda: self._attention_run(
+                member,
+                job.q,
+                job.k,
+                job.v,
+                key_lengths=job.key_lengths,
+                key_padding_mask=job.key_padding_mask,
+                attn_mask=job.attn_mask,
+                tiles=tiles,
+            ),
+            None,
+            finish=lambda result: self._on_host(member, result),
+        )
 
     def _run_group(self, batch: list[Member]) -> list[AttentionOutcome]:
         started = time.perf_counter()
@@ -248,7 +282,7 @@ class Engine:
             for result in results
         ]
 
-    def _attention(
+    def _attention_run(
         self,
         first: Member,
         q: torch.Tensor,
@@ -258,10 +292,12 @@ class Engine:
         key_lengths: torch.Tensor | None,
         key_padding_mask: torch.Tensor | None,
         attn_mask: torch.Tensor | None,
-    ) -> AttentionResult:
-        """sdpa_core.attention on the device with the group's options (those of its first job)."""
+        tiles: int = 1,
+    ) -> AttentionRun:
+        """sdpa_core's AttentionRun on the device with the group's options (those of its
+        first job), in `tiles` tiles."""
         job, dev = first.job, self.device
-        return attention(
+        return AttentionRun(
             q.to(dev),
             k.to(dev),
             v.to(dev),
@@ -277,12 +313,13 @@ class Engine:
             # Every job was prepared: validated once with its NaN/Inf scan. Padding adds only
             # zeros and (float masks) -inf, so prepared members make a checked batch too.
             check_finite=False,
+            tiles=tiles,
         )
 
     def _run_alone(self, member: Member) -> AttentionResult:
         """A group of one: the request's own tensors, exactly the solo call."""
         job = member.job
-        result = self._attention(
+        result = self._attention_run(
             member,
             job.q,
             job.k,
@@ -290,14 +327,18 @@ class Engine:
             key_lengths=job.key_lengths,
             key_padding_mask=job.key_padding_mask,
             attn_mask=job.attn_mask,
-        )
+        ).run()
+        return self._on_host(member, result)
+
+    def _on_host(self, member: Member, result: AttentionResult) -> AttentionResult:
+        """A job's own result with its tensors on the CPU (as it is on a CPU device)."""
         if self.device.type == "cpu":
             return result
         row_stats = None if result.row_stats is None else result.row_stats.to("cpu")
         return AttentionResult(
             output=result.output.cpu(),
             weights=None if result.weights is None else result.weights.cpu(),
-            diagnostics=member_diagnostics(row_stats, job, member.spec),
+            diagnostics=member_diagnostics(row_stats, member.job, member.spec),
             row_stats=row_stats,
             path=result.path,
             backend=result.backend,
@@ -305,7 +346,7 @@ class Engine:
 
     def _run_padded(self, batch: list[Member]) -> list[AttentionResult]:
         collated = collate(batch)
-        result = self._attention(
+        result = self._attention_run(
             batch[0],
             collated.q,
             collated.k,
@@ -313,8 +354,85 @@ class Engine:
             key_lengths=collated.key_lengths,
             key_padding_mask=collated.key_padding_mask,
             attn_mask=collated.attn_mask,
-        )
+        ).run()
         return split(collated, result)
+
+
+class JobRun:
+    """One long job on the device thread, one tile per step() (the batcher's Resumable).
+
+    The run starts at the first step (moving the inputs to the device, validating the
+    options); each tile is timed, observed in sdpa_compute_seconds and added to the outcome's
+    compute_ms. step() never raises: a failure (of any tile, or of the final checks) ends the
+    run with that error as its outcome, the request's own answer.
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        start: Callable[[], AttentionRun | AnalysisRun],
+        path: str | None,
+        *,
+        finish: Callable[[AttentionResult], AttentionResult] | None = None,
+    ) -> None:
+        self._engine = engine
+        self._start = start
+        self._run: AttentionRun | AnalysisRun | None = None
+        self._path = path  # None: the attention run's own path
+        self._finish = finish
+        self._seconds = 0.0
+        self._outcome: Outcome | BaseException | None = None
+
+    @property
+    def tiles_total(self) -> int:
+        return 1 if self._run is None else self._run.tiles_total
+
+    @property
+    def tiles_done(self) -> int:
+        return 0 if self._run is None else self._run.tiles_done
+
+    def step(self) -> bool:
+        if self._outcome is not None:
+            return True
+        engine = self._engine
+        started = time.perf_counter()
+        try:
+            if self._run is None:
+                self._run = self._start()
+            done = self._run.step()
+            if engine.device.type == "cuda":
+                torch.cuda.synchronize(engine.device)  # the tile's device time, not its launch
+        except Exception as exc:
+            self._outcome = exc
+            return True
+        seconds = time.perf_counter() - started
+        self._seconds += seconds
+        run = self._run
+        if isinstance(run, AttentionRun):
+            engine._observe(run.path, seconds, run.backend)
+        else:
+            engine._observe(self._path or "analyze", seconds)
+        if done:
+            try:
+                self._outcome = self._result()
+            except Exception as exc:  # the whole result's checks (overflow), the copy back
+                self._outcome = exc
+        return done
+
+    def _result(self) -> Outcome:
+        run, device, ms = self._run, str(self._engine.device), self._seconds * 1e3
+        if isinstance(run, AnalysisRun):
+            return AnalyzeOutcome(report=run.result(), compute_ms=ms, device=device)
+        assert run is not None
+        result = run.result()
+        if self._finish is not None:
+            result = self._finish(result)
+        return AttentionOutcome(result=result, compute_ms=ms, device=device)
+
+    def outcome(self) -> Outcome | BaseException:
+        if self._outcome is None:
+            raise RuntimeError(f"{self.tiles_done} of {self.tiles_total} tiles done")
+        return self._outcome
 
 
 def _diagnostics_on_cpu(diagnostics: Diagnostics) -> Diagnostics:

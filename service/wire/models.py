@@ -596,6 +596,11 @@ class BatchingOut(_Out):
     max_batch_size: int
     max_batch_delay_ms: float
     max_queue: int
+    slice_ms: float = Field(
+        description="Estimated device time of one tile of a long request: a request that "
+        "needs more runs alone in tiles, between which its deadline and client are checked "
+        "and short requests run (SDPA_SLICE_MS)."
+    )
     backlog_seconds: float = Field(
         description="Estimated seconds to work off the queue and the batch on the device (the "
         "cost model over the measured throughput; what Retry-After says)."

@@ -239,6 +239,7 @@ def test_info_reports_the_running_configuration(client: httpx.Client) -> None:
         "max_batch_size": 32,
         "max_batch_delay_ms": 0.0,
         "max_queue": 1024,
+        "slice_ms": 50.0,
         "backlog_seconds": 0.0,  # nothing queued
     }
     assert info["auth"] is False
