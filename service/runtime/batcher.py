@@ -584,7 +584,8 @@ class DynamicBatcher(Generic[T, R]):
         if self._left_alone(pending):
             return
         budget = self._slice_s or 0.0
-        while budget > 0 and (batch := self._take_batch()):
+        # (a tolerance: summed floats may leave a crumb of the slice, not worth a batch)
+        while budget > 1e-6 * (self._slice_s or 0.0) and (batch := self._take_batch()):
             budget -= sum(p.work for p in batch)
             await self._execute(batch)
             if self._left_alone(pending):

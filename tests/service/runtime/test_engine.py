@@ -582,3 +582,66 @@ def test_gpu_batched_equals_solo_on_device() -> None:
             dtype = job.q.dtype
             gpu_dtype = torch.float16 if dtype in (torch.float16, torch.bfloat16) else dtype
             assert_same_result(outcome.result, want, gpu_dtype, loose=True)
+
+
+# -- long jobs: JobRun --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "options", OPTIONS, ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items())
+)
+def test_a_long_job_in_tiles_equals_the_solo_call(options: dict[str, Any]) -> None:
+    """start_long's run, stepped tile by tile as the batcher does, gives the solo call's
+    result (output, weights, diagnostics) for every option; each tile is one observation of
+    sdpa_compute_seconds."""
+    gen = torch.Generator().manual_seed(21)
+    job = make_job(gen, (2, 3), 37, 38, **options)
+    engine = make_engine()
+    run = engine.start_long(prepare(job), 7)
+    steps = 1
+    while not run.step():
+        steps += 1
+    outcome = run.outcome()
+    assert isinstance(outcome, AttentionOutcome), outcome
+    assert steps == run.tiles_total == run.tiles_done >= 7
+    assert_same_result(outcome.result, solo(job), job.q.dtype)
+    result = outcome.result
+    assert engine._metrics is not None
+    observed = engine._metrics.registry.get_sample_value(
+        "sdpa_compute_seconds_count", {"path": result.path, "backend": result.backend or "none"}
+    )
+    assert observed == steps
+    assert outcome.compute_ms > 0
+
+
+def test_a_long_analyze_job_in_tiles_equals_analyze_scaling() -> None:
+    gen = torch.Generator().manual_seed(22)
+    q, k = randn(gen, 2, 4, 32, 16), randn(gen, 2, 4, 40, 16)
+    job = AnalyzeJob(q=q, k=k, strategies=("sqrt_dk", ("tiny", 1e-40)), causal="bottom_right")
+    run = make_engine().start_long(prepare(job), 9)
+    while not run.step():
+        pass
+    outcome = run.outcome()
+    assert isinstance(outcome, AnalyzeOutcome), outcome
+    assert run.tiles_total >= 9
+    want = analyze_scaling(q, k, strategies=job.strategies, causal="bottom_right")
+    assert outcome.report.raw_score_variance == pytest.approx(want.raw_score_variance, rel=1e-6)
+    for got, expected in zip(outcome.report.strategies, want.strategies, strict=True):
+        assert got.entropy == pytest.approx(expected.entropy, rel=1e-5, abs=1e-7)
+        assert got.max_weight == pytest.approx(expected.max_weight, rel=1e-5, abs=1e-7)
+
+
+def test_a_long_job_that_fails_ends_with_its_own_error() -> None:
+    """Scaled scores that overflow float32 are found once the whole result is there: the run
+    ends with the error attention() raises, never an exception out of step()."""
+    q = torch.full((1, 1, 8, 4), 1e19)
+    job = AttentionJob(q=q, k=q.clone(), v=q.clone(), scale=10.0)
+    with pytest.raises(SdpaError) as direct:
+        solo(job)
+    run = make_engine().start_long(prepare(job), 4)
+    while not run.step():
+        pass
+    outcome = run.outcome()
+    assert isinstance(outcome, SdpaError)
+    assert type(outcome) is type(direct.value)
+    assert outcome.param == direct.value.param

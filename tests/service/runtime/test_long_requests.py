@@ -1,0 +1,264 @@
+"""Long items in the batcher: run alone in tiles, abandoned at their deadline or when their
+client leaves, with short batches run between tiles (against a fake device whose long runs
+step through real time, so each test controls what is queued between two tiles).
+
+The engine's side (JobRun: real tiles of sdpa_core, their results equal to one call) is in
+test_engine.py; a real server in tests/e2e/test_long_requests_live.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+
+from service.errors import DeadlineExceeded, ShuttingDown
+from service.metrics import Metrics
+from service.runtime.batcher import BatchResult, DynamicBatcher
+from tests.service.runtime.test_batcher import FAR, deadline_in, run, until
+
+SLICE_S = 1.0  # the batcher's slice, in the fake work units below
+TILE_S = 0.02  # real seconds one fake tile takes
+
+
+class Device:
+    """Short items 'aN' (work 0.1 each) -> 'AN'; long items 'L<name>:<work>' run in tiles
+    of TILE_S seconds. Every batch and tile is logged in the order the device ran it."""
+
+    def __init__(self) -> None:
+        self.log: list[str] = []
+        self.lock = threading.Lock()
+        self.started: list[tuple[str, int]] = []  # (item, tiles asked for)
+
+    def run_batch(self, items: Sequence[str]) -> list[str | BaseException]:
+        with self.lock:
+            self.log.append("batch:" + ",".join(items))
+        return [item.upper() for item in items]
+
+    def start_long(self, item: str, tiles: int) -> FakeRun:
+        self.started.append((item, tiles))
+        return FakeRun(self, item, tiles)
+
+    def tiles_of(self, item: str) -> int:
+        return sum(entry.startswith(f"tile:{item}:") for entry in self.log)
+
+
+class FakeRun:
+    def __init__(self, device: Device, item: str, tiles: int) -> None:
+        self.device, self.item, self.tiles_total, self.tiles_done = device, item, tiles, 0
+
+    def step(self) -> bool:
+        time.sleep(TILE_S)
+        with self.device.lock:
+            self.device.log.append(f"tile:{self.item}:{self.tiles_done}")
+        self.tiles_done += 1
+        return self.tiles_done == self.tiles_total
+
+    def outcome(self) -> str | BaseException:
+        if self.item.startswith("Lerr"):
+            return ValueError(self.item)
+        return f"{self.item} in {self.tiles_done} tiles"
+
+
+def work_of(item: str) -> float:
+    return float(item.split(":")[1]) if item.startswith("L") else 0.1
+
+
+def make(device: Device, metrics: Metrics | None = None) -> DynamicBatcher[str, str]:
+    return DynamicBatcher(
+        device.run_batch,
+        group_key=lambda item: item[0],
+        max_batch_size=32,
+        max_batch_delay_s=0.0,
+        max_queue=64,
+        metrics=metrics,
+        work_seconds=work_of,
+        slice_s=SLICE_S,
+        start_long=device.start_long,
+    )
+
+
+def submit(b: DynamicBatcher[str, str], item: str, timeout: float = FAR) -> asyncio.Task[Any]:
+    return asyncio.create_task(b.submit(item, deadline=deadline_in(timeout)))
+
+
+def abandoned(metrics: Metrics, reason: str) -> float:
+    value = metrics.registry.get_sample_value("sdpa_abandoned_total", {"reason": reason})
+    return 0.0 if value is None else value
+
+
+def test_a_long_item_runs_in_tiles_and_short_ones_run_between_them() -> None:
+    """A long item of 30 slices gets 30 tiles; a short item that arrives while it runs waits
+    for one tile at most, then the long item goes on and gives its one answer."""
+    device = Device()
+
+    async def main() -> tuple[BatchResult[str], BatchResult[str], float]:
+        b = make(device)
+        await b.start()
+        long = submit(b, "Lbig:30")
+        await until(lambda: device.tiles_of("Lbig") >= 3)
+        started = time.monotonic()
+        short = await b.submit("a1", deadline=deadline_in(FAR))
+        waited = time.monotonic() - started
+        result = await long
+        await b.drain(5)
+        return result, short, waited
+
+    long, short, waited = run(main())
+    assert device.started == [("Lbig:30", 30)]
+    assert long.value == "Lbig:30 in 30 tiles"
+    assert long.batch_size == 1
+    assert short.value == "A1"
+    position = device.log.index("batch:a1")
+    assert 3 <= position < 30, device.log  # between two tiles, not after the long item
+    assert waited < 1.0  # a tile is 20 ms; generous for a loaded machine
+
+
+def test_short_batches_between_tiles_are_bounded_by_one_slice() -> None:
+    """Twenty short items queued behind a tile (work 0.1 each, slice 1): ten run before the
+    next tile, the rest after it; the long item keeps at least half the device."""
+    device = Device()
+
+    async def main() -> None:
+        b = make(device)
+        await b.start()
+        long = submit(b, "Lbig:5")
+        await until(lambda: device.tiles_of("Lbig") >= 1)
+        shorts = [submit(b, f"a{i}") for i in range(20)]
+        await asyncio.gather(long, *shorts)
+        await b.drain(5)
+
+    run(main())
+    batches = [entry for entry in device.log if entry.startswith("batch:")]
+    assert [len(entry.split(",")) for entry in batches] == [10, 10]
+    first, second = (device.log.index(entry) for entry in batches)
+    assert device.log[first + 1].startswith("tile:") and second > first + 1
+
+
+def test_a_long_item_is_abandoned_at_its_deadline() -> None:
+    """Deadline 0.2 s, 100 tiles of 20 ms: DeadlineExceeded at the deadline, saying how far
+    it got; no tile runs after the next boundary; counted as abandoned."""
+    device = Device()
+    metrics = Metrics()
+
+    async def main() -> tuple[BaseException, float]:
+        b = make(device, metrics)
+        await b.start()
+        started = time.monotonic()
+        with pytest.raises(DeadlineExceeded) as caught:
+            await b.submit("Lslow:100", deadline=deadline_in(0.2))
+        took = time.monotonic() - started
+        after = await b.submit("a1", deadline=deadline_in(FAR))  # the device is free at once
+        assert after.value == "A1"
+        await b.drain(5)
+        return caught.value, took
+
+    error, took = run(main())
+    assert 0.2 <= took < 0.2 + 0.5
+    assert "while it ran" in str(error)
+    assert "of 100 tiles done" in str(error)
+    assert device.tiles_of("Lslow") < 100 // 2
+    assert abandoned(metrics, "deadline") == 1
+    assert device.log[-1] == "batch:a1"
+
+
+def test_a_long_item_whose_client_left_is_dropped_at_the_next_tile() -> None:
+    device = Device()
+    metrics = Metrics()
+
+    async def main() -> int:
+        b = make(device, metrics)
+        await b.start()
+        task = submit(b, "Lgone:100")
+        await until(lambda: device.tiles_of("Lgone") >= 2)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await b.submit("a1", deadline=deadline_in(FAR))
+        tiles = device.tiles_of("Lgone")
+        await asyncio.sleep(10 * TILE_S)
+        assert device.tiles_of("Lgone") == tiles  # nothing more of it ran
+        await b.drain(5)
+        return tiles
+
+    tiles = run(main())
+    assert tiles < 10
+    assert abandoned(metrics, "disconnected") == 1
+
+
+def test_long_items_take_turns_oldest_first_and_short_ones_pass_the_waiting_one() -> None:
+    """A second long item waits for the first (one long run at a time); a short item that
+    arrives after it does not wait for either."""
+    device = Device()
+
+    async def main() -> list[Any]:
+        b = make(device)
+        await b.start()
+        first = submit(b, "Lone:4")
+        await until(lambda: device.tiles_of("Lone") >= 1)
+        second = submit(b, "Ltwo:4")
+        await until(lambda: b.depth == 1)
+        short = submit(b, "a1")
+        results = await asyncio.gather(first, second, short)
+        await b.drain(5)
+        return results
+
+    run(main())
+    tiles = [entry for entry in device.log if entry.startswith("tile:")]
+    assert tiles == [f"tile:Lone:4:{i}" for i in range(4)] + [f"tile:Ltwo:4:{i}" for i in range(4)]
+    assert device.log.index("batch:a1") < device.log.index("tile:Lone:4:3")
+
+
+def test_a_failed_long_run_answers_its_own_error() -> None:
+    device = Device()
+
+    async def main() -> None:
+        b = make(device)
+        await b.start()
+        with pytest.raises(ValueError, match="Lerr"):
+            await b.submit("Lerr:3", deadline=deadline_in(FAR))
+        assert (await b.submit("a1", deadline=deadline_in(FAR))).value == "A1"
+        await b.drain(5)
+
+    run(main())
+
+
+def test_the_backlog_counts_what_is_left_of_the_long_item() -> None:
+    device = Device()
+
+    async def main() -> tuple[float, float]:
+        b = make(device)
+        await b.start()
+        long = submit(b, "Lbig:40")
+        await until(lambda: device.tiles_of("Lbig") >= 2)
+        early = b.backlog_seconds()
+        await until(lambda: device.tiles_of("Lbig") >= 30)
+        late = b.backlog_seconds()
+        await long
+        await b.drain(5)
+        return early, late
+
+    early, late = run(main())
+    assert early > 2 * late > 0
+
+
+def test_a_drain_that_times_out_stops_a_long_item_between_tiles() -> None:
+    device = Device()
+
+    async def main() -> None:
+        b = make(device)
+        await b.start()
+        task = submit(b, "Lhuge:1000")
+        await until(lambda: device.tiles_of("Lhuge") >= 1)
+        await b.drain(0.1)
+        with pytest.raises(ShuttingDown):
+            await task
+        tiles = device.tiles_of("Lhuge")
+        await asyncio.sleep(5 * TILE_S)
+        assert device.tiles_of("Lhuge") <= tiles + 1  # at most the tile that was running
+
+    run(main())
