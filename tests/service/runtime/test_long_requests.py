@@ -136,7 +136,8 @@ def test_short_batches_between_tiles_are_bounded_by_one_slice() -> None:
     batches = [entry for entry in device.log if entry.startswith("batch:")]
     assert [len(entry.split(",")) for entry in batches] == [10, 10]
     first, second = (device.log.index(entry) for entry in batches)
-    assert device.log[first + 1].startswith("tile:") and second > first + 1
+    assert device.log[first + 1].startswith("tile:")
+    assert second > first + 1
 
 
 def test_a_long_item_is_abandoned_at_its_deadline() -> None:
