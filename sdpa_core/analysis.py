@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from sdpa_core.attention import prepare_inputs, tile_grid
-from sdpa_core.chunked import DEFAULT_BLOCK_SIZE, chunked_attention
+from sdpa_core.chunked import DEFAULT_BLOCK_SIZE, chunked_attention, chunked_tile_rows
 from sdpa_core.diagnostics import DiagnosticsSummary, RowStats, summarize
 from sdpa_core.errors import SdpaError
 from sdpa_core.masks import KeyLengths
@@ -208,7 +208,7 @@ class AnalysisRun:
     tiles of sequences and query rows (attention.tile_grid), and a pass is summarized when
     its last tile is done. analyze_scaling() is a run of one tile per pass. Its arguments and
     errors are analyze_scaling()'s, raised by the constructor; tiles asks for about that many
-    tiles in all (tiles_total says how many)."""
+    tiles in all (tiles_total says how many), row_quantum as for AttentionRun."""
 
     def __init__(
         self,
@@ -222,6 +222,7 @@ class AnalysisRun:
         attn_mask: torch.Tensor | None = None,
         block_size: int = DEFAULT_BLOCK_SIZE,
         tiles: int = 1,
+        row_quantum: int | None = None,
     ) -> None:
         v = k.new_zeros((*k.shape[:-1], 1))  # the output is not needed, only the row statistics
         self._inputs = prepare_inputs(
@@ -238,7 +239,9 @@ class AnalysisRun:
         self._scales = [1.0 / divisor for _, divisor in self._pairs]
         if not any(divisor == 1.0 for _, divisor in self._pairs):
             self._scales.append(1.0)  # the raw statistics' own pass
-        self._grid = tile_grid(spec.batch, spec.n_q, -(-max(1, tiles) // len(self._scales)))
+        per_pass = -(-max(1, tiles) // len(self._scales))
+        quantum = row_quantum or chunked_tile_rows(spec.heads, spec.n_q, spec.n_kv, block_size)
+        self._grid = tile_grid(spec.batch, spec.n_q, per_pass, quantum)
         self._block_size = block_size
         self._summaries: list[DiagnosticsSummary] = []
         self._rows: RowStats | None = None

@@ -15,13 +15,14 @@ and per-row tensors have the accumulation dtype. Non-finite values follow nonfin
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from dataclasses import dataclass
 from typing import Literal, TypeAlias
 
 import torch
 
-from sdpa_core.chunked import DEFAULT_BLOCK_SIZE, chunked_attention
-from sdpa_core.dense import dense_attention
+from sdpa_core.chunked import DEFAULT_BLOCK_SIZE, chunked_attention, chunked_tile_rows
+from sdpa_core.dense import dense_attention, dense_tile_q
 from sdpa_core.diagnostics import (
     DEFAULT_SINK_TOKENS,
     Diagnostics,
@@ -274,11 +275,13 @@ def attention(
     ).run()
 
 
-def tile_bounds(length: int, tiles: int) -> list[tuple[int, int]]:
-    """[start, stop) of `tiles` near-equal consecutive parts of range(length) (at most
-    `length` parts, at least one)."""
-    parts = max(1, min(tiles, length))
-    return [(i * length // parts, (i + 1) * length // parts) for i in range(parts)]
+def tile_bounds(length: int, tiles: int, quantum: int = 1) -> list[tuple[int, int]]:
+    """[start, stop) of about `tiles` near-equal consecutive parts of range(length), cut at
+    multiples of `quantum` (at most ceil(length / quantum) parts, at least one)."""
+    units = -(-length // max(1, quantum))
+    parts = max(1, min(tiles, units))
+    cuts = [min(length, (i * units // parts) * quantum) for i in range(parts + 1)]
+    return list(itertools.pairwise(cuts))
 
 
 @dataclass(frozen=True, slots=True)
@@ -309,11 +312,11 @@ class Tile:
         return whole
 
 
-def tile_grid(batch: int, n_q: int, tiles: int) -> list[Tile]:
+def tile_grid(batch: int, n_q: int, tiles: int, row_quantum: int = 1) -> list[Tile]:
     """About `tiles` tiles over [batch, N_q]: the batch split first (up to `batch` chunks),
-    then each chunk's query rows, so at most batch * N_q tiles."""
+    then each chunk's query rows at multiples of row_quantum (the path's own row tile)."""
     chunks = tile_bounds(batch, tiles)
-    rows = tile_bounds(n_q, -(-tiles // len(chunks)))
+    rows = tile_bounds(n_q, -(-tiles // len(chunks)), row_quantum)
     return [Tile(b0, b1, q0, q1) for b0, b1 in chunks for q0, q1 in rows]
 
 
@@ -328,8 +331,10 @@ class AttentionRun:
     any tile runs; the checks that need the whole result (overflow, the summary) run in
     result().
 
-    tiles asks for that many tiles: the batch is split first (up to B chunks), then each
-    chunk's query rows, so a run has at most B * N_q tiles (tiles_total says how many).
+    tiles asks for about that many tiles: the batch is split first (up to B chunks), then
+    each chunk's query rows, cut at multiples of row_quantum (None: the rows the path computes
+    at once, so that no tile costs more than its share of one call; 1 cuts anywhere). A run
+    has at most B * N_q tiles; tiles_total says how many.
     """
 
     def __init__(
@@ -352,6 +357,7 @@ class AttentionRun:
         check_finite: bool = True,
         sink_tokens: int = DEFAULT_SINK_TOKENS,
         tiles: int = 1,
+        row_quantum: int | None = None,
     ) -> None:
         inputs = prepare_inputs(
             q,
@@ -422,12 +428,26 @@ class AttentionRun:
             self._sink_cols = None if padding is None else sink_keys(padding, sink_tokens)
 
         self._inputs = dataclasses.replace(inputs, q4=q4, k4=k4, v4=v4)
-        self._tiles = tile_grid(spec.batch, spec.n_q, tiles)
+        if row_quantum is not None:
+            _check_int_option(row_quantum, param="row_quantum", minimum=1,
+                              what="a positive integer", expected="int >= 1 or null")  # fmt: skip
+        quantum = row_quantum or self._row_quantum(q4, k4)
+        self._tiles = tile_grid(spec.batch, spec.n_q, tiles, quantum)
         self._done = 0
         self._backend: str | None = None
         self._out4: torch.Tensor | None = None
         self._weights4: torch.Tensor | None = None
         self._rows4: RowStats | None = None
+
+    def _row_quantum(self, q4: torch.Tensor, k4: torch.Tensor) -> int:
+        """The rows the path computes at once: tiles cut at multiples of them cost no more
+        than one call (a tile of fewer rows costs about as much as a whole one)."""
+        _, h, n_q, _ = q4.shape
+        if self._path == "chunked":
+            return chunked_tile_rows(h, n_q, k4.shape[2], self._block_size)
+        if self._path == "dense":
+            return dense_tile_q(q4, k4)
+        return 1  # torch's kernels: no row tile of ours
 
     @property
     def path(self) -> PathName:

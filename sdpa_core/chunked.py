@@ -378,6 +378,14 @@ def attend_tiles(
     return out, weights, row_stats
 
 
+def chunked_tile_rows(heads: int, n_q: int, n_kv: int, block_size: int) -> int:
+    """Query rows per tile of the chunked path: a [heads, rows, key block] score tile of
+    about TILE_ELEMENTS. A tile costs about the same with fewer rows (the key-block loop's
+    per-block work dominates), so a caller that cuts the rows (AttentionRun) cuts at
+    multiples of it."""
+    return min(n_q, max(16, TILE_ELEMENTS // (heads * min(block_size, n_kv))))
+
+
 def chunked_attention(
     q4: torch.Tensor,
     k4: torch.Tensor,
@@ -399,7 +407,7 @@ def chunked_attention(
     """
     b, h, n_q, _ = q4.shape
     bk = min(block_size, k4.shape[2])
-    tq = min(n_q, max(16, TILE_ELEMENTS // (h * bk)))
+    tq = chunked_tile_rows(h, n_q, k4.shape[2], block_size)
     b_chunk = max(1, TILE_ELEMENTS // (h * tq * bk))
     outs: list[torch.Tensor] = []
     rows: list[RowStats] = []

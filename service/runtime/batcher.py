@@ -31,11 +31,13 @@ alignment, scale, mask kinds, outputs asked for) plus a *length bucket* of N_q a
 Answers
 -------
 Every accepted item gets exactly one answer: its result, its own exception, DeadlineExceeded
-(its deadline passed while it was queued: never computed), ShuttingDown (still queued when a
-drain timed out), or nothing at all when its awaiting task was cancelled (the client went
-away; it is dropped before compute if still queued). An item's state moves QUEUED -> TAKEN ->
-DONE or QUEUED -> DROPPED, and only the side that moves it out of QUEUED may answer it, so the
-deadline timer, a cancelled client and the worker can never both answer one item.
+(its deadline passed while it was queued: never computed; or while a long item ran),
+ShuttingDown (still queued, or a long item running, when a drain timed out), or nothing at all
+when its awaiting task was cancelled (the client went away; it is dropped before compute if
+still queued, at its next tile if long). An item's state moves QUEUED -> TAKEN -> DONE or
+QUEUED -> DROPPED, and only the side that moves it out of QUEUED may answer it (for a long item
+running, the deadline timer too, which the worker then sees between tiles), and whoever answers
+marks it DONE first, so no two sides ever answer one item.
 
 Long requests run in slices
 ---------------------------
@@ -59,11 +61,12 @@ Retry-After and the backlog
 ---------------------------
 Each item carries its estimated work (``work_seconds``: the runtime's cost model, in estimated
 device seconds; one unit per item without it). The backlog is the queued work plus what is left
-of the batch on the device, divided by the measured throughput: the estimated work done per
-second the device was busy, both summed with a half-life of THROUGHPUT_HALF_LIFE_S of device
-time and starting from THROUGHPUT_PRIOR_S of the model's own pace. Weighing batches by their
-time, a stream of tiny requests (whose fixed costs the model under-counts) cannot make a queue
-of large ones look long or short, and a model off by a constant factor is corrected.
+of the batch on the device and of the long item running, divided by the measured throughput:
+the estimated work done per second the device was busy, both summed with a half-life of
+THROUGHPUT_HALF_LIFE_S of device time and starting from THROUGHPUT_PRIOR_S of the model's own
+pace. Weighing batches by their time, a stream of tiny requests (whose fixed costs the model
+under-counts) cannot make a queue of large ones look long or short, and a model off by a
+constant factor is corrected.
 Retry-After (a full queue, a drain) is that backlog in whole seconds, within [1, 60];
 ``backlog_seconds()`` and the gauge sdpa_backlog_seconds report it.
 """
@@ -312,7 +315,8 @@ class DynamicBatcher(Generic[T, R]):
         """Refuse new items, finish queued and in-flight work within timeout_s, stop the worker.
 
         Items still queued at the timeout get ShuttingDown; so does the batch on the device,
-        which cannot be interrupted (its thread finishes in the background, unanswered).
+        which cannot be interrupted (its thread finishes in the background, unanswered), and
+        the long item running, whose run stops after the tile on the device.
         Idempotent: a second call waits for the same worker.
         """
         self._draining = True
@@ -513,12 +517,12 @@ class DynamicBatcher(Generic[T, R]):
                 if self._long is not None:
                     await self._advance_long()
                     continue
-                if self._max_batch_delay_s > 0:
-                    await self._wait_for_batch_to_grow()
-                oldest = next(iter(self._queue.values()), None)
-                if oldest is not None and oldest.tiles:
+                oldest = next(iter(self._queue.values()))
+                if oldest.tiles:  # a long item runs alone: no batch to wait for
                     self._begin_long(oldest)
                     continue
+                if self._max_batch_delay_s > 0:
+                    await self._wait_for_batch_to_grow()
                 batch = self._take_batch()
                 if batch:
                     await self._execute(batch)

@@ -38,6 +38,7 @@ from sdpa_core import (
     resolve_scale,
     summarize,
 )
+from service.runtime.device import results_on_host
 from service.runtime.jobs import AttentionJob
 from service.runtime.policy import Member
 
@@ -107,9 +108,8 @@ def collate(batch: list[Member]) -> Collated:
 
 def split(collated: Collated, result: AttentionResult) -> list[AttentionResult]:
     """Each member's own slice of a batch's result (CPU), with its own diagnostics."""
-    output = result.output.cpu()  # [B, H, N_q, D_v]
-    weights = None if result.weights is None else result.weights.cpu()  # [B, H, N_q, N_kv]
-    row_stats = None if result.row_stats is None else result.row_stats.to("cpu")
+    # output [B, H, N_q, D_v], weights [B, H, N_q, N_kv], row_stats [B, H, N_q]
+    output, weights, row_stats = results_on_host(result.output, result.weights, result.row_stats)
     d_v = output.shape[-1]
     results: list[AttentionResult] = []
     for m in collated.members:

@@ -33,6 +33,7 @@ from sdpa_core.analysis import AnalysisRun
 from sdpa_core.attention import AttentionRun
 from service.metrics import Metrics
 from service.runtime.collate import collate, member_diagnostics, split
+from service.runtime.device import results_on_host, to_device
 from service.runtime.jobs import (
     AnalyzeJob,
     AnalyzeOutcome,
@@ -92,7 +93,7 @@ class Engine:
         """One real attention call on the device (fused) and one with diagnostics."""
         gen = torch.Generator().manual_seed(0)
         q, k, v = (torch.randn(1, 2, 16, 16, generator=gen) for _ in range(3))  # [1, 2, 16, 16]
-        q, k, v = q.to(self.device), k.to(self.device), v.to(self.device)
+        q, k, v = (to_device(x, self.device) for x in (q, k, v))
         attention(q, k, v)
         result = attention(q, k, v, diagnostics="summary")
         result.output.cpu()  # waits for the device (a CUDA sync)
@@ -199,9 +200,9 @@ class Engine:
             raise TypeError(f"only attention jobs have diagnostics, not {type(job).__name__}")
         dev = self.device
         result = attention(
-            job.q.to(dev),
-            job.k.to(dev),
-            job.v.to(dev),
+            to_device(job.q, dev),
+            to_device(job.k, dev),
+            to_device(job.v, dev),
             causal=job.causal,
             key_lengths=_to(job.key_lengths, dev),
             key_padding_mask=_to(job.key_padding_mask, dev),
@@ -227,8 +228,8 @@ class Engine:
     def _analysis_run(self, job: AnalyzeJob, tiles: int = 1) -> AnalysisRun:
         dev = self.device
         return AnalysisRun(
-            job.q.to(dev),
-            job.k.to(dev),
+            to_device(job.q, dev),
+            to_device(job.k, dev),
             strategies=job.strategies,
             causal=job.causal,
             key_lengths=_to(job.key_lengths, dev),
@@ -298,9 +299,9 @@ class Engine:
         first job), in `tiles` tiles."""
         job, dev = first.job, self.device
         return AttentionRun(
-            q.to(dev),
-            k.to(dev),
-            v.to(dev),
+            to_device(q, dev),
+            to_device(k, dev),
+            to_device(v, dev),
             causal=job.causal,
             key_lengths=_to(key_lengths, dev),
             key_padding_mask=_to(key_padding_mask, dev),
@@ -334,10 +335,12 @@ class Engine:
         """A job's own result with its tensors on the CPU (as it is on a CPU device)."""
         if self.device.type == "cpu":
             return result
-        row_stats = None if result.row_stats is None else result.row_stats.to("cpu")
+        output, weights, row_stats = results_on_host(
+            result.output, result.weights, result.row_stats
+        )
         return AttentionResult(
-            output=result.output.cpu(),
-            weights=None if result.weights is None else result.weights.cpu(),
+            output=output,
+            weights=weights,
             diagnostics=member_diagnostics(row_stats, member.job, member.spec),
             row_stats=row_stats,
             path=result.path,
@@ -447,4 +450,4 @@ def _diagnostics_on_cpu(diagnostics: Diagnostics) -> Diagnostics:
 
 
 def _to(x: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
-    return None if x is None else x.to(device)
+    return None if x is None else to_device(x, device)

@@ -180,6 +180,7 @@ def check_against_reference(
         diagnostics="full" if wants_stats else "none",
         block_size=3,
         tiles=tiles,
+        row_quantum=1,  # tiny shapes: cut rows anywhere (the default cuts at the path's tile)
         **inp.kwargs,
     )
     if tiles > 1:

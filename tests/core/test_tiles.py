@@ -75,7 +75,7 @@ def test_key_padding_mask_and_sink_in_tiles(path: str, per_head: bool) -> None:
     kwargs: dict[str, Any] = {"causal": "bottom_right", "key_padding_mask": kpm}
     diag = "none" if path == "fused" else "summary"
     whole = attention(q, k, v, path=path, diagnostics=diag, **kwargs)
-    run = AttentionRun(q, k, v, path=path, diagnostics=diag, tiles=8, **kwargs)
+    run = AttentionRun(q, k, v, path=path, diagnostics=diag, tiles=8, row_quantum=1, **kwargs)
     assert run.tiles_total == 9  # 3 sequences x 3 tiles of rows
     tiled = run.run()
 
@@ -100,7 +100,7 @@ def test_a_run_steps_tile_by_tile() -> None:
     there only then; a bad request fails in the constructor, before any tile."""
     gen = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(1, 2, 10, 4, generator=gen) for _ in range(3))
-    run = AttentionRun(q, k, v, causal=True, diagnostics="summary", tiles=4)
+    run = AttentionRun(q, k, v, causal=True, diagnostics="summary", tiles=4, row_quantum=1)
     assert (run.tiles_total, run.tiles_done, run.done) == (4, 0, False)
     with pytest.raises(RuntimeError, match="0 of 4 tiles"):
         run.result()
@@ -125,6 +125,33 @@ def test_tile_bounds(length: int, tiles: int, want: list[tuple[int, int]]) -> No
     assert tile_bounds(length, tiles) == want
 
 
+@pytest.mark.parametrize(
+    ("length", "tiles", "quantum", "want"),
+    [
+        (300, 4, 128, [(0, 128), (128, 256), (256, 300)]),  # 3 units: at most 3 parts
+        (1024, 2, 128, [(0, 512), (512, 1024)]),
+        (1000, 3, 128, [(0, 256), (256, 640), (640, 1000)]),
+        (100, 5, 128, [(0, 100)]),
+    ],
+)
+def test_tile_bounds_cut_at_multiples_of_the_quantum(
+    length: int, tiles: int, quantum: int, want: list[tuple[int, int]]
+) -> None:
+    assert tile_bounds(length, tiles, quantum) == want
+
+
+def test_rows_are_cut_where_the_path_cuts_them() -> None:
+    """By default a run cuts query rows at the path's own row tile (the chunked path's 128
+    rows for 8 heads and 512-key blocks), where a tile costs no more than its share; the
+    result is the same either way."""
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 8, 600, 16, generator=gen) for _ in range(3))
+    run = AttentionRun(q, k, v, diagnostics="summary", tiles=4)
+    assert run.path == "chunked"
+    assert [tile.q0 for tile in run._tiles] == [0, 128, 256, 384]
+    torch.testing.assert_close(run.run().output, attention(q, k, v).output)
+
+
 @pytest.mark.parametrize("causal", AXES["causal"])
 def test_analysis_in_tiles(causal: str) -> None:
     """AnalysisRun in tiles: every strategy's statistics as analyze_scaling's, and the raw
@@ -135,7 +162,7 @@ def test_analysis_in_tiles(causal: str) -> None:
     kwargs: dict[str, Any] = {"causal": causal, "key_lengths": [6, 4]}
     strategies: list[Any] = ["sqrt_dk", ("tiny", 1e-40)]
     whole = analyze_scaling(q, k, strategies=strategies, **kwargs)
-    run = AnalysisRun(q, k, strategies=strategies, tiles=12, **kwargs)
+    run = AnalysisRun(q, k, strategies=strategies, tiles=12, row_quantum=1, **kwargs)
     assert run.tiles_total == 12  # 3 passes (the raw one too) x 2 sequences x 2 row tiles
     tiled = run.run()
 
