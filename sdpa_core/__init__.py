@@ -1,7 +1,8 @@
 """sdpa_core: scaled dot-product attention with every mask, three paths and diagnostics.
 
 Pure compute (torch, numpy, stdlib): importing it never loads fastapi, pydantic, httpx or the
-service package. Besides attention() and analyze_scaling(), it exports the one owner of each
+service package. Besides attention() and analyze_scaling() (and AttentionRun and AnalysisRun,
+the same computed tile by tile for a scheduler), it exports the one owner of each
 rule a caller might otherwise re-derive: the default scale, causal normalization, the
 accumulation dtype, key padding, the diagnostics levels and the diagnostic field lists.
 """
@@ -10,13 +11,21 @@ from __future__ import annotations
 
 from sdpa_core.analysis import (
     STANDARD_STRATEGIES,
+    AnalysisRun,
     ScalingReport,
     StrategyResult,
     analysis_passes,
     analyze_scaling,
     make_synthetic_qk,
 )
-from sdpa_core.attention import PATHS, AttentionResult, attention, choose_path, weights_nbytes
+from sdpa_core.attention import (
+    PATHS,
+    AttentionResult,
+    AttentionRun,
+    attention,
+    choose_path,
+    weights_nbytes,
+)
 from sdpa_core.chunked import DEFAULT_BLOCK_SIZE
 from sdpa_core.diagnostics import (
     DEFAULT_SINK_TOKENS,
@@ -71,7 +80,9 @@ __all__ = [
     "STANDARD_STRATEGIES",
     "SUMMARY_FIELDS",
     "SUPPORTED_DTYPES",
+    "AnalysisRun",
     "AttentionResult",
+    "AttentionRun",
     "DTypeError",
     "Diagnostics",
     "DiagnosticsSummary",

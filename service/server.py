@@ -38,6 +38,7 @@ import logging
 import logging.config
 import os
 import socket
+import sys
 import time
 from datetime import UTC, datetime
 from types import FrameType
@@ -195,6 +196,7 @@ async def linger_until_quiet() -> None:
 # depended on which threads had happened to call torch). PASSIVE: idle workers sleep at once.
 # libgomp reads it when torch is first imported; an operator's own value wins.
 OPENMP_DEFAULTS: Final = {"OMP_WAIT_POLICY": "PASSIVE"}
+SWITCH_INTERVAL_S: Final = 0.001
 
 
 def serve(settings: Settings) -> int:
@@ -209,6 +211,10 @@ def serve(settings: Settings) -> int:
     from service.app import create_app
     from service.middleware.connections import guarded_protocol
 
+    # The device thread runs Python between its kernels (the chunked path's key-block loop),
+    # holding the GIL for up to the switch interval (5 ms by default) each time the event
+    # loop waits for it; a small request needs the GIL several times on its way through.
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     log_config = logging_config(settings.log_level)
     logging.config.dictConfig(log_config)
     # Our JSON lines carry none of these, and the access log writes a record per request: skip

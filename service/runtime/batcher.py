@@ -624,11 +624,13 @@ class DynamicBatcher(Generic[T, R]):
         self._in_flight = []
         self._running_work = 0.0
         self._note_throughput(tile_work, time.perf_counter() - started)
-        if not finished or self._left_alone(pending):
-            return
+        if not finished:
+            return  # the next call looks at its deadline and client first
         assert self._long_run is not None
         outcome = self._long_run.outcome()
         self._end_long()
+        if pending.state is not _State.TAKEN or pending.future.done():
+            return  # it finished just after its deadline's 504, or its client left
         if isinstance(outcome, BaseException):
             self._answer_error(pending, outcome)
             return
