@@ -445,9 +445,10 @@ class DynamicBatcher(Generic[T, R]):
                 ),
             )
 
-    def _take_batch(self) -> list[_Pending[T, R]]:
+    def _take_batch(self, max_work: float | None = None) -> list[_Pending[T, R]]:
         """The oldest short item's group, oldest first (its long items stay queued), up to
-        max_batch_size, max_batch_cost and one slice of estimated work; expired ones fail."""
+        max_batch_size, max_batch_cost and max_work of estimated work (default one slice;
+        the first item always goes); expired ones fail."""
         first = next((p for p in self._queue.values() if not p.tiles), None)
         if first is None:
             return []
@@ -457,14 +458,15 @@ class DynamicBatcher(Generic[T, R]):
         batch: list[_Pending[T, R]] = []
         self._in_flight = batch
         cost = work = 0.0
-        slice_s = math.inf if self._slice_s is None else self._slice_s
+        if max_work is None:
+            max_work = math.inf if self._slice_s is None else self._slice_s
         for pending in list(self._groups[first.key].values()):
             if len(batch) >= self._max_batch_size:
                 break
             if pending.tiles:
                 continue
             if batch and (
-                cost + pending.cost > self._max_batch_cost or work + pending.work > slice_s
+                cost + pending.cost > self._max_batch_cost or work + pending.work > max_work
             ):
                 break
             self._remove(pending)
@@ -539,10 +541,15 @@ class DynamicBatcher(Generic[T, R]):
     # -- long items ------------------------------------------------------------------------
 
     def _tiles_for(self, work: float) -> int:
-        """0 for a short item; else about how many slices its work takes."""
-        if self._slice_s is None or work <= self._slice_s:
+        """0 for a short item; else about how many slices it takes: its estimated work in
+        device seconds at the measured pace (a model that under-counts this device's time
+        would otherwise give tiles longer than a slice)."""
+        if self._slice_s is None:
             return 0
-        return math.ceil(work / self._slice_s)
+        seconds = work * self._busy_s / self._done_work
+        if seconds <= self._slice_s:
+            return 0
+        return math.ceil(seconds / self._slice_s)
 
     def _begin_long(self, pending: _Pending[T, R]) -> None:
         """Take the oldest item, a long one, off the queue as the running long item."""
@@ -554,6 +561,8 @@ class DynamicBatcher(Generic[T, R]):
             return
         pending.state = _State.TAKEN
         pending.queue_s = now - pending.enqueued
+        # The pace may have moved while it waited: its tiles are counted at this one.
+        pending.tiles = max(1, self._tiles_for(pending.work))
         if self._metrics is not None:
             self._metrics.batch_size.observe(1)
             self._metrics.queue_wait_seconds.observe(pending.queue_s)
@@ -589,7 +598,7 @@ class DynamicBatcher(Generic[T, R]):
             return
         budget = self._slice_s or 0.0
         # (a tolerance: summed floats may leave a crumb of the slice, not worth a batch)
-        while budget > 1e-6 * (self._slice_s or 0.0) and (batch := self._take_batch()):
+        while budget > 1e-6 * (self._slice_s or 0.0) and (batch := self._take_batch(budget)):
             budget -= sum(p.work for p in batch)
             await self._execute(batch)
             if self._left_alone(pending):
