@@ -13,7 +13,9 @@ before tiles). On each:
    decoding and encoding compete with the compute for the two cores);
 3. deadlines: a long analyze with timeout_ms 800, alone, five times: when its 504 arrives and
    how long the next small request then takes;
-4. the long requests alone (three of each, one at a time): what the tiles cost them.
+4. the long requests alone (three of each, one at a time): what the tiles cost them;
+5. in process, without HTTP: the same two computations whole and in tiles of about 50 ms
+   (AttentionRun, AnalysisRun), alternated three times, fastest of each: the tiles' own cost.
 
 The goal (issue 15): beside long requests, the small requests' p99 <= 3 x their idle p99 plus
 one slice. Writes bench/results/fairness.json and fairness.md.
@@ -34,18 +36,21 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import httpx
 import numpy as np
+import torch
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:  # run as a script: make `bench` importable
     sys.path.insert(0, str(REPO_ROOT))
 
 from bench.support import live_server  # noqa: E402
+from sdpa_core import AnalysisRun, AttentionRun, make_synthetic_qk  # noqa: E402
 
 RESULTS = REPO_ROOT / "bench" / "results"
 SMALL = {
@@ -166,6 +171,41 @@ def measure(slice_ms: float, seconds: float, tmp: Path) -> dict[str, Any]:
     }
 
 
+def tile_overhead() -> list[dict[str, Any]]:
+    """Whole vs in tiles of about a slice, in this process (section 5 of the docstring)."""
+    x = torch.from_numpy(np.random.default_rng(0).standard_normal((1, 8, 8192, 16))).float()
+    q, k = make_synthetic_qk(n_q=8192, n_k=8192, d_k=128, std=1.0, seed=0)
+    cases: dict[str, Callable[[int], AttentionRun | AnalysisRun]] = {
+        "attention [1, 8, 8192, 16], summary (chunked)": lambda tiles: AttentionRun(
+            x, x, x, diagnostics="summary", tiles=tiles
+        ),
+        "analyze synthetic 8192 x 8192, d_k 128": lambda tiles: AnalysisRun(q, k, tiles=tiles),
+    }
+    rows = []
+    for name, make in cases.items():
+        started = time.perf_counter()
+        make(1).run()
+        tiles = max(1, round((time.perf_counter() - started) / (SLICED_MS / 1e3)))
+        times: dict[int, list[float]] = {1: [], tiles: []}
+        for count in (1, tiles, tiles, 1, 1, tiles):
+            run = make(count)
+            started = time.perf_counter()
+            run.run()
+            times[count].append(time.perf_counter() - started)
+        whole, tiled = min(times[1]), min(times[tiles])
+        rows.append(
+            {
+                "case": name,
+                "tiles_asked": tiles,
+                "tiles": make(tiles).tiles_total,
+                "whole_s": whole,
+                "tiled_s": tiled,
+                "ratio": tiled / whole,
+            }
+        )
+    return rows
+
+
 def markdown(report: dict[str, Any]) -> str:
     lines = [
         "# Small requests beside long ones (bench/fairness.py)",
@@ -196,6 +236,12 @@ def markdown(report: dict[str, Any]) -> str:
             for d in run["deadline_800ms"]
         )
         lines.append(f"- slices of {run['slice_ms']:.0f} ms: {tries}")
+    lines += ["", "In process, whole vs in tiles of about 50 ms (fastest of three each):", ""]
+    for row in report["tile_overhead"]:
+        lines.append(
+            f"- {row['case']}: whole {row['whole_s']:.2f} s, {row['tiles']} tiles "
+            f"{row['tiled_s']:.2f} s ({row['ratio']:.2f}x)"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -218,6 +264,7 @@ def main() -> int:
         "machine": f"{platform.machine()}, {os.cpu_count()} cores",
         "load_before": round(load_before, 2),
         "runs": runs,
+        "tile_overhead": tile_overhead(),
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "fairness.json").write_text(json.dumps(report, indent=1) + "\n")
