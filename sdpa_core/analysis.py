@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sdpa_core.attention import prepare_inputs, tile_grid
+from sdpa_core.attention import check_int_option, prepare_inputs, tile_grid
 from sdpa_core.chunked import DEFAULT_BLOCK_SIZE, chunked_attention, chunked_tile_rows
 from sdpa_core.diagnostics import DiagnosticsSummary, RowStats, summarize
 from sdpa_core.errors import SdpaError
@@ -236,10 +236,15 @@ class AnalysisRun:
         )
         spec = self._inputs.spec
         self._pairs = resolve_strategies(strategies, spec.d)
+        check_int_option(tiles, param="tiles", minimum=1, what="a positive integer",
+                         expected="int >= 1")  # fmt: skip
+        if row_quantum is not None:
+            check_int_option(row_quantum, param="row_quantum", minimum=1,
+                             what="a positive integer", expected="int >= 1 or null")  # fmt: skip
         self._scales = [1.0 / divisor for _, divisor in self._pairs]
         if not any(divisor == 1.0 for _, divisor in self._pairs):
             self._scales.append(1.0)  # the raw statistics' own pass
-        per_pass = -(-max(1, tiles) // len(self._scales))
+        per_pass = -(-tiles // len(self._scales))
         quantum = row_quantum or chunked_tile_rows(spec.heads, spec.n_q, spec.n_kv, block_size)
         self._grid = tile_grid(spec.batch, spec.n_q, per_pass, quantum)
         self._block_size = block_size

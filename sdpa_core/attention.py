@@ -174,7 +174,7 @@ def choose_path(
     return path
 
 
-def _check_int_option(value: object, *, param: str, minimum: int, what: str, expected: str) -> None:
+def check_int_option(value: object, *, param: str, minimum: int, what: str, expected: str) -> None:
     """An integer option (never a bool) of at least `minimum`, or an SdpaError."""
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise SdpaError(f"{param} must be {what}", param=param, expected=expected, got=repr(value))
@@ -374,14 +374,14 @@ class AttentionRun:
         spec, plan = inputs.spec, inputs.plan
         level = check_diagnostics_level(diagnostics)
         if block_size is not None:
-            _check_int_option(
+            check_int_option(
                 block_size,
                 param="block_size",
                 minimum=1,
                 what="a positive integer",
                 expected="int >= 1",
             )
-        _check_int_option(
+        check_int_option(
             sink_tokens,
             param="sink_tokens",
             minimum=0,
@@ -389,14 +389,14 @@ class AttentionRun:
             expected="int >= 0",
         )
         if memory_budget_bytes is not None:
-            _check_int_option(
+            check_int_option(
                 memory_budget_bytes,
                 param="memory_budget_bytes",
                 minimum=0,
                 what="a non-negative integer",
                 expected="int >= 0 or null",
             )
-        _check_int_option(tiles, param="tiles", minimum=1, what="a positive integer",
+        check_int_option(tiles, param="tiles", minimum=1, what="a positive integer",
                           expected="int >= 1")  # fmt: skip
         self._path = choose_path(
             spec,
@@ -429,7 +429,7 @@ class AttentionRun:
 
         self._inputs = dataclasses.replace(inputs, q4=q4, k4=k4, v4=v4)
         if row_quantum is not None:
-            _check_int_option(row_quantum, param="row_quantum", minimum=1,
+            check_int_option(row_quantum, param="row_quantum", minimum=1,
                               what="a positive integer", expected="int >= 1 or null")  # fmt: skip
         quantum = row_quantum or self._row_quantum(q4, k4)
         self._tiles = tile_grid(spec.batch, spec.n_q, tiles, quantum)

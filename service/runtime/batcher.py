@@ -41,21 +41,23 @@ marks it DONE first, so no two sides ever answer one item.
 
 Long requests run in slices
 ---------------------------
-With ``slice_s`` and ``start_long``, an item whose estimated work exceeds one slice is *long*:
-it runs alone, as a resumable run of about work / slice_s tiles (``start_long(item, tiles)``,
-called on the device thread; each ``step()`` computes one tile). At most one long item runs
-at a time, the oldest; between two of its tiles the worker
+With ``slice_s`` and ``start_long``, an item whose estimated work exceeds one slice (at the
+measured pace, below) is *long*: it runs alone, as a resumable run of about that many tiles
+(``start_long(item, tiles)``, called on the device thread; each ``step()`` computes one tile).
+Up to MAX_RUNNING_LONG long items take turns, one tile each, the oldest queued one joining
+when one finishes; so a long item of a few slices is not stuck behind one of hundreds. Before
+each tile the worker
 
-- abandons it when its deadline passed (the timer answers DeadlineExceeded at once, the run is
-  dropped at the tile boundary) or its client left (cancelled), freeing what it held;
-- runs the short batches waiting (the oldest short item's group; long items queued behind the
-  running one wait their turn), up to one slice of their estimated work, so a short request
-  waits about one slice behind a long one and a stream of short ones still leaves the long
-  one at least half the device.
+- drops the long items nobody waits for: their deadline passed (the timer answers
+  DeadlineExceeded at once, naming how many tiles were done) or their client left
+  (cancelled), freeing what they held;
+- runs the short batches waiting (the oldest short item's group first), up to one slice of
+  their estimated work, so a short request waits about one tile behind long ones and a
+  stream of short ones still leaves the long ones at least half the device.
 
 Short batches are cut at one slice of estimated work too (their first item always goes).
-sdpa_abandoned_total{reason} counts the runs dropped and sdpa_compute_seconds (one
-observation per tile) shows that no further tile ran.
+sdpa_abandoned_total{reason} counts the runs dropped, and sdpa_compute_seconds (one
+observation per tile) shows that no further tile of theirs ran.
 
 Retry-After and the backlog
 ---------------------------
@@ -76,6 +78,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import functools
 import itertools
 import logging
 import math
@@ -104,6 +107,10 @@ _MAX_RETRY_AFTER_S = 60.0
 # device time; measurements older than the half-life of device time weigh half.
 THROUGHPUT_PRIOR_S = 1.0
 THROUGHPUT_HALF_LIFE_S = 30.0
+# Long items that take turns on the device, tile by tile: a long item of a few slices need
+# not wait for a long one of hundreds. Each holds its inputs and partial results on the device
+# until it is done (their bytes were reserved at admission: service.middleware.inflight).
+MAX_RUNNING_LONG = 4
 
 
 class Resumable(Protocol[R_co]):
@@ -192,6 +199,23 @@ class _Pending(Generic[T, R]):
         self.queue_s = 0.0
 
 
+class _Long(Generic[T, R]):
+    """A long item taken off the queue: its run (started at its first tile) and its estimated
+    work not yet done, beyond the tile on the device."""
+
+    __slots__ = ("left_work", "pending", "run")
+
+    def __init__(self, pending: _Pending[T, R]) -> None:
+        self.pending = pending
+        self.run: Resumable[R] | None = None
+        self.left_work = pending.work
+
+    def progress(self) -> str:
+        done = 0 if self.run is None else self.run.tiles_done
+        total = self.pending.tiles if self.run is None else self.run.tiles_total
+        return f"{done} of {total} tiles done"
+
+
 class DynamicBatcher(Generic[T, R]):
     """Groups submitted items into batches and runs them one batch at a time on one thread."""
 
@@ -239,9 +263,8 @@ class DynamicBatcher(Generic[T, R]):
         # Long items run in slices (module docstring); without both, every item is short.
         self._slice_s = slice_s if start_long is not None else None
         self._start_long = start_long
-        self._long: _Pending[T, R] | None = None  # the long item on the device, between tiles
-        self._long_run: Resumable[R] | None = None
-        self._long_left_work = 0.0  # its estimated work not yet done, beyond the current tile
+        # The long items running, in turn order (the next to get a tile first).
+        self._longs: OrderedDict[int, _Long[T, R]] = OrderedDict()
 
         # Every queued item in arrival order, and the same items per group (arrival order).
         # OrderedDicts: O(1) removal from the middle (cancel, deadline) and O(1) oldest.
@@ -250,6 +273,7 @@ class DynamicBatcher(Generic[T, R]):
         self._seq = itertools.count()
         self._in_flight: list[_Pending[T, R]] = []
         self._queued_work = 0.0  # the sum of the queued items' work
+        self._queued_longs = 0  # how many queued items are long
         self._running_work = 0.0  # the batch on the device: its work, and since when
         self._running_since = 0.0
 
@@ -395,15 +419,12 @@ class DynamicBatcher(Generic[T, R]):
             self._remove(pending)
             self._reject("deadline")
             self._answer_error(pending, _queued_too_long())
-        elif pending.state is _State.TAKEN and pending is self._long:
-            run = self._long_run
-            done = 0 if run is None else run.tiles_done
-            total = pending.tiles if run is None else run.tiles_total
+        elif pending.state is _State.TAKEN and pending.seq in self._longs:
+            progress = self._longs[pending.seq].progress()
             self._answer_error(
                 pending,
                 DeadlineExceeded(
-                    f"the request's deadline passed while it ran ({done} of {total} tiles "
-                    "done); it was abandoned"
+                    f"the request's deadline passed while it ran ({progress}); it was abandoned"
                 ),
             )
 
@@ -412,6 +433,7 @@ class DynamicBatcher(Generic[T, R]):
     def _enqueue(self, pending: _Pending[T, R]) -> None:
         self._queue[pending.seq] = pending
         self._queued_work += pending.work
+        self._queued_longs += pending.tiles > 0
         self._groups.setdefault(pending.key, OrderedDict())[pending.seq] = pending
         self._set_depth()
         assert self._arrival is not None
@@ -423,6 +445,7 @@ class DynamicBatcher(Generic[T, R]):
         del self._queue[pending.seq]
         # Summed floats drift: an empty queue holds exactly no work.
         self._queued_work = self._queued_work - pending.work if self._queue else 0.0
+        self._queued_longs -= pending.tiles > 0
         group = self._groups[pending.key]
         del group[pending.seq]
         if not group:
@@ -505,7 +528,7 @@ class DynamicBatcher(Generic[T, R]):
     async def _work(self) -> None:
         assert self._arrival is not None
         while True:
-            if self._long is None and not self._queue:
+            if not self._longs and not self._queue:
                 if self._draining:
                     return
                 idle = None if self._idle_work is None else self._idle_work()
@@ -516,12 +539,8 @@ class DynamicBatcher(Generic[T, R]):
                 await self._arrival.wait()
                 continue
             try:
-                if self._long is not None:
-                    await self._advance_long()
-                    continue
-                oldest = next(iter(self._queue.values()))
-                if oldest.tiles:  # a long item runs alone: no batch to wait for
-                    self._begin_long(oldest)
+                if self._longs or self._next_long() is not None:
+                    await self._advance_longs()
                     continue
                 if self._max_batch_delay_s > 0:
                     await self._wait_for_batch_to_grow()
@@ -536,7 +555,7 @@ class DynamicBatcher(Generic[T, R]):
                 for pending in self._in_flight:
                     self._answer_error(pending, exc)
                 self._in_flight = []
-                self._end_long()
+                self._end_longs(functools.partial(_twin, exc))
 
     # -- long items ------------------------------------------------------------------------
 
@@ -551,8 +570,14 @@ class DynamicBatcher(Generic[T, R]):
             return 0
         return math.ceil(seconds / self._slice_s)
 
+    def _next_long(self) -> _Pending[T, R] | None:
+        """The oldest queued long item, when one more may start (else None)."""
+        if not self._queued_longs or len(self._longs) >= MAX_RUNNING_LONG:
+            return None
+        return next((p for p in self._queue.values() if p.tiles), None)
+
     def _begin_long(self, pending: _Pending[T, R]) -> None:
-        """Take the oldest item, a long one, off the queue as the running long item."""
+        """Take a queued long item off the queue; it takes its turns after those running."""
         self._remove(pending)
         now = time.monotonic()
         if pending.deadline <= now:
@@ -566,16 +591,24 @@ class DynamicBatcher(Generic[T, R]):
         if self._metrics is not None:
             self._metrics.batch_size.observe(1)
             self._metrics.queue_wait_seconds.observe(pending.queue_s)
-        self._long, self._long_run, self._long_left_work = pending, None, pending.work
+        self._longs[pending.seq] = _Long(pending)
 
-    def _end_long(self) -> None:
-        """Forget the long item and its run (what it held on the device goes with it)."""
-        self._long, self._long_run, self._long_left_work = None, None, 0.0
+    def _end_long(self, long: _Long[T, R]) -> None:
+        """Forget a long item and its run (what it held on the device goes with it)."""
+        self._longs.pop(long.pending.seq, None)
         self._set_depth()
 
-    def _left_alone(self, pending: _Pending[T, R]) -> bool:
-        """Whether the running long item lost its reason to run: its deadline passed (the
-        timer answered it) or its client left. Then its run is dropped and counted."""
+    def _end_longs(self, error: Callable[[], BaseException]) -> None:
+        """Answer every long item still running with error() and forget them all."""
+        for long in list(self._longs.values()):
+            if long.pending.state is _State.TAKEN:
+                self._answer_error(long.pending, error())
+            self._end_long(long)
+
+    def _left_alone(self, long: _Long[T, R]) -> bool:
+        """Whether a running long item lost its reason to run: its deadline passed (the timer
+        answered it) or its client left. Then its run is dropped and counted."""
+        pending = long.pending
         if pending.future.cancelled():
             reason = "disconnected"
         elif pending.state is not _State.TAKEN:
@@ -585,77 +618,89 @@ class DynamicBatcher(Generic[T, R]):
         if self._metrics is not None:
             self._metrics.abandoned_total.labels(reason=reason).inc()
         pending.state = _State.DONE
-        self._end_long()
+        self._end_long(long)
         return True
 
-    async def _advance_long(self) -> None:
-        """Between two tiles of the long item: drop it if nobody waits for it any more, run
-        the short batches waiting (up to one slice of their work), then its next tile."""
-        pending = self._long
-        assert pending is not None
+    async def _advance_longs(self) -> None:
+        """One turn: start the oldest queued long item if one more may run, drop those nobody
+        waits for, run the short batches waiting (up to one slice of their work), then one
+        tile of the long item whose turn it is. A drain that times out (cancellation) answers
+        every long item running with ShuttingDown."""
+        try:
+            await self._take_turn()
+        except asyncio.CancelledError:
+            self._in_flight = []
+            for long in self._longs.values():
+                if long.pending.state is _State.TAKEN:
+                    self._reject("shutting_down")
+            self._end_longs(
+                lambda: ShuttingDown(
+                    "the service shut down while the request ran",
+                    retry_after_s=_DEFAULT_RETRY_AFTER_S,
+                )
+            )
+            raise
+
+    async def _take_turn(self) -> None:
         assert self._executor is not None
-        if self._left_alone(pending):
-            return
+        if (queued := self._next_long()) is not None:
+            self._begin_long(queued)
+        for running in list(self._longs.values()):
+            self._left_alone(running)
         budget = self._slice_s or 0.0
         # (a tolerance: summed floats may leave a crumb of the slice, not worth a batch)
         while budget > 1e-6 * (self._slice_s or 0.0) and (batch := self._take_batch(budget)):
             budget -= sum(p.work for p in batch)
             await self._execute(batch)
-            if self._left_alone(pending):
-                return
+        long: _Long[T, R] | None = next(iter(self._longs.values()), None)
+        if long is None or self._left_alone(long):
+            return
+        self._longs.move_to_end(long.pending.seq)  # the next turn is the next item's
 
-        run = self._long_run
-        total = pending.tiles if run is None else run.tiles_total
+        run = long.run
+        total = long.pending.tiles if run is None else run.tiles_total
         done = 0 if run is None else run.tiles_done
-        tile_work = self._long_left_work / max(1, total - done)
-        self._long_left_work -= tile_work
+        tile_work = long.left_work / max(1, total - done)
+        long.left_work -= tile_work
         self._running_work, self._running_since = tile_work, time.monotonic()
-        self._in_flight = [pending]
+        self._in_flight = [long.pending]
         started = time.perf_counter()
         self._device_busy = True
         try:
-            finished = await asyncio.wrap_future(self._executor.submit(self._long_step, pending))
-        except asyncio.CancelledError:
-            # drain() timed out between or during tiles: the item gets ShuttingDown, its run
-            # is dropped (a tile still computing finishes in the background, unanswered).
-            if pending.state is _State.TAKEN:
-                self._reject("shutting_down")
-                self._answer_error(
-                    pending,
-                    ShuttingDown(
-                        "the service shut down while the request ran",
-                        retry_after_s=_DEFAULT_RETRY_AFTER_S,
-                    ),
-                )
+            finished = await asyncio.wrap_future(self._executor.submit(self._long_step, long))
+        except Exception as exc:  # start_long or step() raised: a bug of ours, this item's 500
+            logger.exception("a long item's tile failed")
             self._in_flight = []
-            self._end_long()
-            raise
+            self._answer_error(long.pending, exc)
+            self._end_long(long)
+            return
+        finally:
+            self._running_work = 0.0
         self._in_flight = []
-        self._running_work = 0.0
         self._note_throughput(tile_work, time.perf_counter() - started)
         if not finished:
-            return  # the next call looks at its deadline and client first
-        assert self._long_run is not None
-        outcome = self._long_run.outcome()
-        self._end_long()
+            return  # its next turn looks at its deadline and client first
+        assert long.run is not None
+        outcome = long.run.outcome()
+        self._end_long(long)
+        pending = long.pending
         if pending.state is not _State.TAKEN or pending.future.done():
             return  # it finished just after its deadline's 504, or its client left
         if isinstance(outcome, BaseException):
             self._answer_error(pending, outcome)
             return
         pending.state = _State.DONE
-        if not pending.future.done():
-            pending.future.set_result(
-                BatchResult(value=outcome, batch_size=1, queue_ms=pending.queue_s * 1e3)
-            )
+        pending.future.set_result(
+            BatchResult(value=outcome, batch_size=1, queue_ms=pending.queue_s * 1e3)
+        )
 
-    def _long_step(self, pending: _Pending[T, R]) -> bool:
-        """One tile of the long item, on the device thread (its run started at the first)."""
+    def _long_step(self, long: _Long[T, R]) -> bool:
+        """One tile of a long item, on the device thread (its run starts at the first)."""
         try:
-            if self._long_run is None:
+            if long.run is None:
                 assert self._start_long is not None
-                self._long_run = self._start_long(pending.item, pending.tiles)
-            return self._long_run.step()
+                long.run = self._start_long(long.pending.item, long.pending.tiles)
+            return long.run.step()
         finally:
             self._device_busy = False
 
@@ -788,7 +833,8 @@ class DynamicBatcher(Generic[T, R]):
             running_left = max(
                 0.0, self._running_work / rate - (time.monotonic() - self._running_since)
             )
-        queued = self._queued_work + self._long_left_work + extra_work
+        running_longs = sum(long.left_work for long in self._longs.values())
+        queued = self._queued_work + running_longs + extra_work
         return queued / rate + running_left
 
     def _retry_after_s(self, item: T) -> float:

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from sdpa_core import MaskError, analyze_scaling, attention
+from sdpa_core import MaskError, SdpaError, analyze_scaling, attention
 from sdpa_core.analysis import AnalysisRun
 from sdpa_core.attention import AttentionRun, tile_bounds
 from tests.core.reference import reference_attention, reference_rows, visibility
@@ -174,3 +174,13 @@ def test_analysis_in_tiles(causal: str) -> None:
         assert got.name == want.name
         for field in ("score_variance", "entropy", "max_weight", "grad_health"):
             assert getattr(got, field) == pytest.approx(getattr(want, field), rel=1e-5, abs=1e-7)
+
+
+@pytest.mark.parametrize("run", [AttentionRun, AnalysisRun])
+@pytest.mark.parametrize(("option", "value"), [("tiles", 0), ("tiles", 2.5), ("row_quantum", -5)])
+def test_tile_options_are_checked(run: Any, option: str, value: object) -> None:
+    q = torch.zeros(1, 1, 4, 2)
+    args = (q, q) if run is AnalysisRun else (q, q, q)
+    with pytest.raises(SdpaError) as caught:
+        run(*args, **{option: value})
+    assert caught.value.param == option

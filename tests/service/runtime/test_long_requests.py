@@ -19,7 +19,7 @@ import pytest
 
 from service.errors import DeadlineExceeded, ShuttingDown
 from service.metrics import Metrics
-from service.runtime.batcher import BatchResult, DynamicBatcher
+from service.runtime.batcher import MAX_RUNNING_LONG, BatchResult, DynamicBatcher
 from tests.service.runtime.test_batcher import FAR, deadline_in, run, until
 
 TILE_S = 0.02  # real seconds one fake tile takes
@@ -206,29 +206,57 @@ def test_a_long_item_whose_client_left_is_dropped_at_the_next_tile() -> None:
     assert abandoned(metrics, "disconnected") == 1
 
 
-def test_long_items_take_turns_oldest_first_and_short_ones_pass_the_waiting_one() -> None:
-    """A second long item waits for the first (one long run at a time); a short item that
-    arrives after it does not wait for either."""
+def test_long_items_take_turns_tile_by_tile() -> None:
+    """A long item of 2 slices that arrives while one of 40 runs is done after a few tiles,
+    not after the 40: the running long items take turns; a short item passes both."""
     device = Device()
 
-    async def main() -> list[Any]:
+    async def main() -> float:
         b = make(device)
         await b.start()
-        first = submit(b, "Lone:4")
-        await until(lambda: device.tiles_of("Lone") >= 1)
-        second = submit(b, "Ltwo:4")
-        await until(lambda: b.depth == 1)
-        short = submit(b, "a1")
-        results = await asyncio.gather(first, second, short)
+        big = submit(b, "Lbig:40")
+        await until(lambda: device.tiles_of("Lbig") >= 2)
+        started = time.monotonic()
+        await b.submit("Lsmall:2", deadline=deadline_in(FAR))
+        waited = time.monotonic() - started
+        await b.submit("a1", deadline=deadline_in(FAR))
+        await big
         await b.drain(5)
-        return results
+        return waited
+
+    waited = run(main())
+    tiles = [entry.rsplit(":", 1)[0] for entry in device.log if entry.startswith("tile:")]
+    small_done = len(tiles) - tiles[::-1].index("tile:Lsmall:2")  # after its last tile
+    assert tiles[:small_done].count("tile:Lbig:40") <= 6, tiles  # the turns alternate
+    assert tiles.count("tile:Lsmall:2") >= 2
+    assert waited < 20 * TILE_S  # not the 38 tiles left of the big one
+
+
+def test_at_most_max_running_long_take_turns_the_rest_wait_oldest_first() -> None:
+    device = Device()
+
+    async def main() -> None:
+        b = make(device)
+        await b.start()
+        names = [f"L{i}:3" for i in range(MAX_RUNNING_LONG + 2)]
+        tasks = [submit(b, name) for name in names]
+        await asyncio.gather(*tasks)
+        await b.drain(5)
 
     run(main())
-    tiles = [entry.rsplit(":", 1)[0] for entry in device.log if entry.startswith("tile:")]
-    first_run = tiles.index("tile:Ltwo:4")
-    assert set(tiles[:first_run]) == {"tile:Lone:4"}
-    assert set(tiles[first_run:]) == {"tile:Ltwo:4"}  # one long run at a time, oldest first
-    assert device.log.index("batch:a1") < device.log.index("tile:Lone:4:3")
+    started: list[str] = []
+    for entry in device.log:
+        name = entry.rsplit(":", 1)[0].removeprefix("tile:")
+        if entry.startswith("tile:") and name not in started:
+            started.append(name)
+    assert started == [f"L{i}:3" for i in range(MAX_RUNNING_LONG + 2)]  # oldest first
+    first_tile_of_last = next(i for i, e in enumerate(device.log) if e.startswith("tile:L5:3"))
+    finished_before = [
+        n
+        for n in started[:MAX_RUNNING_LONG]
+        if device.log.index(f"tile:{n}:2") < first_tile_of_last
+    ]
+    assert len(finished_before) >= 2  # the fifth and sixth waited for places
 
 
 def test_a_failed_long_run_answers_its_own_error() -> None:
@@ -278,5 +306,71 @@ def test_a_drain_that_times_out_stops_a_long_item_between_tiles() -> None:
         tiles = device.tiles_of("Lhuge")
         await asyncio.sleep(5 * TILE_S)
         assert device.tiles_of("Lhuge") <= tiles + 1  # at most the tile that was running
+
+    run(main())
+
+
+def test_a_drain_that_times_out_during_a_short_batch_answers_the_long_items() -> None:
+    """The drain's deadline falls while a short batch runs between two tiles: the short
+    batch and the long item both get ShuttingDown (a review found the long item left
+    unanswered until its own deadline)."""
+    device = Device()
+    gate = threading.Event()
+    original = device.run_batch
+
+    def slow_batch(items: Sequence[str]) -> list[str | BaseException]:
+        if items[0] == "slow":
+            gate.wait(5)
+        return original(items)
+
+    device.run_batch = slow_batch  # type: ignore[method-assign]
+
+    async def main() -> None:
+        b = make(device)
+        await b.start()
+        long = submit(b, "Lbig:100")
+        await until(lambda: device.tiles_of("Lbig") >= 1)
+        short = submit(b, "slow")
+        await until(lambda: "batch:slow" in device.log or b.depth == 0)
+        await asyncio.sleep(2 * TILE_S)  # the short batch is on the device now
+        await b.drain(0.05)
+        gate.set()
+        for task in (short, long):
+            with pytest.raises(ShuttingDown):
+                await asyncio.wait_for(task, 1.0)
+
+    run(main())
+
+
+def test_a_bug_during_a_short_batch_between_tiles_still_answers_the_long_item() -> None:
+    """Should the worker itself fail (a bug of ours: here a metric that raises) while a short
+    batch runs between two tiles, the long item gets that error too, not silence."""
+    device = Device()
+    metrics = Metrics()
+    real = metrics.queue_wait_seconds
+
+    class Exploding:
+        armed = False
+
+        def observe(self, value: float) -> None:
+            if Exploding.armed:
+                Exploding.armed = False
+                raise RuntimeError("a bug of ours")
+            real.observe(value)
+
+    metrics.queue_wait_seconds = Exploding()  # type: ignore[assignment]
+
+    async def main() -> None:
+        b = make(device, metrics)
+        await b.start()
+        long = submit(b, "Lbig:100")
+        await until(lambda: device.tiles_of("Lbig") >= 1)
+        Exploding.armed = True
+        short = submit(b, "a1")
+        for task in (short, long):
+            with pytest.raises(RuntimeError, match="a bug of ours"):
+                await asyncio.wait_for(task, 2.0)
+        assert (await b.submit("a2", deadline=deadline_in(FAR))).value == "A2"  # still serving
+        await b.drain(5)
 
     run(main())
