@@ -487,6 +487,12 @@ class AttentionRun:
         weights4: torch.Tensor | None = None
         rows4: RowStats | None = None
         if self._path == "fused":
+            # Under a causal mask a tile's rows see no key past its last row's reach: give
+            # the kernel only those (a tile of the last rows of N computes N x rows scores,
+            # not N x N; the first tile keeps is_causal).
+            reach = plan.n_q + plan.causal_offset if plan.causal != "none" else plan.n_kv
+            if 0 < reach < plan.n_kv:
+                k4, v4, plan = k4[:, :, :reach], v4[:, :, :reach], plan.key_prefix(reach)
             out4, backend = fused_attention(q4, k4, v4, plan, scale=self._scale)
             self._backend = self._backend or backend
         elif self._path == "dense":

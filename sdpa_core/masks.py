@@ -43,6 +43,8 @@ class MaskPlan:
     # `full_n_q` rows (None: this plan's own n_q), which is what causal alignment counts from.
     row_offset: int = 0
     full_n_q: int | None = None
+    # A plan of the first keys (key_prefix): the matrix's own N_kv, for the causal alignment.
+    full_n_kv: int | None = None
 
     @property
     def is_empty(self) -> bool:
@@ -59,7 +61,8 @@ class MaskPlan:
         """Query i sees keys j <= i + offset (top_left: 0; bottom_right: N_kv - N_q), i
         counted from this plan's first row (a plan of query rows shifts it by row_offset)."""
         full_n_q = self.n_q if self.full_n_q is None else self.full_n_q
-        aligned = self.n_kv - full_n_q if self.causal == "bottom_right" else 0
+        full_n_kv = self.n_kv if self.full_n_kv is None else self.full_n_kv
+        aligned = full_n_kv - full_n_q if self.causal == "bottom_right" else 0
         return aligned + self.row_offset
 
     def causal_state(self, q0: int, q1: int, k0: int, k1: int) -> CausalState:
@@ -147,6 +150,19 @@ class MaskPlan:
             bias=None if self.bias is None else _tile(self.bias, q0, q1, 0, self.n_kv),
             row_offset=self.row_offset + q0,
             full_n_q=self.n_q if self.full_n_q is None else self.full_n_q,
+        )
+
+    def key_prefix(self, k1: int) -> MaskPlan:
+        """The plan of keys [0, k1) alone (for rows that can see no key past k1 - 1: causal
+        tiles of query rows), the causal alignment kept."""
+        if k1 == self.n_kv:
+            return self
+        return dataclasses.replace(
+            self,
+            n_kv=k1,
+            parts=tuple(_tile(p, 0, self.n_q, 0, k1) for p in self.parts),
+            bias=None if self.bias is None else _tile(self.bias, 0, self.n_q, 0, k1),
+            full_n_kv=self.n_kv if self.full_n_kv is None else self.full_n_kv,
         )
 
     def causal_only_top_left(self) -> bool:
