@@ -13,13 +13,18 @@ overflows or flushes its scaled scores, and their raw variance with them.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from sdpa_core.attention import check_int_option, prepare_inputs, tile_grid
-from sdpa_core.chunked import DEFAULT_BLOCK_SIZE, chunked_attention, chunked_tile_rows
+from sdpa_core.chunked import (
+    DEFAULT_BLOCK_SIZE,
+    chunked_attention_steps,
+    chunked_blocks,
+    chunked_tile_rows,
+)
 from sdpa_core.diagnostics import DiagnosticsSummary, RowStats, summarize
 from sdpa_core.errors import SdpaError
 from sdpa_core.masks import KeyLengths
@@ -247,6 +252,11 @@ class AnalysisRun:
         per_pass = -(-tiles // len(self._scales))
         quantum = row_quantum or chunked_tile_rows(spec.heads, spec.n_q, spec.n_kv, block_size)
         self._grid = tile_grid(spec.batch, spec.n_q, per_pass, quantum)
+        # Fewer tiles than asked (a few queries, many keys): stop between key blocks too.
+        self._key_splits = -(-per_pass // len(self._grid))
+        self._blocks: Generator[None, None, tuple[torch.Tensor, RowStats | None]] | None = None
+        self._blocks_per_step = 0
+        self._steps = 0
         self._block_size = block_size
         self._summaries: list[DiagnosticsSummary] = []
         self._rows: RowStats | None = None
@@ -254,41 +264,59 @@ class AnalysisRun:
 
     @property
     def tiles_total(self) -> int:
-        return len(self._scales) * len(self._grid)
+        """The steps of the run (with key splits an estimate until done: blocks a mask hides
+        are skipped without a step)."""
+        if self.done:
+            return self._steps
+        planned = len(self._scales) * len(self._grid) * self._key_splits
+        return max(self._steps + 1, planned)
 
     @property
     def tiles_done(self) -> int:
-        return len(self._summaries) * len(self._grid) + self._tile
+        return self._steps
 
     @property
     def done(self) -> bool:
         return len(self._summaries) == len(self._scales)
 
     def step(self) -> bool:
-        """Compute the next tile of the current pass; True once every pass is done."""
+        """Compute the next tile of the current pass (with key splits, the next part of its
+        key blocks); True once every pass is done."""
         if self.done:
             return True
         spec, scale = self._inputs.spec, self._scales[len(self._summaries)]
         tile = self._grid[self._tile]
         whole = len(self._grid) == 1
-        inputs = self._inputs
-        q4, k4, v4, plan = (
-            (inputs.q4, inputs.k4, inputs.v4, inputs.plan) if whole else tile.of(inputs)
-        )
-        _, rows = chunked_attention(
-            q4,
-            k4,
-            v4,
-            plan,
-            scale=scale,
-            accum_dtype=spec.accum_dtype,
-            need_stats=True,
-            block_size=self._block_size,
-        )
+        if self._blocks is None:
+            inputs = self._inputs
+            q4, k4, v4, plan = (
+                (inputs.q4, inputs.k4, inputs.v4, inputs.plan) if whole else tile.of(inputs)
+            )
+            self._blocks = chunked_attention_steps(
+                q4,
+                k4,
+                v4,
+                plan,
+                scale=scale,
+                accum_dtype=spec.accum_dtype,
+                need_stats=True,
+                block_size=self._block_size,
+            )
+            blocks = chunked_blocks(q4, k4, self._block_size)
+            self._blocks_per_step = max(1, -(-blocks // self._key_splits))
+        self._steps += 1
+        for _ in range(self._blocks_per_step):
+            try:
+                next(self._blocks)
+            except StopIteration as stop:
+                _, rows = stop.value
+                break
+        else:
+            return False  # more blocks of this tile next step
+        self._blocks = None
         assert rows is not None
-        self._rows = (
-            rows if whole else tile.place_rows(self._rows, rows, (spec.batch, spec.heads, spec.n_q))
-        )
+        rows_shape = (spec.batch, spec.heads, spec.n_q)
+        self._rows = rows if whole else tile.place_rows(self._rows, rows, rows_shape)
         self._tile += 1
         if self._tile == len(self._grid):
             self._summaries.append(summarize(self._rows, scale=scale, level="summary").summary)

@@ -16,12 +16,19 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from collections.abc import Generator
 from dataclasses import dataclass
 from typing import Literal, TypeAlias
 
 import torch
 
-from sdpa_core.chunked import DEFAULT_BLOCK_SIZE, chunked_attention, chunked_tile_rows
+from sdpa_core.chunked import (
+    DEFAULT_BLOCK_SIZE,
+    chunked_attention_steps,
+    chunked_blocks,
+    chunked_tile_rows,
+    finish,
+)
 from sdpa_core.dense import dense_attention, dense_tile_q
 from sdpa_core.diagnostics import (
     DEFAULT_SINK_TOKENS,
@@ -433,6 +440,14 @@ class AttentionRun:
                               what="a positive integer", expected="int >= 1 or null")  # fmt: skip
         quantum = row_quantum or self._row_quantum(q4, k4)
         self._tiles = tile_grid(spec.batch, spec.n_q, tiles, quantum)
+        # Sequences and rows may give fewer tiles than asked (one sequence of a few queries
+        # and many keys): the chunked path then also stops between key blocks.
+        self._key_splits = 1
+        if self._path == "chunked" and len(self._tiles) < tiles:
+            self._key_splits = -(-tiles // len(self._tiles))
+        self._blocks: Generator[None, None, tuple[torch.Tensor, RowStats | None]] | None = None
+        self._blocks_per_step = 0
+        self._steps = 0
         self._done = 0
         self._backend: str | None = None
         self._out4: torch.Tensor | None = None
@@ -461,29 +476,47 @@ class AttentionRun:
 
     @property
     def tiles_total(self) -> int:
-        return len(self._tiles)
+        """The steps of the run (with key splits an estimate until done: blocks a mask hides
+        are skipped without a step)."""
+        if self.done:
+            return self._steps
+        return max(self._steps + 1, len(self._tiles) * self._key_splits)
 
     @property
     def tiles_done(self) -> int:
-        return self._done
+        return self._steps
 
     @property
     def done(self) -> bool:
         return self._done == len(self._tiles)
 
     def step(self) -> bool:
-        """Compute the next tile; True once every tile is done."""
+        """Compute the next tile (on the chunked path with key splits, the next part of its
+        key blocks); True once every tile is done."""
         if self.done:
             return True
         tile = self._tiles[self._done]
-        whole = self.tiles_total == 1
-        inputs = self._inputs
-        q4, k4, v4, plan = (
-            (inputs.q4, inputs.k4, inputs.v4, inputs.plan) if whole else tile.of(inputs)
-        )
-        sink_cols = self._sink_cols
-        if not whole and sink_cols is not None and sink_cols.shape[0] != 1:
+        finished = self._advance_blocks(tile) if self._key_splits > 1 else self._compute(tile)
+        self._steps += 1
+        if finished:
+            self._done += 1
+        return self.done
+
+    def _tile_inputs(
+        self, tile: Tile
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, MaskPlan, torch.Tensor | None]:
+        """q4, k4, v4, the mask plan and the sink columns of one tile."""
+        inputs, sink_cols = self._inputs, self._sink_cols
+        if len(self._tiles) == 1:
+            return inputs.q4, inputs.k4, inputs.v4, inputs.plan, sink_cols
+        q4, k4, v4, plan = tile.of(inputs)
+        if sink_cols is not None and sink_cols.shape[0] != 1:
             sink_cols = sink_cols[tile.b0 : tile.b1]
+        return q4, k4, v4, plan, sink_cols
+
+    def _compute(self, tile: Tile) -> bool:
+        """One whole tile on the path chosen."""
+        q4, k4, v4, plan, sink_cols = self._tile_inputs(tile)
         weights4: torch.Tensor | None = None
         rows4: RowStats | None = None
         if self._path == "fused":
@@ -509,24 +542,60 @@ class AttentionRun:
                 sink_cols=sink_cols,
             )
         else:
-            out4, rows4 = chunked_attention(
-                q4,
-                k4,
-                v4,
-                plan,
-                scale=self._scale,
-                accum_dtype=self._spec.accum_dtype,
-                need_stats=self._level != "none",
-                block_size=self._block_size,
-                sink_tokens=self._sink_tokens,
-                sink_cols=sink_cols,
-            )
-        if whole:
+            out4, rows4 = finish(self._chunked_steps(q4, k4, v4, plan, sink_cols))
+        self._store(tile, out4, weights4, rows4)
+        return True
+
+    def _chunked_steps(
+        self,
+        q4: torch.Tensor,
+        k4: torch.Tensor,
+        v4: torch.Tensor,
+        plan: MaskPlan,
+        sink_cols: torch.Tensor | None,
+    ) -> Generator[None, None, tuple[torch.Tensor, RowStats | None]]:
+        return chunked_attention_steps(
+            q4,
+            k4,
+            v4,
+            plan,
+            scale=self._scale,
+            accum_dtype=self._spec.accum_dtype,
+            need_stats=self._level != "none",
+            block_size=self._block_size,
+            sink_tokens=self._sink_tokens,
+            sink_cols=sink_cols,
+        )
+
+    def _advance_blocks(self, tile: Tile) -> bool:
+        """The next key_splits-th of a chunked tile's (query tile x key block) steps; True
+        when the tile is done."""
+        if self._blocks is None:
+            q4, k4, v4, plan, sink_cols = self._tile_inputs(tile)
+            self._blocks = self._chunked_steps(q4, k4, v4, plan, sink_cols)
+            blocks = chunked_blocks(q4, k4, self._block_size)
+            self._blocks_per_step = max(1, -(-blocks // self._key_splits))
+        for _ in range(self._blocks_per_step):
+            try:
+                next(self._blocks)
+            except StopIteration as stop:
+                out4, rows4 = stop.value
+                self._blocks = None
+                self._store(tile, out4, None, rows4)
+                return True
+        return False
+
+    def _store(
+        self,
+        tile: Tile,
+        out4: torch.Tensor,
+        weights4: torch.Tensor | None,
+        rows4: RowStats | None,
+    ) -> None:
+        if len(self._tiles) == 1:
             self._out4, self._weights4, self._rows4 = out4, weights4, rows4
         else:
             self._place(tile, out4, weights4, rows4)
-        self._done += 1
-        return self.done
 
     def _place(
         self,

@@ -27,12 +27,16 @@ arithmetic on it, so the tiles are allocated once and reused (matmul/exp with ou
 from __future__ import annotations
 
 import math
+from collections.abc import Generator
 from dataclasses import dataclass
+from typing import TypeVar, cast
 
 import torch
 
 from sdpa_core.diagnostics import DEFAULT_SINK_TOKENS, ROW_STATS_FIELDS, RowStats
 from sdpa_core.masks import MaskPlan
+
+ReturnT = TypeVar("ReturnT")
 
 DEFAULT_BLOCK_SIZE = 512
 # Elements of one [B, H, tile_q, block] scratch tile (three live at once): 2^19 fp32 = 2 MiB,
@@ -105,7 +109,53 @@ def attend_tiles(
     sink_tokens: int = DEFAULT_SINK_TOKENS,
     sink_cols: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, RowStats | None]:
-    """Attention over [B, H, N, D] inputs in (tile_q x block_size) tiles.
+    """attend_tiles_steps run to its end (see there)."""
+    return finish(
+        attend_tiles_steps(
+            q4,
+            k4,
+            v4,
+            plan,
+            scale=scale,
+            accum_dtype=accum_dtype,
+            need_stats=need_stats,
+            block_size=block_size,
+            tile_q=tile_q,
+            keep_weights=keep_weights,
+            sink_tokens=sink_tokens,
+            sink_cols=sink_cols,
+        )
+    )
+
+
+def finish(steps: Generator[None, None, ReturnT]) -> ReturnT:
+    """What a generator of steps returns, once every step ran."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as stop:
+            return cast("ReturnT", stop.value)
+
+
+def attend_tiles_steps(
+    q4: torch.Tensor,
+    k4: torch.Tensor,
+    v4: torch.Tensor,
+    plan: MaskPlan,
+    *,
+    scale: float,
+    accum_dtype: torch.dtype,
+    need_stats: bool,
+    block_size: int,
+    tile_q: int,
+    keep_weights: bool = False,
+    sink_tokens: int = DEFAULT_SINK_TOKENS,
+    sink_cols: torch.Tensor | None = None,
+) -> Generator[None, None, tuple[torch.Tensor, torch.Tensor | None, RowStats | None]]:
+    """Attention over [B, H, N, D] inputs in (tile_q x block_size) tiles, as a generator that
+    yields between the (query tile x key block) steps it computes and returns the results: a
+    caller can stop between blocks (a long request's deadline) and go on later
+    (AttentionRun).
 
     Returns output [B, H, N_q, D_v], the weights [B, H, N_q, N_kv] (only with keep_weights,
     which needs block_size >= N_kv) and RowStats [B, H, N_q] when need_stats; all in
@@ -167,6 +217,7 @@ def attend_tiles(
             buffers[key] = torch.empty(b, h, tq, w, dtype=accum_dtype, device=dev)
         return buffers[key]
 
+    stepped = False
     for q0 in range(0, n_q, tq_max):
         q1 = min(q0 + tq_max, n_q)
         tq = q1 - q0
@@ -184,6 +235,11 @@ def attend_tiles(
             skip, vis = plan.sparse_block(q0, q1, k0, k1)
             if skip:
                 continue
+            # A step ends before each block but the first: the last block's step finishes
+            # the results too (no step of its own for them).
+            if stepped:
+                yield
+            stepped = True
             # The row's first visible block starts the online state rather than merging into
             # it: the same numbers (every merge term is an exact 0 then), a third fewer torch
             # calls, which dominate small requests and every single-block (dense) row.
@@ -399,7 +455,50 @@ def chunked_attention(
     sink_tokens: int = DEFAULT_SINK_TOKENS,
     sink_cols: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, RowStats | None]:
-    """The chunked path: output [B, H, N_q, D_v] and RowStats [B, H, N_q] (accum dtype).
+    """The chunked path: output [B, H, N_q, D_v] and RowStats [B, H, N_q] (accum dtype);
+    chunked_attention_steps run to its end."""
+    return finish(
+        chunked_attention_steps(
+            q4,
+            k4,
+            v4,
+            plan,
+            scale=scale,
+            accum_dtype=accum_dtype,
+            need_stats=need_stats,
+            block_size=block_size,
+            sink_tokens=sink_tokens,
+            sink_cols=sink_cols,
+        )
+    )
+
+
+def chunked_blocks(q4: torch.Tensor, k4: torch.Tensor, block_size: int) -> int:
+    """How many (query tile x key block) steps chunked_attention_steps takes at most (blocks
+    a causal or other mask hides entirely are skipped without a step)."""
+    b, h, n_q, _ = q4.shape
+    n_kv = k4.shape[2]
+    bk = min(block_size, n_kv)
+    tq = chunked_tile_rows(h, n_q, n_kv, block_size)
+    b_chunk = max(1, TILE_ELEMENTS // (h * tq * bk))
+    return -(-b // b_chunk) * -(-n_q // tq) * -(-n_kv // bk)
+
+
+def chunked_attention_steps(
+    q4: torch.Tensor,
+    k4: torch.Tensor,
+    v4: torch.Tensor,
+    plan: MaskPlan,
+    *,
+    scale: float,
+    accum_dtype: torch.dtype,
+    need_stats: bool,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    sink_tokens: int = DEFAULT_SINK_TOKENS,
+    sink_cols: torch.Tensor | None = None,
+) -> Generator[None, None, tuple[torch.Tensor, RowStats | None]]:
+    """The chunked path as a generator of (query tile x key block) steps (attend_tiles_steps)
+    that returns output [B, H, N_q, D_v] and RowStats [B, H, N_q] (accum dtype).
 
     The tile sizes depend on H, N and block_size but not on the batch size: sequences are
     processed in batch chunks, so a row of a batched call goes through the same tile shapes
@@ -414,7 +513,7 @@ def chunked_attention(
     for b0 in range(0, b, b_chunk):
         b1 = min(b0 + b_chunk, b)
         whole = b0 == 0 and b1 == b  # one chunk: no slicing, no concatenation
-        out, _, row_stats = attend_tiles(
+        out, _, row_stats = yield from attend_tiles_steps(
             q4 if whole else q4[b0:b1],
             k4 if whole else k4[b0:b1],
             v4 if whole else v4[b0:b1],

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -19,6 +20,7 @@ from tests.core.test_paths import (
     GRID,
     _case_id,
     check_against_reference,
+    check_output,
     make_inputs,
 )
 
@@ -184,3 +186,60 @@ def test_tile_options_are_checked(run: Any, option: str, value: object) -> None:
     with pytest.raises(SdpaError) as caught:
         run(*args, **{option: value})
     assert caught.value.param == option
+
+
+@pytest.mark.parametrize("causal", AXES["causal"])
+@pytest.mark.parametrize("mask", ["none", "bool", "float"])
+@pytest.mark.parametrize("key_lengths", ["none", "per_head"])
+def test_few_queries_many_keys_step_through_key_blocks(
+    causal: str, mask: str, key_lengths: str
+) -> None:
+    """One sequence of 5 queries and 300 keys cannot be cut into enough row tiles: the
+    chunked path then stops between key blocks (block_size 16: 19 blocks, 6 steps), and
+    the output and row statistics are the float64 reference's."""
+    inp = make_inputs(
+        causal=causal,
+        n_q=5,
+        n_kv=300,
+        key_lengths=key_lengths,
+        mask=mask,
+        heads=(4, 2),
+        dtype=torch.float32,
+        seed=77,
+        batch=1,
+    )
+    run = AttentionRun(
+        inp.q, inp.k, inp.v, diagnostics="full", block_size=16, tiles=6, **inp.kwargs
+    )
+    assert run.path == "chunked"
+    steps = 1
+    while not run.step():
+        steps += 1
+    # top_left: the 5 rows see only keys 0..4, one block; the others are skipped unseen.
+    assert steps == 1 if causal == "top_left" else 1 < steps <= 6
+    assert run.tiles_total == run.tiles_done == steps
+    result = run.result()
+    ref = check_output(inp, result.output)
+    rows = reference_rows(ref, scale=1 / math.sqrt(inp.q.shape[-1]), bias=inp.bias)
+    assert result.diagnostics is not None
+    per_row = result.diagnostics.per_row
+    assert per_row is not None
+    got = per_row.entropy.double().reshape(rows.visible_keys.shape).numpy()
+    np.testing.assert_allclose(got, rows.entropy, rtol=2e-5, atol=2e-5)
+    assert result.diagnostics.summary.masked_rows == rows.masked_rows
+
+
+def test_analysis_of_few_queries_many_keys_steps_through_key_blocks() -> None:
+    gen = torch.Generator().manual_seed(12)
+    q = torch.randn(1, 1, 8, 16, generator=gen)
+    k = torch.randn(1, 1, 5000, 16, generator=gen)
+    whole = analyze_scaling(q, k, causal="bottom_right", block_size=256)
+    run = AnalysisRun(q, k, causal="bottom_right", block_size=256, tiles=40)
+    steps = 1
+    while not run.step():
+        steps += 1
+    assert steps >= 30  # 5 passes x 20 key blocks, in about 40 steps
+    report = run.result()
+    assert report.raw_score_variance == pytest.approx(whole.raw_score_variance, rel=1e-6)
+    for got, want in zip(report.strategies, whole.strategies, strict=True):
+        assert got.entropy == pytest.approx(want.entropy, rel=1e-6)
