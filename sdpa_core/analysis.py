@@ -21,6 +21,7 @@ import torch
 from sdpa_core.attention import check_int_option, prepare_inputs, tile_grid
 from sdpa_core.chunked import (
     DEFAULT_BLOCK_SIZE,
+    advance,
     chunked_attention_steps,
     chunked_blocks,
     chunked_tile_rows,
@@ -279,9 +280,9 @@ class AnalysisRun:
     def done(self) -> bool:
         return len(self._summaries) == len(self._scales)
 
-    def step(self) -> bool:
+    def step(self, budget_s: float | None = None) -> bool:
         """Compute the next tile of the current pass (with key splits, the next part of its
-        key blocks); True once every pass is done."""
+        key blocks); True once every pass is done. budget_s as for AttentionRun.step."""
         if self.done:
             return True
         spec, scale = self._inputs.spec, self._scales[len(self._summaries)]
@@ -305,15 +306,13 @@ class AnalysisRun:
             blocks = chunked_blocks(q4, k4, self._block_size)
             self._blocks_per_step = max(1, -(-blocks // self._key_splits))
         self._steps += 1
-        for _ in range(self._blocks_per_step):
-            try:
-                next(self._blocks)
-            except StopIteration as stop:
-                _, rows = stop.value
-                break
-        else:
+        budget = budget_s if self._inputs.q4.device.type == "cpu" else None
+        finished, value = advance(self._blocks, blocks=self._blocks_per_step, budget_s=budget)
+        if not finished:
             return False  # more blocks of this tile next step
+        assert value is not None
         self._blocks = None
+        _, rows = value
         assert rows is not None
         rows_shape = (spec.batch, spec.heads, spec.n_q)
         self._rows = rows if whole else tile.place_rows(self._rows, rows, rows_shape)

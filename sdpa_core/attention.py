@@ -24,6 +24,7 @@ import torch
 
 from sdpa_core.chunked import (
     DEFAULT_BLOCK_SIZE,
+    advance,
     chunked_attention_steps,
     chunked_blocks,
     chunked_tile_rows,
@@ -490,13 +491,21 @@ class AttentionRun:
     def done(self) -> bool:
         return self._done == len(self._tiles)
 
-    def step(self) -> bool:
+    def step(self, budget_s: float | None = None) -> bool:
         """Compute the next tile (on the chunked path with key splits, the next part of its
-        key blocks); True once every tile is done."""
+        key blocks); True once every tile is done.
+
+        budget_s (on the CPU, chunked path): stop the tile's key blocks once this many
+        seconds went by (at least one block), and go on from there at the next step, so a
+        step lasts about budget_s whatever the cost model estimated. On a GPU the host only
+        queues the kernels, so it is ignored there.
+        """
         if self.done:
             return True
         tile = self._tiles[self._done]
-        finished = self._advance_blocks(tile) if self._key_splits > 1 else self._compute(tile)
+        budget = budget_s if self._inputs.q4.device.type == "cpu" else None
+        by_blocks = self._path == "chunked" and (self._key_splits > 1 or budget is not None)
+        finished = self._advance_blocks(tile, budget) if by_blocks else self._compute(tile)
         self._steps += 1
         if finished:
             self._done += 1
@@ -567,23 +576,20 @@ class AttentionRun:
             sink_cols=sink_cols,
         )
 
-    def _advance_blocks(self, tile: Tile) -> bool:
-        """The next key_splits-th of a chunked tile's (query tile x key block) steps; True
-        when the tile is done."""
+    def _advance_blocks(self, tile: Tile, budget_s: float | None) -> bool:
+        """The next key_splits-th of a chunked tile's (query tile x key block) steps, or as
+        many as fit in budget_s; True when the tile is done."""
         if self._blocks is None:
             q4, k4, v4, plan, sink_cols = self._tile_inputs(tile)
             self._blocks = self._chunked_steps(q4, k4, v4, plan, sink_cols)
             blocks = chunked_blocks(q4, k4, self._block_size)
             self._blocks_per_step = max(1, -(-blocks // self._key_splits))
-        for _ in range(self._blocks_per_step):
-            try:
-                next(self._blocks)
-            except StopIteration as stop:
-                out4, rows4 = stop.value
-                self._blocks = None
-                self._store(tile, out4, None, rows4)
-                return True
-        return False
+        finished, value = advance(self._blocks, blocks=self._blocks_per_step, budget_s=budget_s)
+        if value is not None:
+            out4, rows4 = value
+            self._blocks = None
+            self._store(tile, out4, None, rows4)
+        return finished
 
     def _store(
         self,

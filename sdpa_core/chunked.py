@@ -27,6 +27,7 @@ arithmetic on it, so the tiles are allocated once and reused (matmul/exp with ou
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Generator
 from dataclasses import dataclass
 from typing import TypeVar, cast
@@ -126,6 +127,28 @@ def attend_tiles(
             sink_cols=sink_cols,
         )
     )
+
+
+def advance(
+    steps: Generator[None, None, ReturnT], *, blocks: int, budget_s: float | None
+) -> tuple[bool, ReturnT | None]:
+    """Run a generator of steps for `blocks` steps or, with budget_s, for as many as fit in
+    budget_s seconds of this thread's time (at least one; the clock is read between steps,
+    so budget_s only bounds host-side work: the caller passes it for the CPU alone).
+    -> (True, what it returned) once it is done, else (False, None)."""
+    started = time.perf_counter()
+    taken = 0
+    while True:
+        try:
+            next(steps)
+        except StopIteration as stop:
+            return True, cast("ReturnT", stop.value)
+        taken += 1
+        if budget_s is None:
+            if taken >= blocks:
+                return False, None
+        elif time.perf_counter() - started >= budget_s:
+            return False, None
 
 
 def finish(steps: Generator[None, None, ReturnT]) -> ReturnT:

@@ -114,8 +114,9 @@ MAX_RUNNING_LONG = 4
 
 
 class Resumable(Protocol[R_co]):
-    """A long item's run: step() computes one tile on the device thread and says whether
-    the run is done (it never raises: a failure ends the run with outcome() that error)."""
+    """A long item's run: step(budget_s) computes one tile (about budget_s seconds where the
+    run can tell) on the device thread and says whether the run is done (it never raises: a
+    failure ends the run with outcome() that error)."""
 
     @property
     def tiles_total(self) -> int: ...
@@ -123,7 +124,7 @@ class Resumable(Protocol[R_co]):
     @property
     def tiles_done(self) -> int: ...
 
-    def step(self) -> bool: ...
+    def step(self, budget_s: float) -> bool: ...
 
     def outcome(self) -> R_co | BaseException: ...
 
@@ -700,7 +701,8 @@ class DynamicBatcher(Generic[T, R]):
             if long.run is None:
                 assert self._start_long is not None
                 long.run = self._start_long(long.pending.item, long.pending.tiles)
-            return long.run.step()
+            assert self._slice_s is not None  # long items exist only with a slice
+            return long.run.step(self._slice_s)
         finally:
             self._device_busy = False
 

@@ -394,7 +394,8 @@ class JobRun:
     def tiles_done(self) -> int:
         return 0 if self._run is None else self._run.tiles_done
 
-    def step(self) -> bool:
+    def step(self, budget_s: float | None = None) -> bool:
+        """One tile (about budget_s seconds on the CPU's chunked path: AttentionRun.step)."""
         if self._outcome is not None:
             return True
         engine = self._engine
@@ -402,7 +403,7 @@ class JobRun:
         try:
             if self._run is None:
                 self._run = self._start()
-            done = self._run.step()
+            done = self._run.step(budget_s)
             if engine.device.type == "cuda":
                 torch.cuda.synchronize(engine.device)  # the tile's device time, not its launch
         except Exception as exc:

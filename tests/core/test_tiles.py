@@ -243,3 +243,31 @@ def test_analysis_of_few_queries_many_keys_steps_through_key_blocks() -> None:
     assert report.raw_score_variance == pytest.approx(whole.raw_score_variance, rel=1e-6)
     for got, want in zip(report.strategies, whole.strategies, strict=True):
         assert got.entropy == pytest.approx(want.entropy, rel=1e-6)
+
+
+def test_a_time_budget_cuts_chunked_steps_wherever_the_estimate_was() -> None:
+    """Asked for one tile but given a budget of a millisecond per step, a chunked run stops
+    between key blocks whenever the budget is spent (the service's guard against a cost
+    model that under-estimates), and the result is the one call's."""
+    gen = torch.Generator().manual_seed(4)
+    q = torch.randn(1, 2, 64, 16, generator=gen)
+    k, v = torch.randn(1, 2, 4096, 16, generator=gen), torch.randn(1, 2, 4096, 16, generator=gen)
+    whole = attention(q, k, v, diagnostics="summary", causal="bottom_right", block_size=64)
+    run = AttentionRun(q, k, v, diagnostics="summary", causal="bottom_right", block_size=64)
+    steps = 1
+    while not run.step(budget_s=1e-9):  # one block per step
+        steps += 1
+    assert steps == 64  # 4096 keys in blocks of 64, one query tile
+    result = run.result()
+    torch.testing.assert_close(result.output, whole.output)
+    assert result.diagnostics is not None
+    assert whole.diagnostics is not None
+    assert result.diagnostics.summary == whole.diagnostics.summary  # the same blocks, in order
+
+    analysis = AnalysisRun(q, k, strategies=["sqrt_dk"], block_size=1024)
+    steps = 1
+    while not analysis.step(budget_s=1e-9):
+        steps += 1
+    assert steps == 2 * 4  # two passes (the raw one) of 4 key blocks
+    report, want = analysis.result(), analyze_scaling(q, k, strategies=["sqrt_dk"], block_size=1024)
+    assert report.raw_score_variance == pytest.approx(want.raw_score_variance, rel=1e-6)

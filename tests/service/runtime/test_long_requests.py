@@ -53,7 +53,8 @@ class FakeRun:
     def __init__(self, device: Device, item: str, tiles: int) -> None:
         self.device, self.item, self.tiles_total, self.tiles_done = device, item, tiles, 0
 
-    def step(self) -> bool:
+    def step(self, budget_s: float) -> bool:
+        assert budget_s == SLICE_S
         time.sleep(TILE_S)
         with self.device.lock:
             self.device.log.append(f"tile:{self.item}:{self.tiles_done}")
