@@ -45,8 +45,8 @@ With ``slice_s`` and ``start_long``, an item whose estimated work exceeds one sl
 measured pace, below) is *long*: it runs alone, as a resumable run of about that many tiles
 (``start_long(item, tiles)``, called on the device thread; each ``step()`` computes one tile).
 Up to MAX_RUNNING_LONG long items take turns, one tile each, the oldest queued one joining
-when one finishes; so a long item of a few slices is not stuck behind one of hundreds. Before
-each tile the worker
+when one finishes (one of at most FEW_SLICES slices joins at once); so a long item of a few
+slices is not stuck behind one of hundreds. Before each tile the worker
 
 - drops the long items nobody waits for: their deadline passed (the timer answers
   DeadlineExceeded at once, naming how many tiles were done) or their client left
@@ -111,6 +111,9 @@ THROUGHPUT_HALF_LIFE_S = 30.0
 # not wait for a long one of hundreds. Each holds its inputs and partial results on the device
 # until it is done (their bytes were reserved at admission: service.middleware.inflight).
 MAX_RUNNING_LONG = 4
+# A long item of at most this many slices joins the turns at once even past MAX_RUNNING_LONG:
+# it is done after a few turns, rather than waiting for a long item of hundreds to finish.
+FEW_SLICES = 4
 
 
 class Resumable(Protocol[R_co]):
@@ -572,10 +575,15 @@ class DynamicBatcher(Generic[T, R]):
         return math.ceil(seconds / self._slice_s)
 
     def _next_long(self) -> _Pending[T, R] | None:
-        """The oldest queued long item, when one more may start (else None)."""
-        if not self._queued_longs or len(self._longs) >= MAX_RUNNING_LONG:
+        """The oldest queued long item that may start: any while fewer than MAX_RUNNING_LONG
+        run, else one of at most FEW_SLICES slices (None when none may)."""
+        if not self._queued_longs:
             return None
-        return next((p for p in self._queue.values() if p.tiles), None)
+        room = len(self._longs) < MAX_RUNNING_LONG
+        return next(
+            (p for p in self._queue.values() if p.tiles and (room or p.tiles <= FEW_SLICES)),
+            None,
+        )
 
     def _begin_long(self, pending: _Pending[T, R]) -> None:
         """Take a queued long item off the queue; it takes its turns after those running."""
@@ -678,6 +686,8 @@ class DynamicBatcher(Generic[T, R]):
         finally:
             self._running_work = 0.0
         self._in_flight = []
+        if finished:  # what the estimate left over is done too (the pace learns from it)
+            tile_work, long.left_work = tile_work + long.left_work, 0.0
         self._note_throughput(tile_work, time.perf_counter() - started)
         if not finished:
             return  # its next turn looks at its deadline and client first

@@ -19,10 +19,11 @@ import pytest
 
 from service.errors import DeadlineExceeded, ShuttingDown
 from service.metrics import Metrics
-from service.runtime.batcher import MAX_RUNNING_LONG, BatchResult, DynamicBatcher
+from service.runtime.batcher import FEW_SLICES, MAX_RUNNING_LONG, BatchResult, DynamicBatcher
 from tests.service.runtime.test_batcher import FAR, deadline_in, run, until
 
 TILE_S = 0.02  # real seconds one fake tile takes
+SLICES = FEW_SLICES + 2  # a long item that waits for a place among MAX_RUNNING_LONG
 SLICE_S = TILE_S  # the batcher's slice: work is estimated device seconds, as in the service
 
 
@@ -234,12 +235,14 @@ def test_long_items_take_turns_tile_by_tile() -> None:
 
 
 def test_at_most_max_running_long_take_turns_the_rest_wait_oldest_first() -> None:
+    """Six long items of more than FEW_SLICES slices: four take turns, the fifth and sixth
+    start, oldest first, once places free up."""
     device = Device()
 
     async def main() -> None:
         b = make(device)
         await b.start()
-        names = [f"L{i}:3" for i in range(MAX_RUNNING_LONG + 2)]
+        names = [f"L{i}:{SLICES}" for i in range(MAX_RUNNING_LONG + 2)]
         tasks = [submit(b, name) for name in names]
         await asyncio.gather(*tasks)
         await b.drain(5)
@@ -250,12 +253,14 @@ def test_at_most_max_running_long_take_turns_the_rest_wait_oldest_first() -> Non
         name = entry.rsplit(":", 1)[0].removeprefix("tile:")
         if entry.startswith("tile:") and name not in started:
             started.append(name)
-    assert started == [f"L{i}:3" for i in range(MAX_RUNNING_LONG + 2)]  # oldest first
-    first_tile_of_last = next(i for i, e in enumerate(device.log) if e.startswith("tile:L5:3"))
+    assert started == [f"L{i}:{SLICES}" for i in range(MAX_RUNNING_LONG + 2)]  # oldest first
+    first_tile_of_last = next(
+        i for i, e in enumerate(device.log) if e.startswith(f"tile:L5:{SLICES}")
+    )
     finished_before = [
         n
         for n in started[:MAX_RUNNING_LONG]
-        if device.log.index(f"tile:{n}:2") < first_tile_of_last
+        if device.log.index(f"tile:{n}:{SLICES - 1}") < first_tile_of_last
     ]
     assert len(finished_before) >= 2  # the fifth and sixth waited for places
 
@@ -375,3 +380,54 @@ def test_a_bug_during_a_short_batch_between_tiles_still_answers_the_long_item() 
         await b.drain(5)
 
     run(main())
+
+
+def test_a_long_item_of_few_slices_joins_past_the_cap() -> None:
+    """With MAX_RUNNING_LONG long items of 100 slices running, one of 2 slices does not wait
+    for any of them to finish: it joins the turns at once (a review found it waited for a
+    whole long item past the cap)."""
+    device = Device()
+
+    async def main() -> float:
+        b = make(device)
+        await b.start()
+        bigs = [submit(b, f"L{i}:100") for i in range(MAX_RUNNING_LONG)]
+        await until(lambda: all(device.tiles_of(f"L{i}") >= 1 for i in range(MAX_RUNNING_LONG)))
+        started = time.monotonic()
+        await b.submit("Lfew:2", deadline=deadline_in(FAR))
+        waited = time.monotonic() - started
+        for task in bigs:
+            task.cancel()
+        await asyncio.gather(*bigs, return_exceptions=True)
+        await b.drain(5)
+        return waited
+
+    waited = run(main())
+    assert device.tiles_of("Lfew") >= 2
+    # a few turns of five items (20 ms a tile), not the 100 tiles of a big one
+    assert waited < 30 * TILE_S
+
+
+def test_the_pace_learns_from_long_items_that_finish_early() -> None:
+    """A long item the model over-estimates (10 slices estimated, 2 tiles computed) credits
+    its whole estimate when it finishes, so the measured pace says the device is faster
+    than the model (a review found the remainder dropped and the pace stuck)."""
+
+    class Early(FakeRun):
+        def step(self, budget_s: float) -> bool:
+            super().step(budget_s)
+            return self.tiles_done == 2
+
+    device = Device()
+    device.start_long = lambda item, tiles: Early(device, item, tiles)  # type: ignore[method-assign]
+
+    async def main() -> float:
+        b = make(device)
+        await b.start()
+        for i in range(5):
+            await b.submit(f"L{i}:10", deadline=deadline_in(FAR))
+        pace = b._busy_s / b._done_work  # device seconds per estimated second
+        await b.drain(5)
+        return pace
+
+    assert run(main()) < 0.9  # 1.0 is the prior; 10 slices done in 2 tiles each
