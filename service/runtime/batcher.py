@@ -103,9 +103,12 @@ logger = logging.getLogger("sdpa.batcher")
 _DEFAULT_RETRY_AFTER_S = 1.0
 # A client told to come back later than this would rather try another replica.
 _MAX_RETRY_AFTER_S = 60.0
-# The measured throughput (module docstring): the model is trusted for its first second of
-# device time; measurements older than the half-life of device time weigh half.
-THROUGHPUT_PRIOR_S = 1.0
+# The measured throughput (module docstring): the model weighs as much as a quarter second of
+# measured device time; measurements older than the half-life of device time weigh half. (With
+# a whole second, a model calibrated while the machine was busy kept Retry-After about 1.5x too
+# long through the first second of long requests; a tile of a long request is measured every
+# slice, so the pace soon rests on measurements.)
+THROUGHPUT_PRIOR_S = 0.25
 THROUGHPUT_HALF_LIFE_S = 30.0
 # Long items that take turns on the device, tile by tile: a long item of a few slices need
 # not wait for a long one of hundreds. Each holds its inputs and partial results on the device
