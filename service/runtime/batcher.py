@@ -676,10 +676,11 @@ class DynamicBatcher(Generic[T, R]):
         long.left_work -= tile_work
         self._running_work, self._running_since = tile_work, time.monotonic()
         self._in_flight = [long.pending]
-        started = time.perf_counter()
         self._device_busy = True
         try:
-            finished = await asyncio.wrap_future(self._executor.submit(self._long_step, long))
+            finished, seconds = await asyncio.wrap_future(
+                self._executor.submit(self._long_step, long)
+            )
         except Exception as exc:  # start_long or step() raised: a bug of ours, this item's 500
             logger.exception("a long item's tile failed")
             self._in_flight = []
@@ -691,7 +692,7 @@ class DynamicBatcher(Generic[T, R]):
         self._in_flight = []
         if finished:  # what the estimate left over is done too (the pace learns from it)
             tile_work, long.left_work = tile_work + long.left_work, 0.0
-        self._note_throughput(tile_work, time.perf_counter() - started)
+        self._note_throughput(tile_work, seconds)
         if not finished:
             return  # its next turn looks at its deadline and client first
         assert long.run is not None
@@ -708,14 +709,17 @@ class DynamicBatcher(Generic[T, R]):
             BatchResult(value=outcome, batch_size=1, queue_ms=pending.queue_s * 1e3)
         )
 
-    def _long_step(self, long: _Long[T, R]) -> bool:
-        """One tile of a long item, on the device thread (its run starts at the first)."""
+    def _long_step(self, long: _Long[T, R]) -> tuple[bool, float]:
+        """One tile of a long item, on the device thread (its run starts at the first).
+        -> (done, its seconds), timed here: on the loop the time would also hold however long
+        the loop took to come back to it (a busy loop made the pace look several times slow)."""
+        started = time.perf_counter()
         try:
             if long.run is None:
                 assert self._start_long is not None
                 long.run = self._start_long(long.pending.item, long.pending.tiles)
             assert self._slice_s is not None  # long items exist only with a slice
-            return long.run.step(self._slice_s)
+            return long.run.step(self._slice_s), time.perf_counter() - started
         finally:
             self._device_busy = False
 
