@@ -218,7 +218,7 @@ class Engine:
             return result.diagnostics
         return _diagnostics_on_cpu(result.diagnostics)
 
-    def _observe(self, path: str, seconds: float, backend: str | None = None) -> None:
+    def observe_compute(self, path: str, seconds: float, backend: str | None = None) -> None:
         if self._metrics is not None:
             # The backend torch's SDPA chose (flash, efficient, math...): "none" off the fused
             # path, where no kernel choice is made.
@@ -245,7 +245,7 @@ class Engine:
         except Exception as exc:
             return exc
         seconds = time.perf_counter() - started
-        self._observe("analyze", seconds)
+        self.observe_compute("analyze", seconds)
         return AnalyzeOutcome(report=report, compute_ms=seconds * 1e3, device=str(self.device))
 
     # -- long jobs -----------------------------------------------------------------------
@@ -276,7 +276,7 @@ class Engine:
         started = time.perf_counter()
         results = [self._run_alone(batch[0])] if len(batch) == 1 else self._run_padded(batch)
         seconds = time.perf_counter() - started
-        self._observe(results[0].path, seconds, results[0].backend)
+        self.observe_compute(results[0].path, seconds, results[0].backend)
         device = str(self.device)
         return [
             AttentionOutcome(result=result, compute_ms=seconds * 1e3, device=device)
@@ -413,9 +413,9 @@ class JobRun:
         self._seconds += seconds
         run = self._run
         if isinstance(run, AttentionRun):
-            engine._observe(run.path, seconds, run.backend)
+            engine.observe_compute(run.path, seconds, run.backend)
         else:
-            engine._observe(self._path or "analyze", seconds)
+            engine.observe_compute(self._path or "analyze", seconds)
         if done:
             try:
                 self._outcome = self._result()
