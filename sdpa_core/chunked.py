@@ -16,7 +16,7 @@ that leave out one row max (which contributes exactly 1 to each): on a saturated
 keep every digit (see the finalize step). Raw-score moments (count, mean, M2) are exact
 two-pass moments per block merged across blocks with Chan's formula.
 
-The dense path is the same routine (attend_tiles) with one key block, keeping the normalized
+The dense path is the same routine (attend_tiles_steps) with one key block, keeping the normalized
 exponentials as the weights, so both paths share every formula. Which (query, key) pairs are
 visible, tile by tile, comes from the MaskPlan (masks.py), never from this module.
 
@@ -92,40 +92,6 @@ def _new_state(zero: torch.Tensor, neg_inf: torch.Tensor) -> _RowState:
         m2=zero,
         abs_max=zero,
         ref=None,
-    )
-
-
-def attend_tiles(
-    q4: torch.Tensor,
-    k4: torch.Tensor,
-    v4: torch.Tensor,
-    plan: MaskPlan,
-    *,
-    scale: float,
-    accum_dtype: torch.dtype,
-    need_stats: bool,
-    block_size: int,
-    tile_q: int,
-    keep_weights: bool = False,
-    sink_tokens: int = DEFAULT_SINK_TOKENS,
-    sink_cols: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None, RowStats | None]:
-    """attend_tiles_steps run to its end (see there)."""
-    return finish(
-        attend_tiles_steps(
-            q4,
-            k4,
-            v4,
-            plan,
-            scale=scale,
-            accum_dtype=accum_dtype,
-            need_stats=need_stats,
-            block_size=block_size,
-            tile_q=tile_q,
-            keep_weights=keep_weights,
-            sink_tokens=sink_tokens,
-            sink_cols=sink_cols,
-        )
     )
 
 
@@ -463,37 +429,6 @@ def chunked_tile_rows(heads: int, n_q: int, n_kv: int, block_size: int) -> int:
     per-block work dominates), so a caller that cuts the rows (AttentionRun) cuts at
     multiples of it."""
     return min(n_q, max(16, TILE_ELEMENTS // (heads * min(block_size, n_kv))))
-
-
-def chunked_attention(
-    q4: torch.Tensor,
-    k4: torch.Tensor,
-    v4: torch.Tensor,
-    plan: MaskPlan,
-    *,
-    scale: float,
-    accum_dtype: torch.dtype,
-    need_stats: bool,
-    block_size: int = DEFAULT_BLOCK_SIZE,
-    sink_tokens: int = DEFAULT_SINK_TOKENS,
-    sink_cols: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, RowStats | None]:
-    """The chunked path: output [B, H, N_q, D_v] and RowStats [B, H, N_q] (accum dtype);
-    chunked_attention_steps run to its end."""
-    return finish(
-        chunked_attention_steps(
-            q4,
-            k4,
-            v4,
-            plan,
-            scale=scale,
-            accum_dtype=accum_dtype,
-            need_stats=need_stats,
-            block_size=block_size,
-            sink_tokens=sink_tokens,
-            sink_cols=sink_cols,
-        )
-    )
 
 
 def chunked_blocks(q4: torch.Tensor, k4: torch.Tensor, block_size: int) -> int:

@@ -1,6 +1,6 @@
 """The dense path: explicit scores and softmax, the only path that returns the weights.
 
-It is the tiled routine of the chunked path (attend_tiles) run with one key block (the whole
+It is the tiled routine of the chunked path (attend_tiles_steps) run with one key block (the whole
 row), writing the normalized exponentials straight into the weight matrix, so dense and
 chunked share every formula and read their visibility from the same MaskPlan. Query tiles
 keep the score scratch cache-sized.
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from sdpa_core.chunked import TILE_ELEMENTS, attend_tiles
+from sdpa_core.chunked import TILE_ELEMENTS, attend_tiles_steps, finish
 from sdpa_core.diagnostics import DEFAULT_SINK_TOKENS, RowStats
 from sdpa_core.masks import MaskPlan
 
@@ -38,17 +38,19 @@ def dense_attention(
     """Output [B, H, N_q, D_v], weights [B, H, N_q, N_kv] (when asked) and RowStats
     [B, H, N_q] (when asked; sink_share over sink_cols, or the first sink_tokens keys), all
     in accum_dtype."""
-    return attend_tiles(
-        q4,
-        k4,
-        v4,
-        plan,
-        scale=scale,
-        accum_dtype=accum_dtype,
-        need_stats=need_stats,
-        block_size=k4.shape[2],  # one key block: the whole row
-        tile_q=dense_tile_q(q4, k4),
-        keep_weights=need_weights,
-        sink_tokens=sink_tokens,
-        sink_cols=sink_cols,
+    return finish(
+        attend_tiles_steps(
+            q4,
+            k4,
+            v4,
+            plan,
+            scale=scale,
+            accum_dtype=accum_dtype,
+            need_stats=need_stats,
+            block_size=k4.shape[2],  # one key block: the whole row
+            tile_q=dense_tile_q(q4, k4),
+            keep_weights=need_weights,
+            sink_tokens=sink_tokens,
+            sink_cols=sink_cols,
+        )
     )
