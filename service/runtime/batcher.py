@@ -114,8 +114,10 @@ THROUGHPUT_HALF_LIFE_S = 30.0
 # not wait for a long one of hundreds. Each holds its inputs and partial results on the device
 # until it is done (their bytes were reserved at admission: service.middleware.inflight).
 MAX_RUNNING_LONG = 4
-# A long item of at most this many slices joins the turns at once even past MAX_RUNNING_LONG:
-# it is done after a few turns, rather than waiting for a long item of hundreds to finish.
+# A long item of at most this many slices joins the turns at once even past MAX_RUNNING_LONG
+# (up to twice as many running in all): it is done after a few turns, rather than waiting for
+# a long item of hundreds to finish. The bound keeps a flood of them from each holding its
+# inputs and results on the device at once.
 FEW_SLICES = 4
 
 
@@ -579,8 +581,9 @@ class DynamicBatcher(Generic[T, R]):
 
     def _next_long(self) -> _Pending[T, R] | None:
         """The oldest queued long item that may start: any while fewer than MAX_RUNNING_LONG
-        run, else one of at most FEW_SLICES slices (None when none may)."""
-        if not self._queued_longs:
+        run, else one of at most FEW_SLICES slices while fewer than twice as many run (None
+        when none may)."""
+        if not self._queued_longs or len(self._longs) >= 2 * MAX_RUNNING_LONG:
             return None
         room = len(self._longs) < MAX_RUNNING_LONG
         return next(

@@ -431,3 +431,27 @@ def test_the_pace_learns_from_long_items_that_finish_early() -> None:
         return pace
 
     assert run(main()) < 0.9  # 1.0 is the prior; 10 slices done in 2 tiles each
+
+
+def test_long_items_of_few_slices_join_past_the_cap_only_up_to_twice_it() -> None:
+    """A flood of long items of 2 slices beside MAX_RUNNING_LONG big ones: at most
+    2 x MAX_RUNNING_LONG run at once (each holds its inputs and results on the device)."""
+    device = Device()
+    running: list[int] = []
+
+    async def main() -> None:
+        b = make(device)
+        await b.start()
+        bigs = [submit(b, f"L{i}:100") for i in range(MAX_RUNNING_LONG)]
+        await until(lambda: all(device.tiles_of(f"L{i}") >= 1 for i in range(MAX_RUNNING_LONG)))
+        few = [submit(b, f"Lf{i}:2") for i in range(3 * MAX_RUNNING_LONG)]
+        while not all(task.done() for task in few):
+            running.append(len(b._longs))
+            await asyncio.sleep(TILE_S / 4)
+        for task in bigs:
+            task.cancel()
+        await asyncio.gather(*bigs, *few, return_exceptions=True)
+        await b.drain(5)
+
+    run(main())
+    assert max(running) == 2 * MAX_RUNNING_LONG
