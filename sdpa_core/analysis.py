@@ -13,7 +13,7 @@ overflows or flushes its scaled scores, and their raw variance with them.
 from __future__ import annotations
 
 import math
-from collections.abc import Generator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -21,7 +21,7 @@ import torch
 from sdpa_core.attention import check_int_option, prepare_inputs, tile_grid
 from sdpa_core.chunked import (
     DEFAULT_BLOCK_SIZE,
-    advance,
+    TileBlocks,
     chunked_attention_steps,
     chunked_blocks,
     chunked_tile_rows,
@@ -255,8 +255,7 @@ class AnalysisRun:
         self._grid = tile_grid(spec.batch, spec.n_q, per_pass, quantum)
         # Fewer tiles than asked (a few queries, many keys): stop between key blocks too.
         self._key_splits = -(-per_pass // len(self._grid))
-        self._blocks: Generator[None, None, tuple[torch.Tensor, RowStats | None]] | None = None
-        self._blocks_per_step = 0
+        self._blocks: TileBlocks[tuple[torch.Tensor, RowStats | None]] | None = None
         self._steps = 0
         self._block_size = block_size
         self._summaries: list[DiagnosticsSummary] = []
@@ -277,6 +276,14 @@ class AnalysisRun:
         return self._steps
 
     @property
+    def share_done(self) -> float:
+        """About how much of the run is done, from 0 to 1 (AttentionRun.share_done): passes
+        and tiles done, and the part of the current tile its key blocks tell."""
+        part = 0.0 if self._blocks is None else self._blocks.share_done
+        tiles_done = len(self._summaries) * len(self._grid) + self._tile + part
+        return tiles_done / (len(self._scales) * len(self._grid))
+
+    @property
     def done(self) -> bool:
         return len(self._summaries) == len(self._scales)
 
@@ -293,7 +300,7 @@ class AnalysisRun:
             q4, k4, v4, plan = (
                 (inputs.q4, inputs.k4, inputs.v4, inputs.plan) if whole else tile.of(inputs)
             )
-            self._blocks = chunked_attention_steps(
+            steps = chunked_attention_steps(
                 q4,
                 k4,
                 v4,
@@ -303,11 +310,14 @@ class AnalysisRun:
                 need_stats=True,
                 block_size=self._block_size,
             )
-            blocks = chunked_blocks(q4, k4, self._block_size)
-            self._blocks_per_step = max(1, -(-blocks // self._key_splits))
+            self._blocks = TileBlocks(
+                steps,
+                blocks=chunked_blocks(q4, k4, self._block_size),
+                key_splits=self._key_splits,
+            )
         self._steps += 1
         budget = budget_s if self._inputs.q4.device.type == "cpu" else None
-        finished, value = advance(self._blocks, blocks=self._blocks_per_step, budget_s=budget)
+        finished, value = self._blocks.advance(budget)
         if not finished:
             return False  # more blocks of this tile next step
         assert value is not None

@@ -24,7 +24,7 @@ import torch
 
 from sdpa_core.chunked import (
     DEFAULT_BLOCK_SIZE,
-    advance,
+    TileBlocks,
     chunked_attention_steps,
     chunked_blocks,
     chunked_tile_rows,
@@ -446,8 +446,7 @@ class AttentionRun:
         self._key_splits = 1
         if self._path == "chunked" and len(self._tiles) < tiles:
             self._key_splits = -(-tiles // len(self._tiles))
-        self._blocks: Generator[None, None, tuple[torch.Tensor, RowStats | None]] | None = None
-        self._blocks_per_step = 0
+        self._blocks: TileBlocks[tuple[torch.Tensor, RowStats | None]] | None = None
         self._steps = 0
         self._done = 0
         self._backend: str | None = None
@@ -486,6 +485,14 @@ class AttentionRun:
     @property
     def tiles_done(self) -> int:
         return self._steps
+
+    @property
+    def share_done(self) -> float:
+        """About how much of the run is done, from 0 to 1: whole tiles, and the part of the
+        current one its key blocks tell (a scheduler's measure of what is left, which steps
+        cannot give once they outnumber tiles_total's plan)."""
+        part = 0.0 if self._blocks is None else self._blocks.share_done
+        return (self._done + part) / len(self._tiles)
 
     @property
     def done(self) -> bool:
@@ -581,10 +588,12 @@ class AttentionRun:
         many as fit in budget_s; True when the tile is done."""
         if self._blocks is None:
             q4, k4, v4, plan, sink_cols = self._tile_inputs(tile)
-            self._blocks = self._chunked_steps(q4, k4, v4, plan, sink_cols)
-            blocks = chunked_blocks(q4, k4, self._block_size)
-            self._blocks_per_step = max(1, -(-blocks // self._key_splits))
-        finished, value = advance(self._blocks, blocks=self._blocks_per_step, budget_s=budget_s)
+            self._blocks = TileBlocks(
+                self._chunked_steps(q4, k4, v4, plan, sink_cols),
+                blocks=chunked_blocks(q4, k4, self._block_size),
+                key_splits=self._key_splits,
+            )
+        finished, value = self._blocks.advance(budget_s)
         if value is not None:
             out4, rows4 = value
             self._blocks = None

@@ -30,7 +30,7 @@ import math
 import time
 from collections.abc import Generator
 from dataclasses import dataclass
-from typing import TypeVar, cast
+from typing import Generic, TypeVar, cast
 
 import torch
 
@@ -95,26 +95,48 @@ def _new_state(zero: torch.Tensor, neg_inf: torch.Tensor) -> _RowState:
     )
 
 
-def advance(
-    steps: Generator[None, None, ReturnT], *, blocks: int, budget_s: float | None
-) -> tuple[bool, ReturnT | None]:
-    """Run a generator of steps for `blocks` steps or, with budget_s, for as many as fit in
-    budget_s seconds of this thread's time (at least one; the clock is read between steps,
-    so budget_s only bounds host-side work: the caller passes it for the CPU alone).
-    -> (True, what it returned) once it is done, else (False, None)."""
-    started = time.perf_counter()
-    taken = 0
-    while True:
-        try:
-            next(steps)
-        except StopIteration as stop:
-            return True, cast("ReturnT", stop.value)
-        taken += 1
-        if budget_s is None:
-            if taken >= blocks:
+class TileBlocks(Generic[ReturnT]):
+    """One tile's generator of (query tile x key block) steps, taken a part at a time.
+
+    A part is `blocks` / key_splits steps or, with a time budget, as many steps as fit it.
+    share_done says about how much of the tile is done, for a scheduler's estimate of what is
+    left when the steps outnumber its plan.
+    """
+
+    def __init__(
+        self, steps: Generator[None, None, ReturnT], *, blocks: int, key_splits: int
+    ) -> None:
+        self._steps = steps
+        self._blocks = max(1, blocks)  # chunked_blocks: at most this many steps
+        self._per_part = max(1, -(-blocks // key_splits))
+        self._taken = 0
+
+    @property
+    def share_done(self) -> float:
+        """Steps taken over the most the tile may take (a mask may skip some: below 1 until
+        the last)."""
+        return min(1.0, self._taken / self._blocks)
+
+    def advance(self, budget_s: float | None) -> tuple[bool, ReturnT | None]:
+        """Take the next part: its share of the steps or, with budget_s, as many as fit in
+        budget_s seconds of this thread's time (at least one; the clock is read between steps,
+        so budget_s only bounds host-side work: the caller passes it for the CPU alone).
+        -> (True, what the generator returned) once it is done, else (False, None)."""
+        started = time.perf_counter()
+        taken = 0
+        while True:
+            try:
+                next(self._steps)
+            except StopIteration as stop:
+                self._taken = self._blocks
+                return True, cast("ReturnT", stop.value)
+            taken += 1
+            self._taken += 1
+            if budget_s is None:
+                if taken >= self._per_part:
+                    return False, None
+            elif time.perf_counter() - started >= budget_s:
                 return False, None
-        elif time.perf_counter() - started >= budget_s:
-            return False, None
 
 
 def finish(steps: Generator[None, None, ReturnT]) -> ReturnT:

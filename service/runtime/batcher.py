@@ -63,7 +63,9 @@ Retry-After and the backlog
 ---------------------------
 Each item carries its estimated work (``work_seconds``: the runtime's cost model, in estimated
 device seconds; one unit per item without it). The backlog is the queued work plus what is left
-of the batch on the device and of the long item running, divided by the measured throughput:
+of the batch on the device and of the long items running (each one's estimate times the share
+of its run not yet done, which the run itself reports: its steps may outnumber the tiles it
+planned), divided by the measured throughput:
 the estimated work done per second the device was busy, both summed with a half-life of
 THROUGHPUT_HALF_LIFE_S of device time and starting from THROUGHPUT_PRIOR_S of the model's own
 pace. Weighing batches by their time, a stream of tiny requests (whose fixed costs the model
@@ -131,6 +133,12 @@ class Resumable(Protocol[R_co]):
 
     @property
     def tiles_done(self) -> int: ...
+
+    @property
+    def share_done(self) -> float:
+        """About how much of the run's work is done, from 0 to 1 (its steps may outnumber
+        tiles_total's plan: a step that stops at a time budget does less than a tile)."""
+        ...
 
     def step(self, budget_s: float) -> bool: ...
 
@@ -672,10 +680,14 @@ class DynamicBatcher(Generic[T, R]):
             return
         self._longs.move_to_end(long.pending.seq)  # the next turn is the next item's
 
-        run = long.run
-        total = long.pending.tiles if run is None else run.tiles_total
-        done = 0 if run is None else run.tiles_done
-        tile_work = long.left_work / max(1, total - done)
+        # What this tile will likely do, for the backlog while it runs: the share of the
+        # steps so far, or of the tiles planned before the first.
+        run, work = long.run, long.pending.work
+        if run is None or run.tiles_done == 0:
+            tile_work = work / max(1, long.pending.tiles)
+        else:
+            tile_work = work * run.share_done / run.tiles_done
+        tile_work = min(tile_work, long.left_work)
         long.left_work -= tile_work
         self._running_work, self._running_since = tile_work, time.monotonic()
         self._in_flight = [long.pending]
@@ -693,12 +705,14 @@ class DynamicBatcher(Generic[T, R]):
         finally:
             self._running_work = 0.0
         self._in_flight = []
-        if finished:  # what the estimate left over is done too (the pace learns from it)
-            tile_work, long.left_work = tile_work + long.left_work, 0.0
-        self._note_throughput(tile_work, seconds)
+        # What the tile did, by the run's own measure of its progress; once finished, all
+        # the estimate left over is done too (the pace learns from it either way).
+        assert long.run is not None
+        left_before = long.left_work + tile_work
+        long.left_work = 0.0 if finished else work * (1.0 - long.run.share_done)
+        self._note_throughput(max(0.0, left_before - long.left_work), seconds)
         if not finished:
             return  # its next turn looks at its deadline and client first
-        assert long.run is not None
         outcome = long.run.outcome()
         self._end_long(long)
         pending = long.pending

@@ -394,6 +394,12 @@ class JobRun:
     def tiles_done(self) -> int:
         return 0 if self._run is None else self._run.tiles_done
 
+    @property
+    def share_done(self) -> float:
+        if self._outcome is not None:
+            return 1.0  # done, or ended by an error: nothing left to compute
+        return 0.0 if self._run is None else self._run.share_done
+
     def step(self, budget_s: float | None = None) -> bool:
         """One tile (about budget_s seconds on the CPU's chunked path: AttentionRun.step)."""
         if self._outcome is not None:

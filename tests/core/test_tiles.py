@@ -106,7 +106,12 @@ def test_a_run_steps_tile_by_tile() -> None:
     assert (run.tiles_total, run.tiles_done, run.done) == (4, 0, False)
     with pytest.raises(RuntimeError, match="0 of 4 tiles"):
         run.result()
-    assert [run.step() for _ in range(4)] == [False, False, False, True]
+    assert [(run.step(), run.share_done) for _ in range(4)] == [
+        (False, 0.25),
+        (False, 0.5),
+        (False, 0.75),
+        (True, 1.0),
+    ]
     assert run.tiles_done == 4
     assert run.step() is True
     torch.testing.assert_close(run.result().output, attention(q, k, v, causal=True).output)
@@ -248,16 +253,20 @@ def test_analysis_of_few_queries_many_keys_steps_through_key_blocks() -> None:
 def test_a_time_budget_cuts_chunked_steps_wherever_the_estimate_was() -> None:
     """Asked for one tile but given a budget of a millisecond per step, a chunked run stops
     between key blocks whenever the budget is spent (the service's guard against a cost
-    model that under-estimates), and the result is the one call's."""
+    model that under-estimates), and the result is the one call's. share_done tells the
+    scheduler how far it got, though the steps outnumber the one tile planned."""
     gen = torch.Generator().manual_seed(4)
     q = torch.randn(1, 2, 64, 16, generator=gen)
     k, v = torch.randn(1, 2, 4096, 16, generator=gen), torch.randn(1, 2, 4096, 16, generator=gen)
     whole = attention(q, k, v, diagnostics="summary", causal="bottom_right", block_size=64)
     run = AttentionRun(q, k, v, diagnostics="summary", causal="bottom_right", block_size=64)
-    steps = 1
+    assert run.share_done == 0.0
+    shares = []
     while not run.step(budget_s=1e-9):  # one block per step
-        steps += 1
-    assert steps == 64  # 4096 keys in blocks of 64, one query tile
+        shares.append(run.share_done)
+    shares.append(run.share_done)
+    assert len(shares) == 64  # 4096 keys in blocks of 64, one query tile
+    assert shares == [step / 64 for step in range(1, 65)]
     result = run.result()
     torch.testing.assert_close(result.output, whole.output)
     assert result.diagnostics is not None
@@ -265,9 +274,11 @@ def test_a_time_budget_cuts_chunked_steps_wherever_the_estimate_was() -> None:
     assert result.diagnostics.summary == whole.diagnostics.summary  # the same blocks, in order
 
     analysis = AnalysisRun(q, k, strategies=["sqrt_dk"], block_size=1024)
-    steps = 1
+    shares = []
     while not analysis.step(budget_s=1e-9):
-        steps += 1
-    assert steps == 2 * 4  # two passes (the raw one) of 4 key blocks
+        shares.append(analysis.share_done)
+    shares.append(analysis.share_done)
+    assert len(shares) == 2 * 4  # two passes (the raw one) of 4 key blocks
+    assert shares == [step / 8 for step in range(1, 9)]
     report, want = analysis.result(), analyze_scaling(q, k, strategies=["sqrt_dk"], block_size=1024)
     assert report.raw_score_variance == pytest.approx(want.raw_score_variance, rel=1e-6)

@@ -599,12 +599,18 @@ def test_a_long_job_in_tiles_equals_the_solo_call(options: dict[str, Any]) -> No
     job = make_job(gen, (2, 3), 37, 38, **options)
     engine = make_engine()
     run = engine.start_long(prepare(job), 7)
-    steps = 1
+    assert run.share_done == 0.0
+    shares = []
     while not run.step():
-        steps += 1
+        shares.append(run.share_done)
+    shares.append(run.share_done)
+    steps = len(shares)
     outcome = run.outcome()
     assert isinstance(outcome, AttentionOutcome), outcome
     assert steps == run.tiles_total == run.tiles_done >= 6  # six sequences at least
+    assert shares == sorted(shares)
+    assert 0 < shares[0] < 1
+    assert shares[-1] == 1.0
     assert_same_result(outcome.result, solo(job), job.q.dtype)
     result = outcome.result
     assert engine._metrics is not None

@@ -62,6 +62,10 @@ class FakeRun:
         self.tiles_done += 1
         return self.tiles_done == self.tiles_total
 
+    @property
+    def share_done(self) -> float:
+        return self.tiles_done / self.tiles_total
+
     def outcome(self) -> str | BaseException:
         if self.item.startswith("Lerr"):
             return ValueError(self.item)
@@ -296,6 +300,59 @@ def test_the_backlog_counts_what_is_left_of_the_long_item() -> None:
 
     early, late = run(main())
     assert early > 2 * late > 0
+
+
+def test_the_backlog_counts_what_is_left_when_the_steps_outnumber_the_plan() -> None:
+    """A run that takes four steps per planned tile (as the CPU's chunked path does when its
+    steps stop at a time budget) reports its progress by share_done: past its plan the
+    backlog still holds what is left of it, instead of 0 (a review found it read 0 until the
+    run ended)."""
+
+    class Budgeted(FakeRun):
+        STEPS_PER_TILE = 4
+
+        @property
+        def tiles_total(self) -> int:  # AttentionRun's: the plan, or one more step than taken
+            return max(self.tiles_done + 1, self.planned)
+
+        @tiles_total.setter
+        def tiles_total(self, planned: int) -> None:
+            self.planned = planned
+
+        @property
+        def share_done(self) -> float:
+            return self.tiles_done / (self.STEPS_PER_TILE * self.planned)
+
+        def step(self, budget_s: float) -> bool:
+            super().step(budget_s)
+            return self.share_done >= 1.0
+
+    device = Device()
+    runs: list[Budgeted] = []
+
+    def start_long(item: str, tiles: int) -> Budgeted:
+        runs.append(Budgeted(device, item, tiles))
+        return runs[-1]
+
+    device.start_long = start_long  # type: ignore[method-assign, assignment]
+
+    async def main() -> tuple[float, float, float]:
+        b = make(device)
+        await b.start()
+        long = submit(b, "Lbig:10")
+        await until(lambda: device.tiles_of("Lbig") >= 2)
+        early = b.backlog_seconds()
+        await until(lambda: device.tiles_of("Lbig") >= 24)  # past the plan's 10 or so
+        late = b.backlog_seconds()
+        steps_left = Budgeted.STEPS_PER_TILE * runs[0].planned - device.tiles_of("Lbig")
+        await long
+        await b.drain(5)
+        return early, late, steps_left * TILE_S
+
+    early, late, left_s = run(main())
+    # The pace has learned that the device is about four times slower than the model by then:
+    # the backlog is of the order of the real time left, not 0.
+    assert early > late > 0.25 * left_s > 0
 
 
 def test_a_drain_that_times_out_stops_a_long_item_between_tiles() -> None:
