@@ -1,7 +1,8 @@
 """The dashboard and the alert rules in a real Prometheus scraping a real server.
 
-A live server gets requests of known attention (tagged), a rejected one and a non-finite one;
-Debian's `prometheus` (2.x) scrapes it every second and loads deploy/monitoring/sdpa.rules.yml.
+A live server gets requests of known attention (tagged), a rejected one, a non-finite one and a
+long one abandoned at its deadline; Debian's `prometheus` (2.x) scrapes it every second and
+loads deploy/monitoring/sdpa.rules.yml.
 Then every query of the Grafana dashboard is evaluated by that Prometheus ($__rate_interval and
 $tag filled in as Grafana would): each returns data, and the health panels return the values
 computed by hand. The panels are drawn from those query results with matplotlib (headless) into
@@ -36,6 +37,7 @@ from tests.e2e.test_health_metrics import (
     post,
     scores_request,
 )
+from tests.e2e.test_long_requests_live import LONG
 from tests.support.live_server import LiveServer, free_port, live_server
 
 REPO = Path(__file__).resolve().parents[2]
@@ -121,6 +123,13 @@ def traffic(server: LiveServer, prometheus: str) -> tuple[float, float]:
     nan = scores_request([UNIFORM])
     nan["q"] = b64(np.full((1, 1, 3, 2), np.nan))
     assert post(url, nan).status_code == 422
+    # Long requests (seconds of compute in tiles) abandoned at their 0.3 s deadline (504,
+    # sdpa_abandoned_total{reason="deadline"}): the first makes the series, scraped before
+    # the second, so that the panel's rate shows the second.
+    long = {"synthetic": LONG["synthetic"], "timeout_ms": 300}
+    for _ in range(2):
+        assert httpx.post(f"{url}/v1/analyze", json=long, timeout=30.0).status_code == 504
+        time.sleep(2 * SCRAPE_S)
     time.sleep(3 * SCRAPE_S)  # the last samples scraped
     return start, time.time()
 
