@@ -255,7 +255,7 @@ class AnalysisRun:
         self._grid = tile_grid(spec.batch, spec.n_q, per_pass, quantum)
         # Fewer tiles than asked (a few queries, many keys): stop between key blocks too.
         self._key_splits = -(-per_pass // len(self._grid))
-        self._blocks: TileBlocks[tuple[torch.Tensor, RowStats | None]] | None = None
+        self._tile_blocks: TileBlocks[tuple[torch.Tensor, RowStats | None]] | None = None
         self._steps = 0
         self._block_size = block_size
         self._summaries: list[DiagnosticsSummary] = []
@@ -279,9 +279,9 @@ class AnalysisRun:
     def share_done(self) -> float:
         """About how much of the run is done, from 0 to 1 (AttentionRun.share_done): passes
         and tiles done, and the part of the current tile its key blocks tell."""
-        part = 0.0 if self._blocks is None else self._blocks.share_done
-        tiles_done = len(self._summaries) * len(self._grid) + self._tile + part
-        return tiles_done / (len(self._scales) * len(self._grid))
+        part = 0.0 if self._tile_blocks is None else self._tile_blocks.share_done
+        tiles = len(self._summaries) * len(self._grid) + self._tile + part
+        return tiles / (len(self._scales) * len(self._grid))
 
     @property
     def done(self) -> bool:
@@ -295,7 +295,7 @@ class AnalysisRun:
         spec, scale = self._inputs.spec, self._scales[len(self._summaries)]
         tile = self._grid[self._tile]
         whole = len(self._grid) == 1
-        if self._blocks is None:
+        if self._tile_blocks is None:
             inputs = self._inputs
             q4, k4, v4, plan = (
                 (inputs.q4, inputs.k4, inputs.v4, inputs.plan) if whole else tile.of(inputs)
@@ -310,18 +310,18 @@ class AnalysisRun:
                 need_stats=True,
                 block_size=self._block_size,
             )
-            self._blocks = TileBlocks(
+            self._tile_blocks = TileBlocks(
                 steps,
                 blocks=chunked_blocks(q4, k4, self._block_size),
                 key_splits=self._key_splits,
             )
-        self._steps += 1
         budget = budget_s if self._inputs.q4.device.type == "cpu" else None
-        finished, value = self._blocks.advance(budget)
+        finished, value = self._tile_blocks.advance(budget)
+        self._steps += 1
         if not finished:
             return False  # more blocks of this tile next step
         assert value is not None
-        self._blocks = None
+        self._tile_blocks = None
         _, rows = value
         assert rows is not None
         rows_shape = (spec.batch, spec.heads, spec.n_q)

@@ -446,7 +446,7 @@ class AttentionRun:
         self._key_splits = 1
         if self._path == "chunked" and len(self._tiles) < tiles:
             self._key_splits = -(-tiles // len(self._tiles))
-        self._blocks: TileBlocks[tuple[torch.Tensor, RowStats | None]] | None = None
+        self._tile_blocks: TileBlocks[tuple[torch.Tensor, RowStats | None]] | None = None
         self._steps = 0
         self._done = 0
         self._backend: str | None = None
@@ -491,7 +491,7 @@ class AttentionRun:
         """About how much of the run is done, from 0 to 1: whole tiles, and the part of the
         current one its key blocks tell (a scheduler's measure of what is left, which steps
         cannot give once they outnumber tiles_total's plan)."""
-        part = 0.0 if self._blocks is None else self._blocks.share_done
+        part = 0.0 if self._tile_blocks is None else self._tile_blocks.share_done
         return (self._done + part) / len(self._tiles)
 
     @property
@@ -586,17 +586,17 @@ class AttentionRun:
     def _advance_blocks(self, tile: Tile, budget_s: float | None) -> bool:
         """The next key_splits-th of a chunked tile's (query tile x key block) steps, or as
         many as fit in budget_s; True when the tile is done."""
-        if self._blocks is None:
+        if self._tile_blocks is None:
             q4, k4, v4, plan, sink_cols = self._tile_inputs(tile)
-            self._blocks = TileBlocks(
+            self._tile_blocks = TileBlocks(
                 self._chunked_steps(q4, k4, v4, plan, sink_cols),
                 blocks=chunked_blocks(q4, k4, self._block_size),
                 key_splits=self._key_splits,
             )
-        finished, value = self._blocks.advance(budget_s)
+        finished, value = self._tile_blocks.advance(budget_s)
         if value is not None:
             out4, rows4 = value
-            self._blocks = None
+            self._tile_blocks = None
             self._store(tile, out4, None, rows4)
         return finished
 

@@ -100,40 +100,48 @@ class TileBlocks(Generic[ReturnT]):
 
     A part is `blocks` / key_splits steps or, with a time budget, as many steps as fit it.
     share_done says about how much of the tile is done, for a scheduler's estimate of what is
-    left when the steps outnumber its plan.
+    left when the steps outnumber its plan. A step that raised ends the tile: advance() then
+    refuses, since the generator, closed by the error, would look finished with no result.
     """
 
     def __init__(
         self, steps: Generator[None, None, ReturnT], *, blocks: int, key_splits: int
     ) -> None:
         self._steps = steps
-        self._blocks = max(1, blocks)  # chunked_blocks: at most this many steps
-        self._per_part = max(1, -(-blocks // key_splits))
+        self._most_steps = max(1, blocks)  # chunked_blocks: at most this many steps
+        self._per_part = max(1, -(-self._most_steps // key_splits))
         self._taken = 0
+        self._failed = False
 
     @property
     def share_done(self) -> float:
-        """Steps taken over the most the tile may take (a mask may skip some: below 1 until
-        the last)."""
-        return min(1.0, self._taken / self._blocks)
+        """Steps taken over the most the tile may take. Blocks a mask hides entirely are
+        skipped without a step, so under such a mask it lags, and the last part makes up
+        the rest."""
+        return min(1.0, self._taken / self._most_steps)
 
     def advance(self, budget_s: float | None) -> tuple[bool, ReturnT | None]:
         """Take the next part: its share of the steps or, with budget_s, as many as fit in
         budget_s seconds of this thread's time (at least one; the clock is read between steps,
         so budget_s only bounds host-side work: the caller passes it for the CPU alone).
         -> (True, what the generator returned) once it is done, else (False, None)."""
+        if self._failed:
+            raise RuntimeError("a step of this tile failed: the tile cannot go on")
         started = time.perf_counter()
-        taken = 0
+        taken_now = 0
         while True:
             try:
                 next(self._steps)
             except StopIteration as stop:
-                self._taken = self._blocks
+                self._taken = self._most_steps
                 return True, cast("ReturnT", stop.value)
-            taken += 1
+            except BaseException:
+                self._failed = True
+                raise
+            taken_now += 1
             self._taken += 1
             if budget_s is None:
-                if taken >= self._per_part:
+                if taken_now >= self._per_part:
                     return False, None
             elif time.perf_counter() - started >= budget_s:
                 return False, None

@@ -227,6 +227,11 @@ class _Long(Generic[T, R]):
         self.run: Resumable[R] | None = None
         self.left_work = pending.work
 
+    def share_done(self) -> float:
+        """The run's share_done, trusted within [0, 1] only (NaN reads as nothing done)."""
+        share = 0.0 if self.run is None else self.run.share_done
+        return 0.0 if math.isnan(share) else min(1.0, max(0.0, share))
+
     def progress(self) -> str:
         done = 0 if self.run is None else self.run.tiles_done
         total = self.pending.tiles if self.run is None else self.run.tiles_total
@@ -680,13 +685,13 @@ class DynamicBatcher(Generic[T, R]):
             return
         self._longs.move_to_end(long.pending.seq)  # the next turn is the next item's
 
-        # What this tile will likely do, for the backlog while it runs: the share of the
-        # steps so far, or of the tiles planned before the first.
+        # What this tile will likely do, for the backlog while it runs: the mean share of a
+        # step so far, or a planned tile's before the first step.
         run, work = long.run, long.pending.work
         if run is None or run.tiles_done == 0:
             tile_work = work / max(1, long.pending.tiles)
         else:
-            tile_work = work * run.share_done / run.tiles_done
+            tile_work = work * long.share_done() / run.tiles_done
         tile_work = min(tile_work, long.left_work)
         long.left_work -= tile_work
         self._running_work, self._running_since = tile_work, time.monotonic()
@@ -709,8 +714,9 @@ class DynamicBatcher(Generic[T, R]):
         # the estimate left over is done too (the pace learns from it either way).
         assert long.run is not None
         left_before = long.left_work + tile_work
-        long.left_work = 0.0 if finished else work * (1.0 - long.run.share_done)
-        self._note_throughput(max(0.0, left_before - long.left_work), seconds)
+        left_now = work * (1.0 - long.share_done())
+        long.left_work = 0.0 if finished else min(left_before, left_now)  # never grows
+        self._note_throughput(left_before - long.left_work, seconds)
         if not finished:
             return  # its next turn looks at its deadline and client first
         outcome = long.run.outcome()

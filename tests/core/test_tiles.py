@@ -3,6 +3,7 @@ slices) against the float64 reference, for every path and mask option."""
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Any
 
@@ -282,3 +283,30 @@ def test_a_time_budget_cuts_chunked_steps_wherever_the_estimate_was() -> None:
     assert shares == [step / 8 for step in range(1, 9)]
     report, want = analysis.result(), analyze_scaling(q, k, strategies=["sqrt_dk"], block_size=1024)
     assert report.raw_score_variance == pytest.approx(want.raw_score_variance, rel=1e-6)
+
+
+def test_a_run_whose_step_failed_refuses_to_go_on() -> None:
+    """A step that raises between key blocks closes the tile's generator: stepping the run
+    again must not take the closed generator for a finished tile (a review found every tile
+    left then marked done, and result() returning uninitialized rows)."""
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 2, 64, 16, generator=gen) for _ in range(3))
+    run = AttentionRun(q, k, v, diagnostics="summary", block_size=8, tiles=4)
+    real_steps = run._chunked_steps
+
+    def failing_steps(*args: Any) -> Any:
+        yield from itertools.islice(real_steps(*args), 2)
+        raise MemoryError("injected: the third key block's allocation")
+
+    run._chunked_steps = failing_steps  # type: ignore[method-assign]
+    assert [run.step(budget_s=1e-9) for _ in range(2)] == [False, False]  # a block each
+    with pytest.raises(MemoryError, match="injected"):
+        run.step(budget_s=1e-9)
+    share = run.share_done
+    assert 0 < share < 1
+    with pytest.raises(RuntimeError, match="cannot go on"):
+        run.step(budget_s=1e-9)
+    assert run.share_done == share
+    assert not run.done
+    with pytest.raises(RuntimeError, match="tiles done"):
+        run.result()

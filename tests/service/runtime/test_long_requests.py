@@ -355,6 +355,42 @@ def test_the_backlog_counts_what_is_left_when_the_steps_outnumber_the_plan() -> 
     assert early > late > 0.25 * left_s > 0
 
 
+def test_a_share_done_out_of_bounds_never_makes_the_backlog_negative_or_nan() -> None:
+    """Resumable.share_done is trusted only within [0, 1] and never backwards: a run that
+    reports 1.5, NaN, then less than before leaves the backlog finite and >= 0 at every step,
+    and its estimate is credited to the pace exactly once (a review read -0.036 s)."""
+    reported = [1.5, float("nan"), 0.2, 0.1, 0.1]
+    backlogs: list[float] = []
+
+    class Wild(FakeRun):
+        @property
+        def share_done(self) -> float:
+            return reported[self.tiles_done - 1] if self.tiles_done else 0.0
+
+        def step(self, budget_s: float) -> bool:
+            backlogs.append(batcher.backlog_seconds())  # what the previous step left
+            return super().step(budget_s)
+
+    device = Device()
+    device.start_long = lambda item, tiles: Wild(device, item, 5)  # type: ignore[method-assign]
+    batcher = make(device)
+
+    async def main() -> tuple[float, float]:
+        await batcher.start()
+        credited_before = batcher._done_work
+        await batcher.submit("Lwild:10", deadline=deadline_in(FAR))
+        backlogs.append(batcher.backlog_seconds())
+        credited = batcher._done_work - credited_before
+        await batcher.drain(5)
+        return credited, work_of("Lwild:10")
+
+    credited, work = run(main())
+    assert len(backlogs) == 6
+    assert all(0.0 <= backlog < 60.0 for backlog in backlogs), backlogs
+    # (the pace's decay shrinks the earlier credits a little; never more than the work)
+    assert 0.9 * work <= credited <= work
+
+
 def test_a_drain_that_times_out_stops_a_long_item_between_tiles() -> None:
     device = Device()
 
