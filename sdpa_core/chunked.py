@@ -40,9 +40,13 @@ from sdpa_core.masks import MaskPlan
 ReturnT = TypeVar("ReturnT")
 
 DEFAULT_BLOCK_SIZE = 512
-# Elements of one [B, H, tile_q, block] scratch tile (three live at once): 2^19 fp32 = 2 MiB,
-# small enough to stay in cache, large enough that per-block Python overhead is amortized.
-TILE_ELEMENTS = 1 << 19
+# Elements of one [B, H, tile_q, block] scratch tile (three live at once): 2^20 fp32 = 4 MiB.
+# Each elementwise op on a tile is one OpenMP parallel region, and the server's idle workers
+# sleep (OMP_WAIT_POLICY=PASSIVE), so every region pays their wake-up: 2^20 runs the chunked
+# and dense paths 1.2-1.6x faster than 2^19 under PASSIVE, and as fast with spinning workers.
+# 2^21 was 0.9-1.3x as fast as 2^20 (faster under PASSIVE, mixed with spinning workers) for
+# twice the scratch, and 2^22 slower (bench/cpu_threads.py, BENCHMARKS.md).
+TILE_ELEMENTS = 1 << 20
 
 
 def group_queries(x: torch.Tensor, kv_heads: int) -> torch.Tensor:

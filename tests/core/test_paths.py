@@ -19,6 +19,7 @@ from torch.nn.functional import scaled_dot_product_attention
 
 from sdpa_core import DEFAULT_FUSED_TILE_BYTES, attention, default_scale
 from sdpa_core.attention import AttentionRun, prepare_inputs
+from sdpa_core.dense import dense_tile_q
 from sdpa_core.fused import SdpaFunction, fused_attention
 from tests.core.reference import (
     assert_matches_golden,
@@ -394,10 +395,11 @@ def test_dense_tiles_over_queries_with_long_keys(heads: tuple[int, int]) -> None
     """Long rows make the dense path tile over queries and write each tile into a strided
     view of the weight matrix (the GQA product then runs on that view)."""
     h, h_kv = heads
-    n_q, n_kv = 80, 4096  # 2^19-element tiles: 16 or 32 query rows each
+    n_q, n_kv = 160, 4096  # 2^20-element tiles: 64 or 128 query rows each
     gen = torch.Generator().manual_seed(21)
     q = torch.randn(1, h, n_q, 8, generator=gen)
     k = torch.randn(1, h_kv, n_kv, 8, generator=gen)
+    assert dense_tile_q(q, k) < n_q  # the premise: more than one tile
     v = torch.randn(1, h_kv, n_kv, 3, generator=gen)
     kl = torch.tensor([[4000, 100, 4096, 5][:h]])
     res = attention(

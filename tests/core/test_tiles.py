@@ -149,14 +149,14 @@ def test_tile_bounds_cut_at_multiples_of_the_quantum(
 
 
 def test_rows_are_cut_where_the_path_cuts_them() -> None:
-    """By default a run cuts query rows at the path's own row tile (the chunked path's 128
-    rows for 8 heads and 512-key blocks), where a tile costs no more than its share; the
-    result is the same either way."""
+    """By default a run cuts query rows at the path's own row tile (the chunked path's 256
+    rows for 8 heads and 512-key blocks: 2^20-element tiles), where a tile costs no more
+    than its share; the result is the same either way."""
     gen = torch.Generator().manual_seed(5)
-    q, k, v = (torch.randn(1, 8, 600, 16, generator=gen) for _ in range(3))
+    q, k, v = (torch.randn(1, 8, 1200, 16, generator=gen) for _ in range(3))
     run = AttentionRun(q, k, v, diagnostics="summary", tiles=4)
     assert run.path == "chunked"
-    assert [tile.q0 for tile in run._tiles] == [0, 128, 256, 384]
+    assert [tile.q0 for tile in run._tiles] == [0, 256, 512, 768]
     torch.testing.assert_close(run.run().output, attention(q, k, v).output)
 
 
