@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections.abc import AsyncIterator
 from typing import Any, Final
@@ -30,7 +31,7 @@ from service.middleware.content_encoding import ContentEncodingMiddleware
 from service.middleware.drain import ConnectionCloseWhileDrainingMiddleware
 from service.middleware.inflight import InflightBytesMiddleware, default_inflight_bytes
 from service.runtime.batcher import DynamicBatcher
-from service.runtime.device import resolve_device
+from service.runtime.device import keep_intra_op_threads, resolve_device
 from service.runtime.engine import Engine
 from service.runtime.policy import job_work
 from service.serving.health import HealthMonitor
@@ -71,9 +72,26 @@ async def _warm_up(state: AppState, engine: Engine, batcher: DynamicBatcher[Any,
     logger.info("warmed up on %s", engine.device, extra={"json_fields": state.cost_model.as_json()})
 
 
-def _lifespan(engine: Engine | None) -> Any:
+async def _give_intra_op_threads_to_the_device_thread(batcher: Batcher) -> None:
+    """torch's intra-op (OpenMP) threads for the device thread alone; every other thread
+    (the event loop, the decoding and encoding workers) runs its torch calls inline.
+
+    libgomp gives each thread that starts a parallel region a team of its own. Once the
+    teams hold more threads than there are cores, it cuts every idle worker's spin to almost
+    nothing, so the device thread's workers sleep and are woken again between the small
+    kernels of the chunked path: its compute took about twice as long in the server as in a
+    process of one thread (BENCHMARKS.md). The device thread keeps the count torch chose.
+    """
+    threads = torch.get_num_threads()
+    await batcher.run_on_device(functools.partial(keep_intra_op_threads, threads))
+    # The process default, which threads take at their first torch call, and this thread's.
+    torch.set_num_threads(1)
+
+
+def _lifespan(engine: Engine | None, *, own_process: bool) -> Any:
     """The lifespan: start the batcher (with `engine`, or one built for the settings' device),
-    warm up beside serving, drain on the way out."""
+    warm up beside serving, drain on the way out. own_process: the app is the process's (as
+    `serve` runs it), so it may set process-wide thread counts."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -122,6 +140,8 @@ def _lifespan(engine: Engine | None) -> Any:
         state.batcher = batcher
         state.health = health
         await batcher.start()
+        if own_process:
+            await _give_intra_op_threads_to_the_device_thread(batcher)
         # Warm-up runs beside serving, so liveness answers at once and readiness tells the truth.
         warm_up = asyncio.create_task(_warm_up(state, running, batcher))
         try:
@@ -140,13 +160,18 @@ def _lifespan(engine: Engine | None) -> Any:
 # ---- the factory ---------------------------------------------------------------------------
 
 
-def create_app(settings: Settings | None = None, *, engine: Engine | None = None) -> FastAPI:
+def create_app(
+    settings: Settings | None = None, *, engine: Engine | None = None, own_process: bool = False
+) -> FastAPI:
     """The service.
 
     Args:
         settings: None reads them from the environment (SDPA_*), here and nowhere else.
         engine: the engine to run jobs on; None builds one for settings.device when the
             lifespan starts. Tests pass their own (a CPU engine with a small batch budget).
+        own_process: the process is the app's (`serve`): its lifespan gives torch's
+            intra-op threads to the device thread alone, a process-wide setting that an app
+            inside another program (a test) must not change.
 
     Returns:
         The FastAPI application; its lifespan starts the batcher and warms up the device.
@@ -161,7 +186,7 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
         title="sdpa-service",
         version=VERSION,
         description=DESCRIPTION,
-        lifespan=_lifespan(engine),
+        lifespan=_lifespan(engine, own_process=own_process),
         static_url=DOCS_ASSETS,
     )
     state = AppState(

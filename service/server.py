@@ -194,7 +194,9 @@ async def linger_until_quiet() -> None:
 # concurrency 16 lost about 40% of their throughput on 2 cores whenever libgomp did not throttle
 # the spin by itself (it does so only once it runs more threads than there are cores, which
 # depended on which threads had happened to call torch). PASSIVE: idle workers sleep at once.
-# libgomp reads it when torch is first imported; an operator's own value wins.
+# libgomp reads it when torch is first imported; an operator's own value wins (GOMP_SPINCOUNT
+# too, which libgomp puts before the policy: the app gives torch's threads to the device
+# thread alone, so a spin set there is not throttled away; README "Operations").
 OPENMP_DEFAULTS: Final = {"OMP_WAIT_POLICY": "PASSIVE"}
 SWITCH_INTERVAL_S: Final = 0.001
 
@@ -226,7 +228,7 @@ def serve(settings: Settings) -> int:
     logging._srcfile = None
     # Python warnings (torch's UserWarnings...) as JSON lines too, not bare text on stderr.
     logging.captureWarnings(True)
-    app = create_app(settings)
+    app = create_app(settings, own_process=True)
     config = uvicorn.Config(
         app,
         host=settings.host,

@@ -31,6 +31,18 @@ def resolve_device(spec: str) -> torch.device:
     return device
 
 
+def keep_intra_op_threads(threads: int) -> None:
+    """Called on the device thread: keep `threads` of torch's intra-op (OpenMP) threads for
+    this thread, whatever the process default becomes after.
+
+    torch takes a thread's count from the process default at the thread's first torch call
+    (a lazy, per-thread initialization that would overwrite a count set before it), so that
+    call comes first here.
+    """
+    torch.get_num_threads()
+    torch.set_num_threads(threads)
+
+
 # Copies through pinned (page-locked) host memory up to this size: torch's caching host
 # allocator keeps pinned blocks for reuse and never hands them back to the OS, so a rare huge
 # answer must not pin its size for the life of the process.

@@ -23,21 +23,24 @@ def _spin_count(log: str) -> int:
 
 
 @pytest.mark.parametrize(
-    ("operator_value", "expected_spin_count"),
-    [(None, 0), ("ACTIVE", 30_000_000_000)],
-    ids=["default-passive", "operator-value-wins"],
+    ("operator_env", "expected_spin_count"),
+    [
+        ({}, 0),
+        ({"OMP_WAIT_POLICY": "ACTIVE"}, 30_000_000_000),
+        # README "Operations": a short spin for traffic of long chunked requests.
+        ({"GOMP_SPINCOUNT": "30000"}, 30_000),
+    ],
+    ids=["default-passive", "operator-policy-wins", "operator-spin-count-wins"],
 )
 def test_the_server_makes_idle_openmp_workers_sleep_unless_told_otherwise(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
-    operator_value: str | None,
+    operator_env: dict[str, str],
     expected_spin_count: int,
 ) -> None:
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)  # the server inherits this environment
     monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
-    env = {"OMP_DISPLAY_ENV": "VERBOSE"}
-    if operator_value is not None:
-        env["OMP_WAIT_POLICY"] = operator_value
+    env = {"OMP_DISPLAY_ENV": "VERBOSE", **operator_env}
     with live_server(env, tmp_path=tmp_path) as server:
         log = server.log()
     assert _spin_count(log) == expected_spin_count
