@@ -1,7 +1,7 @@
 """Tiled attention with an online (log-sum-exp) softmax and streaming row statistics.
 
 Queries are processed in tiles and keys in blocks of `block_size`, so the largest buffers are
-two [B, H, tile_q, block] scratch tiles: O(N) memory in the sequence length. Per row the
+three [B, H, tile_q, block] scratch tiles: O(N) memory in the sequence length. Per row the
 online state is (m, l, t, a2, a3, acc), updated for each key block of scores s_j:
 
     m' = max(m, max_j s_j);  alpha = e^(m - m')
@@ -43,7 +43,7 @@ DEFAULT_BLOCK_SIZE = 512
 # Elements of one [B, H, tile_q, block] scratch tile (three live at once): 2^20 fp32 = 4 MiB.
 # Each elementwise op on a tile is one OpenMP parallel region, and the server's idle workers
 # sleep (OMP_WAIT_POLICY=PASSIVE), so every region pays their wake-up: 2^20 runs the chunked
-# and dense paths 1.2-1.6x faster than 2^19 under PASSIVE, and as fast with spinning workers.
+# and dense paths 1.3-1.5x faster than 2^19 under PASSIVE, and as fast with spinning workers.
 # 2^21 was 0.9-1.3x as fast as 2^20 (faster under PASSIVE, mixed with spinning workers) for
 # twice the scratch, and 2^22 slower (bench/cpu_threads.py, BENCHMARKS.md).
 TILE_ELEMENTS = 1 << 20

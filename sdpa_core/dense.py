@@ -3,7 +3,7 @@
 It is the tiled routine of the chunked path (attend_tiles_steps) run with one key block (the whole
 row), writing the normalized exponentials straight into the weight matrix, so dense and
 chunked share every formula and read their visibility from the same MaskPlan. Query tiles
-keep the score scratch cache-sized.
+bound the score scratch (TILE_ELEMENTS: a few MiB).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from sdpa_core.masks import MaskPlan
 
 
 def dense_tile_q(q4: torch.Tensor, k4: torch.Tensor) -> int:
-    """Query rows per tile: the score tile stays cache-sized while the weights (the only
+    """Query rows per tile: the score tile stays within TILE_ELEMENTS while the weights (the only
     N_q x N_kv allocation) are filled in place."""
     b, h, n_q, _ = q4.shape
     return min(n_q, max(16, TILE_ELEMENTS // (b * h * k4.shape[2])))

@@ -72,26 +72,27 @@ async def _warm_up(state: AppState, engine: Engine, batcher: DynamicBatcher[Any,
     logger.info("warmed up on %s", engine.device, extra={"json_fields": state.cost_model.as_json()})
 
 
-async def _give_intra_op_threads_to_the_device_thread(batcher: Batcher) -> None:
+async def _give_intra_op_threads_to_the_device_thread(batcher: Batcher, threads: int) -> None:
     """torch's intra-op (OpenMP) threads for the device thread alone; every other thread
     (the event loop, the decoding and encoding workers) runs its torch calls inline.
 
     libgomp gives each thread that starts a parallel region a team of its own. Once the
-    teams hold more threads than there are cores, it cuts every idle worker's spin to almost
+    teams hold more threads than the process has CPUs, it cuts every idle worker's spin to almost
     nothing, so the device thread's workers sleep and are woken again between the small
     kernels of the chunked path: its compute took about twice as long in the server as in a
-    process of one thread (BENCHMARKS.md). The device thread keeps the count torch chose.
+    process of one thread (BENCHMARKS.md). The device thread keeps `threads`: the count torch
+    chose, read when the app was built (the process default is 1 after a first lifespan).
     """
-    threads = torch.get_num_threads()
     await batcher.run_on_device(functools.partial(keep_intra_op_threads, threads))
     # The process default, which threads take at their first torch call, and this thread's.
     torch.set_num_threads(1)
 
 
-def _lifespan(engine: Engine | None, *, own_process: bool) -> Any:
+def _lifespan(engine: Engine | None, *, device_threads: int | None) -> Any:
     """The lifespan: start the batcher (with `engine`, or one built for the settings' device),
-    warm up beside serving, drain on the way out. own_process: the app is the process's (as
-    `serve` runs it), so it may set process-wide thread counts."""
+    warm up beside serving, drain on the way out. device_threads: the app is the process's (as
+    `serve` runs it), so on the CPU it gives torch's intra-op threads, this many, to the device
+    thread alone (a process-wide setting)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -140,8 +141,8 @@ def _lifespan(engine: Engine | None, *, own_process: bool) -> Any:
         state.batcher = batcher
         state.health = health
         await batcher.start()
-        if own_process:
-            await _give_intra_op_threads_to_the_device_thread(batcher)
+        if device_threads is not None and running.device.type == "cpu":
+            await _give_intra_op_threads_to_the_device_thread(batcher, device_threads)
         # Warm-up runs beside serving, so liveness answers at once and readiness tells the truth.
         warm_up = asyncio.create_task(_warm_up(state, running, batcher))
         try:
@@ -169,9 +170,9 @@ def create_app(
         settings: None reads them from the environment (SDPA_*), here and nowhere else.
         engine: the engine to run jobs on; None builds one for settings.device when the
             lifespan starts. Tests pass their own (a CPU engine with a small batch budget).
-        own_process: the process is the app's (`serve`): its lifespan gives torch's
-            intra-op threads to the device thread alone, a process-wide setting that an app
-            inside another program (a test) must not change.
+        own_process: the process is the app's (`serve`): on the CPU its lifespan gives
+            torch's intra-op threads to the device thread alone, a process-wide setting that
+            an app inside another program (a test) must not change.
 
     Returns:
         The FastAPI application; its lifespan starts the batcher and warms up the device.
@@ -186,7 +187,7 @@ def create_app(
         title="sdpa-service",
         version=VERSION,
         description=DESCRIPTION,
-        lifespan=_lifespan(engine, own_process=own_process),
+        lifespan=_lifespan(engine, device_threads=torch.get_num_threads() if own_process else None),
         static_url=DOCS_ASSETS,
     )
     state = AppState(

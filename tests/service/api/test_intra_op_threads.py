@@ -1,5 +1,5 @@
-"""An app that owns its process (`serve`: create_app(own_process=True)) gives torch's intra-op
-threads to the device thread alone: the device thread keeps the count torch chose, and every
+"""An app that owns its process (`serve`: create_app(own_process=True)) on the CPU gives torch's
+intra-op threads to the device thread alone: the device thread keeps the count torch chose, and every
 other thread (the event loop, anyio's decoding and encoding workers) gets 1, so it runs its torch
 calls inline and starts no OpenMP team of its own (libgomp throttles every team's spin once the
 teams outnumber the cores; BENCHMARKS.md). An app inside another program leaves the counts alone.
