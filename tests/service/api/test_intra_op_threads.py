@@ -1,8 +1,9 @@
-"""An app that owns its process (`serve`: create_app(own_process=True)) on the CPU gives torch's
-intra-op threads to the device thread alone: the device thread keeps the count torch chose, and every
-other thread (the event loop, anyio's decoding and encoding workers) gets 1, so it runs its torch
-calls inline and starts no OpenMP team of its own (libgomp throttles every team's spin once the
-teams outnumber the cores; BENCHMARKS.md). An app inside another program leaves the counts alone.
+"""An app that owns its process (`serve`: create_app(own_process=True)) on the CPU gives
+torch's intra-op threads to the device thread alone: the device thread keeps the count torch
+chose, and every other thread (the event loop, anyio's decoding and encoding workers) gets 1, so
+it runs its torch calls inline and starts no OpenMP team of its own (libgomp throttles every
+team's spin once all teams hold more threads than the process has CPUs; BENCHMARKS.md). An app
+inside another program leaves the counts alone.
 
 Each case runs in a fresh interpreter: the counts are process-wide, and torch fixes a thread's
 count at its first torch call.
