@@ -77,11 +77,11 @@ async def _give_intra_op_threads_to_the_device_thread(batcher: Batcher, threads:
     (the event loop, the decoding and encoding workers) runs its torch calls inline.
 
     libgomp gives each thread that starts a parallel region a team of its own. Once the
-    teams hold more threads than the process has CPUs, it cuts every idle worker's spin to almost
-    nothing, so the device thread's workers sleep and are woken again between the small
-    kernels of the chunked path: its compute took about twice as long in the server as in a
-    process of one thread (BENCHMARKS.md). The device thread keeps `threads`: the count torch
-    chose, read when the app was built (the process default is 1 after a first lifespan).
+    teams together hold more threads than the process has CPUs, it cuts every idle worker's
+    spin to almost nothing, so the device thread's workers sleep and are woken again between
+    the small kernels of the chunked path, whatever GOMP_SPINCOUNT says (BENCHMARKS.md). The
+    device thread keeps `threads`: the count torch chose, read when the app was built (the
+    process default is 1 after a first lifespan).
     """
     await batcher.run_on_device(functools.partial(keep_intra_op_threads, threads))
     # The process default, which threads take at their first torch call, and this thread's.
