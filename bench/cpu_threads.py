@@ -23,7 +23,6 @@ Writes bench/results/cpu_threads.json and cpu_threads.md.
 from __future__ import annotations
 
 import argparse
-import base64
 import json
 import os
 import platform
@@ -36,13 +35,12 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import numpy as np
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:  # run as a script: make `bench` importable
     sys.path.insert(0, str(REPO_ROOT))
 
-from bench.support import live_server  # noqa: E402
+from bench.support import LONG_ANALYZE, live_server, long_attention_body  # noqa: E402
 
 RESULTS = REPO_ROOT / "bench" / "results"
 EXPONENTS = (19, 20, 21, 22)
@@ -100,14 +98,9 @@ def tiles_part() -> dict[str, dict[str, dict[str, float]]]:
 
 
 def long_bodies() -> dict[str, tuple[str, bytes]]:
-    x = np.random.default_rng(0).standard_normal((1, 8, 8192, 16)).astype(np.float32)
-    b64 = base64.b64encode(x.tobytes()).decode()
-    tensor = {"dtype": "float32", "shape": list(x.shape), "b64": b64}
-    attention = {"q": tensor, "k": tensor, "v": tensor, "diagnostics": "summary"}
-    analyze = {"synthetic": {"n_q": 8192, "n_k": 8192, "d_k": 128, "std": 1.0, "seed": 0}}
     return {
-        "attention [1, 8, 8192, 16] summary": ("/v1/attention", json.dumps(attention).encode()),
-        "analyze 8192 x 8192": ("/v1/analyze", json.dumps(analyze).encode()),
+        "attention [1, 8, 8192, 16] summary": ("/v1/attention", long_attention_body()),
+        "analyze 8192 x 8192": ("/v1/analyze", json.dumps(LONG_ANALYZE).encode()),
     }
 
 

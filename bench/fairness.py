@@ -27,7 +27,6 @@ one slice. Writes bench/results/fairness.json and fairness.md.
 from __future__ import annotations
 
 import argparse
-import base64
 import json
 import os
 import platform
@@ -49,7 +48,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:  # run as a script: make `bench` importable
     sys.path.insert(0, str(REPO_ROOT))
 
-from bench.support import live_server  # noqa: E402
+from bench.support import LONG_ANALYZE, live_server, long_attention_body  # noqa: E402
 from sdpa_core import AnalysisRun, AttentionRun, make_synthetic_qk  # noqa: E402
 
 RESULTS = REPO_ROOT / "bench" / "results"
@@ -58,19 +57,8 @@ SMALL = {
     "k": [[1.0, 0.0], [0.0, 1.0]],
     "v": [[1.0, 2.0], [3.0, 4.0]],
 }
-ANALYZE = {"synthetic": {"n_q": 8192, "n_k": 8192, "d_k": 128, "std": 1.0, "seed": 0}}
 SLICED_MS, UNSLICED_MS = 50.0, 60_000.0
 THINK_S = 0.02
-
-
-def attention_body() -> bytes:
-    x = np.random.default_rng(0).standard_normal((1, 8, 8192, 16)).astype(np.float32)
-    tensor = {
-        "dtype": "float32",
-        "shape": list(x.shape),
-        "b64": base64.b64encode(x.tobytes()).decode(),
-    }
-    return json.dumps({"q": tensor, "k": tensor, "v": tensor, "diagnostics": "summary"}).encode()
 
 
 def percentiles(latencies: list[float]) -> dict[str, float]:
@@ -105,8 +93,8 @@ def long_client(url: str, path: str, body: bytes, stop: threading.Event, out: li
 
 
 def measure(slice_ms: float, seconds: float, tmp: Path) -> dict[str, Any]:
-    big = attention_body()
-    analyze = json.dumps(ANALYZE).encode()
+    big = long_attention_body()
+    analyze = json.dumps(LONG_ANALYZE).encode()
     with live_server({"SDPA_SLICE_MS": str(slice_ms)}, tmp_path=tmp) as server:
         url = server.url
         small_client(url, 2.0)  # warm-up
@@ -139,7 +127,8 @@ def measure(slice_ms: float, seconds: float, tmp: Path) -> dict[str, Any]:
         with httpx.Client(timeout=120) as client:
             for _ in range(5):
                 started = time.perf_counter()
-                response = client.post(f"{url}/v1/analyze", json={**ANALYZE, "timeout_ms": 800})
+                with_deadline = {**LONG_ANALYZE, "timeout_ms": 800}
+                response = client.post(f"{url}/v1/analyze", json=with_deadline)
                 answered = time.perf_counter() - started
                 started = time.perf_counter()
                 client.post(f"{url}/v1/attention", json=SMALL)

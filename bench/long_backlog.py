@@ -22,7 +22,6 @@ out. Writes bench/results/long_backlog.json and long_backlog.md.
 from __future__ import annotations
 
 import argparse
-import base64
 import json
 import os
 import platform
@@ -37,13 +36,12 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import numpy as np
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:  # run as a script: make `bench` importable
     sys.path.insert(0, str(REPO_ROOT))
 
-from bench.support import live_server  # noqa: E402
+from bench.support import LONG_ANALYZE, live_server, long_attention_body  # noqa: E402
 
 RESULTS = REPO_ROOT / "bench" / "results"
 TINY = {"q": [[1.0, 0.0]], "k": [[1.0, 0.0]], "v": [[1.0, 2.0]]}
@@ -53,14 +51,9 @@ MIN_LEFT_S = 0.3
 
 def long_requests() -> dict[str, tuple[str, bytes]]:
     """name -> (route, JSON body)."""
-    x = np.random.default_rng(0).standard_normal((1, 8, 8192, 16)).astype(np.float32)
-    b64 = base64.b64encode(x.tobytes()).decode()
-    tensor = {"dtype": "float32", "shape": list(x.shape), "b64": b64}
-    attention = {"q": tensor, "k": tensor, "v": tensor, "diagnostics": "summary"}
-    analyze = {"synthetic": {"n_q": 8192, "n_k": 8192, "d_k": 128, "std": 1.0, "seed": 0}}
     return {
-        "analyze": ("/v1/analyze", json.dumps(analyze).encode()),
-        "attention": ("/v1/attention", json.dumps(attention).encode()),
+        "analyze": ("/v1/analyze", json.dumps(LONG_ANALYZE).encode()),
+        "attention": ("/v1/attention", long_attention_body()),
     }
 
 

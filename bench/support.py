@@ -1,10 +1,13 @@
-"""What the benchmarks share: a free loopback port, and a real `sdpa-service serve` to measure.
+"""What the benchmarks share: a free loopback port, a real `sdpa-service serve` to measure, and
+the long requests the issue-15 benchmarks send it.
 
 The benchmarks import nothing from tests/: they run from a checkout without the test suite.
 """
 
 from __future__ import annotations
 
+import base64
+import json
 import os
 import socket
 import subprocess
@@ -16,8 +19,22 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import numpy as np
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+
+# A synthetic /v1/analyze of seconds of device time in a body of a few bytes: five chunked
+# passes over 8192 x 8192 scores of d_k 128.
+LONG_ANALYZE = {"synthetic": {"n_q": 8192, "n_k": 8192, "d_k": 128, "std": 1.0, "seed": 0}}
+
+
+def long_attention_body() -> bytes:
+    """q = k = v [1, 8, 8192, 16] with summary diagnostics (the chunked path): a 16 MB JSON
+    body whose decoding competes with the compute for the cores."""
+    x = np.random.default_rng(0).standard_normal((1, 8, 8192, 16)).astype(np.float32)
+    b64 = base64.b64encode(x.tobytes()).decode()
+    tensor = {"dtype": "float32", "shape": list(x.shape), "b64": b64}
+    return json.dumps({"q": tensor, "k": tensor, "v": tensor, "diagnostics": "summary"}).encode()
 
 
 def free_port() -> int:
