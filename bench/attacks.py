@@ -3,6 +3,7 @@ clients that never read cost, and whether /healthz keeps answering.
 
     .venv/bin/python bench/attacks.py near-limit   # ~1 min: the work limit's edge
     .venv/bin/python bench/attacks.py never-read   # ~30 s: 12 clients leave 89 MB unread
+    .venv/bin/python bench/attacks.py long-flood   # ~40 s: 16 clients loop long requests
 
 near-limit: q = k = v of [1, 1, N, D] around the default work limit (10 s of device time),
 fused and chunked, each sent while /healthz is probed every 0.2 s; prints the status, the time,
@@ -11,13 +12,22 @@ the worst /healthz latency and the server's peak RSS (VmHWM).
 never-read: SDPA_SEND_TIMEOUT_S=3 and SDPA_MAX_INFLIGHT_BYTES=600 MiB; 12 clients ask at once
 for weights [1, 1, 4096, 4096] in base64 (89 MB each) and read nothing, while a reading client
 sends small requests; prints RSS over time, the reading client's statuses, the refusals and
-the worst /healthz latency. Every loop is bounded in time; the server listens on 127.0.0.1.
+the worst /healthz latency.
+
+long-flood: the largest legal synthetic /v1/analyze (8192 x 8192 scores, the weights-element
+limit) and the next size up; then, for 25 s, 16 clients each looping long requests (half the
+synthetic analyze, half a 16 MB summary attention: long requests take turns in tiles, at most
+2 x MAX_RUNNING_LONG at once) beside a small client every 20 ms; prints the long requests'
+statuses, the small client's p50 / p99 / max, and the server's peak RSS.
+
+Every loop is bounded in time; the server listens on 127.0.0.1.
 """
 
 from __future__ import annotations
 
 import argparse
 import base64
+import collections
 import json
 import socket
 import sys
@@ -33,7 +43,12 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:  # run as a script: make `bench` importable
     sys.path.insert(0, str(REPO_ROOT))
 
-from bench.support import BenchServer, live_server  # noqa: E402
+from bench.support import (  # noqa: E402
+    LONG_ANALYZE,
+    BenchServer,
+    live_server,
+    long_attention_body,
+)
 
 MB = 2**20
 
@@ -131,11 +146,64 @@ def never_read() -> None:
             sock.close()
 
 
+def long_flood(seconds: float = 25.0, clients: int = 16) -> None:
+    with tempfile.TemporaryDirectory() as tmp, live_server({}, tmp_path=Path(tmp)) as server:
+        print("baseline MB:", memory_mb(server))
+        for n in (8192, 16384):
+            body = {"synthetic": {**LONG_ANALYZE["synthetic"], "n_q": n, "n_k": n}}
+            started = time.perf_counter()
+            response = httpx.post(f"{server.url}/v1/analyze", json=body, timeout=120)
+            took = time.perf_counter() - started
+            detail = "" if response.status_code == 200 else response.json()["detail"]
+            print(f"analyze {n} x {n}: {response.status_code} in {took:.2f} s {detail}")
+        bodies = [("/v1/analyze", json.dumps(LONG_ANALYZE).encode()),
+                  ("/v1/attention", long_attention_body())]  # fmt: skip
+        stop = time.monotonic() + seconds
+        statuses: list[int] = []
+        small_ms: list[float] = []
+
+        def flood(i: int) -> None:
+            path, body = bodies[i % 2]
+            with httpx.Client(timeout=120) as client:
+                while time.monotonic() < stop:
+                    response = client.post(
+                        f"{server.url}{path}",
+                        content=body,
+                        headers={"content-type": "application/json"},
+                    )
+                    statuses.append(response.status_code)
+
+        def small_client() -> None:
+            small = {"q": [[1.0, 0.0]], "k": [[1.0, 0.0]], "v": [[1.0, 2.0]]}
+            with httpx.Client(timeout=30) as client:
+                while time.monotonic() < stop:
+                    started = time.perf_counter()
+                    client.post(f"{server.url}/v1/attention", json=small).raise_for_status()
+                    small_ms.append((time.perf_counter() - started) * 1e3)
+                    time.sleep(0.02)
+
+        threads = [threading.Thread(target=flood, args=(i,)) for i in range(clients)]
+        threads.append(threading.Thread(target=small_client))
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        small_ms.sort()
+        p99 = small_ms[min(len(small_ms) - 1, int(0.99 * len(small_ms)))]
+        print("long requests' statuses:", dict(collections.Counter(statuses)))
+        print(f"small client: p50 {small_ms[len(small_ms) // 2]:.0f} ms, p99 {p99:.0f} ms, "
+              f"max {small_ms[-1]:.0f} ms")  # fmt: skip
+        print("peak MB:", memory_mb(server))
+
+
+ATTACKS = {"near-limit": near_limit, "never-read": never_read, "long-flood": long_flood}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    parser.add_argument("attack", choices=["near-limit", "never-read"])
+    parser.add_argument("attack", choices=list(ATTACKS))
     args = parser.parse_args()
-    near_limit() if args.attack == "near-limit" else never_read()
+    ATTACKS[args.attack]()
     return 0
 
 
