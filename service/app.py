@@ -98,6 +98,9 @@ def _lifespan(engine: Engine | None, *, device_threads: int | None) -> Any:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         state = state_of(app)
         settings = state.settings
+        # A fresh event per lifespan: an asyncio.Event belongs to the loop that first waits on
+        # it, and a test may run an app's lifespan more than once.
+        state.stopping = asyncio.Event()
         running = (
             engine
             if engine is not None
@@ -150,6 +153,7 @@ def _lifespan(engine: Engine | None, *, device_threads: int | None) -> Any:
         finally:
             # Idempotent: service.server drains on SIGTERM before the lifespan ends.
             await batcher.drain(settings.drain_timeout_s)
+            state.stopping.set()
             health.drop_pending()
             warm_up.cancel()
             with contextlib.suppress(asyncio.CancelledError):

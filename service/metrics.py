@@ -96,6 +96,13 @@ class Metrics:
             ["reason"],
             registry=reg,
         )
+        self.reads_paused_total = Counter(
+            "sdpa_connection_reads_paused_total",
+            "Times the server stopped reading a connection because SDPA_MAX_PIPELINED_REQUESTS "
+            "of its requests waited unanswered (backpressure: reading resumes as they are "
+            "answered and read).",
+            registry=reg,
+        )
         self.rejected_total = Counter(
             "sdpa_rejected_total",
             "Requests refused or dropped before compute, by reason "

@@ -66,6 +66,14 @@ class Settings(BaseSettings):
     read_timeout_s: float = Field(default=15.0, gt=0.0, le=3600.0)
     send_timeout_s: float = Field(default=60.0, gt=0.0, le=3600.0)
     max_connections: int = Field(default=2048, ge=1, le=1_000_000)
+    # Below the application (service.middleware.connections): a request's line and header
+    # lines together (431 past it), how many header lines (431), and how many requests one
+    # connection may have waiting unanswered before the server stops reading it (pipelining:
+    # backpressure, never a 4xx). A request's headers must also be complete within
+    # read_timeout_s of their first byte, however steadily they trickle (408).
+    max_header_bytes: int = Field(default=32 * 1024, ge=1024, le=1024 * 1024)
+    max_headers: int = Field(default=100, ge=8, le=10_000)
+    max_pipelined_requests: int = Field(default=8, ge=1, le=1024)
 
     # Comma-separated keys, or a JSON list. Empty = authentication off.
     api_keys: Annotated[tuple[SecretStr, ...], NoDecode] = ()

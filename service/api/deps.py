@@ -7,6 +7,7 @@ untyped attributes.
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from dataclasses import dataclass, field
 from typing import Annotated
@@ -41,6 +42,10 @@ class AppState:
     # Measured on the device at warm-up; a slow CPU's figures until then (they err on the side
     # of refusing).
     cost_model: CostModel = field(default_factory=CostModel.uncalibrated)
+    # Set once the drain has ended (service.server, or the lifespan's own drain): the batcher
+    # takes no more work, so a request still reading or decoding its body can never be
+    # computed; it is answered 503 at once rather than left to be cancelled by the exit.
+    stopping: asyncio.Event = field(default_factory=asyncio.Event)
 
     def draining(self) -> bool:
         """True once the service began shutting down (the batcher refuses new work)."""
