@@ -267,9 +267,16 @@ def validate_inputs(
                 expected="float or null",
                 got=repr(scale),
             )
-        if not math.isfinite(scale):
+        accum = accumulation_dtype(q.dtype)
+        # The kernels take the scale in the accumulation dtype: -1e308 is -inf in float32, which
+        # would make every score -inf, so that the fused path answered zeros as if every key
+        # were masked while the chunked path refused it.
+        if not math.isfinite(scale) or abs(scale) > torch.finfo(accum).max:
             raise NonFiniteError(
-                "scale must be finite", param="scale", expected="finite float", got=repr(scale)
+                f"scale must be finite in the accumulation dtype ({_dtype_name(accum)})",
+                param="scale",
+                expected=f"|scale| <= {torch.finfo(accum).max:.6g}",
+                got=repr(scale),
             )
 
     if check_finite and not allow_nonfinite:

@@ -237,6 +237,40 @@ def test_a_huge_scale_never_returns_nan(path: str) -> None:
 
 
 @pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize(
+    ("dtype", "scale"),
+    [
+        # -1e308 is -inf in float32: every score -inf, and the fused path answered zeros.
+        (torch.float32, -1e308),
+        (torch.float32, 1e39),
+        (torch.float16, -3.5e38),  # half inputs accumulate in float32
+        (torch.bfloat16, 3.5e38),
+        (torch.float64, -math.inf),
+    ],
+)
+def test_a_scale_beyond_the_accumulation_dtype_is_refused_on_every_path(
+    path: str, dtype: torch.dtype, scale: float
+) -> None:
+    q = torch.tensor([[[[1.0, 0.0], [2.0, 0.0]]]], dtype=dtype)
+    diagnostics = "none" if path == "fused" else "summary"
+    with pytest.raises(NonFiniteError) as info:
+        attention(q, q, q, scale=scale, path=path, diagnostics=diagnostics)
+    assert info.value.param == "scale"
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_the_largest_float32_scale_is_legal(path: str) -> None:
+    # The bound is the accumulation dtype's own largest value, not a margin below it: with
+    # q = 0 every score is 0 whatever the scale, and the weights are uniform.
+    q = torch.zeros(1, 1, 2, 2)
+    v = torch.tensor([[[[1.0, 2.0], [3.0, 4.0]]]])
+    diagnostics = "none" if path == "fused" else "summary"
+    scale = float(torch.finfo(torch.float32).max)
+    out = attention(q, q, v, scale=-scale, path=path, diagnostics=diagnostics)
+    torch.testing.assert_close(out.output, torch.tensor([[[[2.0, 3.0], [2.0, 3.0]]]]))
+
+
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
 def test_nonfinite_in_masked_keys_does_not_leak(path: str, bad: float) -> None:
     """allow_nonfinite: garbage in padded keys/values never reaches any row

@@ -104,3 +104,37 @@ def test_a_temperature_too_small_for_a_finite_scale_names_temperature(
     error = response.json()["errors"][0]
     assert error["loc"] == ["body", "temperature"]
     assert "not a finite number" in error["msg"]
+
+
+# Every q·k is positive, so -1e308 (-inf in float32) makes every score -inf, never NaN: the
+# fused path answered 200 with zeros, as if every key were masked.
+POSITIVE = [[1.0, 0.0], [2.0, 0.0]]
+
+
+@pytest.mark.parametrize("diagnostics", ["none", "summary", "full"])
+def test_a_scale_that_is_infinite_in_float32_is_a_422_on_every_path(
+    client: httpx.Client, diagnostics: str
+) -> None:
+    body = {"q": POSITIVE, "k": POSITIVE, "v": POSITIVE, "scale": -1e308}
+    response = client.post("/v1/attention", json={**body, "diagnostics": diagnostics})
+    assert response.status_code == 422, response.text
+    error = response.json()["errors"][0]
+    assert error["loc"][-1] == "scale"
+    assert "accumulation dtype (float32)" in error["msg"]
+
+
+def test_a_scale_that_is_infinite_in_float32_is_a_400_on_v2(client: httpx.Client) -> None:
+    inputs = [
+        {
+            "name": name,
+            "datatype": "FP32",
+            "shape": [2, 2],
+            "data": [x for row in POSITIVE for x in row],
+        }
+        for name in ("q", "k", "v")
+    ]
+    response = client.post(
+        "/v2/models/attention/infer", json={"inputs": inputs, "parameters": {"scale": -1e308}}
+    )
+    assert response.status_code == 400, response.text
+    assert "accumulation dtype (float32)" in response.json()["error"]
