@@ -8,6 +8,10 @@ and its static assets stay open too: they are public code and hold no data, a br
 attach a key when it opens a page, and every API call the page makes carries the key the user
 typed into it.
 
+A request presents exactly one key: several (two X-API-Key headers, or a Bearer token beside
+an X-API-Key) are refused without trying any, so that one request is one guess and the refusal
+count in sdpa_rejected_total{reason="unauthorized"} counts guesses.
+
 Comparison is constant time in the key's content and length: both sides are hashed to a fixed
 32-byte SHA-256 digest and compared with hmac.compare_digest against every configured key,
 accumulating the result without an early exit, so neither timing nor the order of keys reveals
@@ -64,28 +68,28 @@ class ApiKeyMiddleware:
             await self.app(scope, receive, send)
             return
         presented = _presented_keys(scope)
-        if presented and self._matches(presented):
+        if len(presented) == 1 and self._matches(presented[0]):
             await self.app(scope, receive, send)
             return
         if self.metrics is not None:
             self.metrics.rejected_total.labels(reason="unauthorized").inc()
-        detail = "invalid API key" if presented else "missing API key"
-        error = Unauthorized(
-            f"{detail}: send it as 'Authorization: Bearer <key>' or 'X-API-Key: <key>'"
-        )
+        if len(presented) > 1:
+            detail = f"{len(presented)} API keys presented, none tried: send exactly one"
+        else:
+            detail = "invalid API key" if presented else "missing API key"
+        error = Unauthorized(f"{detail}, as 'Authorization: Bearer <key>' or 'X-API-Key: <key>'")
         await service_error_response(error)(scope, receive, send)
 
     def _is_open(self, path: str) -> bool:
         # Static asset paths are normalized by the UI route, which 404s anything leaving static/.
         return path in self.open_paths or path.startswith(self.open_prefixes)
 
-    def _matches(self, presented: list[str]) -> bool:
+    def _matches(self, candidate: str) -> bool:
+        candidate_digest = _digest(candidate)
         matched = False
-        for candidate in presented:
-            candidate_digest = _digest(candidate)
-            for key_digest in self._key_digests:
-                # `|` (not `or`): every comparison runs, whatever matched before.
-                matched |= hmac.compare_digest(candidate_digest, key_digest)
+        for key_digest in self._key_digests:
+            # `|` (not `or`): every comparison runs, whatever matched before.
+            matched |= hmac.compare_digest(candidate_digest, key_digest)
         return matched
 
 

@@ -174,6 +174,9 @@ def test_middleware_header_handling() -> None:
         transport = httpx.ASGITransport(app=_app(metrics))
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
             both = {"Authorization": "Bearer nope", "X-API-Key": "a"}
+            right_twice = [("X-API-Key", "bb"), ("X-API-Key", "bb")]
+            # Many guesses in one request: each header a key, the right one among them.
+            guesses = [("X-API-Key", f"guess{i}") for i in range(50)] + [("X-API-Key", "a")]
             return {
                 "healthz": await client.get("/healthz"),
                 "readyz": await client.get("/readyz"),
@@ -182,6 +185,8 @@ def test_middleware_header_handling() -> None:
                 "x-api-key": await client.get("/x", headers={"X-API-Key": "bb"}),
                 "bearer": await client.get("/x", headers={"Authorization": "Bearer  a "}),
                 "both": await client.get("/x", headers=both),
+                "right_twice": await client.get("/x", headers=right_twice),
+                "guesses": await client.get("/x", headers=guesses),
                 "missing": await client.get("/x"),
                 "wrong": await client.get("/x", headers={"X-API-Key": "b"}),
             }
@@ -191,12 +196,15 @@ def test_middleware_header_handling() -> None:
     # Open paths match exactly: a longer path is not a loophole.
     assert got["healthz/extra"].status_code == got["readyzz"].status_code == 401
     assert got["x-api-key"].status_code == got["bearer"].status_code == 200
-    # One good credential among the two forms is enough.
-    assert got["both"].status_code == 200
+    # One request is one guess: several keys are refused, none tried, even when one is right.
+    assert got["both"].status_code == got["right_twice"].status_code == 401
+    assert got["guesses"].status_code == 401
+    assert got["both"].json()["detail"].startswith("2 API keys presented, none tried")
+    assert got["guesses"].json()["detail"].startswith("51 API keys presented, none tried")
     assert got["missing"].json()["detail"].startswith("missing API key")
     assert got["wrong"].json()["detail"].startswith("invalid API key")
     count = metrics.registry.get_sample_value("sdpa_rejected_total", {"reason": "unauthorized"})
-    assert count == 4  # healthz/extra, readyzz, missing, wrong
+    assert count == 7  # healthz/extra, readyzz, both, right_twice, guesses, missing, wrong
 
 
 def test_middleware_refuses_an_empty_key_set() -> None:
