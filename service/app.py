@@ -203,11 +203,9 @@ def create_app(
     app.state.sdpa = state
     install_error_handlers(app)
 
-    app.include_router(attention.router)
-    app.include_router(analyze.router)
-    app.include_router(health.router)
-    app.include_router(ui.router)
-    app.include_router(v2.router)
+    routers = (attention.router, analyze.router, health.router, ui.router, v2.router)
+    for router in routers:
+        app.include_router(router)
 
     # add_middleware puts each new one outermost: the order below is innermost first, so a
     # request meets the access log, then the API key check, then the inflation of a gzip or
@@ -220,15 +218,17 @@ def create_app(
         metrics=metrics,
     )
     app.add_middleware(ContentEncodingMiddleware)
+    # v2's probes stay open too: KServe's and Triton's orchestrators probe them.
+    open_paths = DEFAULT_OPEN_PATHS | {"/v2/health/live", "/v2/health/ready"}
     if api_keys:
-        # v2's probes stay open too: KServe's and Triton's orchestrators probe them.
-        open_paths = DEFAULT_OPEN_PATHS | {"/v2/health/live", "/v2/health/ready"}
         app.add_middleware(ApiKeyMiddleware, keys=api_keys, open_paths=open_paths, metrics=metrics)
     app.add_middleware(ConnectionCloseWhileDrainingMiddleware, draining=state.draining)
-    app.add_middleware(AccessLogMiddleware, metrics=metrics)
+    # A refusal before routing is labelled with the route it was made at (route_template).
+    included = [route for router in routers for route in router.routes]
+    app.add_middleware(AccessLogMiddleware, metrics=metrics, included=included)
 
     def openapi() -> dict[str, Any]:
-        return openapi_document(app, auth=bool(api_keys))
+        return openapi_document(app, auth=bool(api_keys), open_paths=open_paths)
 
     app.openapi = openapi  # type: ignore[method-assign]  # FastAPI's documented override
     return app

@@ -7,7 +7,7 @@ adds the wire models' schemas to its components.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, Final
 
 from fastapi import FastAPI
@@ -99,8 +99,11 @@ def request_body(schema: str, example: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-def openapi_document(app: FastAPI, *, auth: bool) -> dict[str, Any]:
-    """FastAPI's document plus our wire schemas (the hot routes declare their bodies by $ref)."""
+def openapi_document(app: FastAPI, *, auth: bool, open_paths: Iterable[str] = ()) -> dict[str, Any]:
+    """FastAPI's document plus our wire schemas (the hot routes declare their bodies by $ref).
+
+    With `auth`, every operation needs a key but those under `open_paths` (the probes).
+    """
     if app.openapi_schema:
         return app.openapi_schema
     schema = get_openapi(
@@ -119,7 +122,7 @@ def openapi_document(app: FastAPI, *, auth: bool) -> dict[str, Any]:
             "apiKey": {"type": "apiKey", "in": "header", "name": "X-API-Key"},
         }
         schema["security"] = [{"bearer": []}, {"apiKey": []}]
-        for path in ("/healthz", "/readyz"):
+        for path in open_paths:
             for operation in schema["paths"].get(path, {}).values():
                 operation["security"] = []
     app.openapi_schema = schema

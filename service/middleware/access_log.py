@@ -10,7 +10,9 @@ For every HTTP request it
   tensors and keys cannot reach the log;
 - records sdpa_requests_total{route,status} and sdpa_request_duration_seconds{route}, labelled
   by the route TEMPLATE (scope["route"].path, set by the router; a mounted app's mount path) so
-  that label cardinality stays bounded; requests that match no route are labelled "unmatched".
+  that label cardinality stays bounded. A request refused before routing (401, 413, 415, the
+  in-flight 503) is labelled with the route it was refused at, found as the router would find
+  it; only requests that match no route are labelled "unmatched".
 """
 
 from __future__ import annotations
@@ -19,9 +21,11 @@ import logging
 import re
 import time
 import uuid
+from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any
 
+from starlette.routing import BaseRoute, Match, Mount, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.metrics import Metrics
@@ -48,9 +52,15 @@ def request_id_from(scope: Scope) -> str:
     return uuid.uuid4().hex
 
 
-def route_template(scope: Scope) -> str:
+def route_template(scope: Scope, included: Sequence[BaseRoute] = ()) -> str:
     """The matched route's path template ("/v1/attention"), the path of a mounted app
-    ("/docs-assets"), or "unmatched"."""
+    ("/docs-assets"), or "unmatched".
+
+    A request that never reached the router (a middleware refused it: 401, 413, 415, the
+    in-flight 503) is matched against the app's own routes and `included`, the routes of the
+    routers it included: FastAPI 0.165 wraps an included router in an object whose match names
+    no route.
+    """
     route = scope.get("route")
     path = getattr(route, "path", None)
     if isinstance(path, str) and path:
@@ -62,6 +72,16 @@ def route_template(scope: Scope) -> str:
         mount = root_path.removeprefix(app_root_path)
         if mount:
             return mount
+    # A refused request never met the router: find the route that would have taken it as
+    # Starlette's router does, the first whose path and method match (a path match under
+    # another method is only partial: the router answers 405 itself).
+    router = getattr(scope.get("app"), "router", None)
+    own = [r for r in getattr(router, "routes", ()) if isinstance(r, Route | Mount)]
+    for candidate in (*own, *included):
+        if candidate.matches(scope)[0] is Match.FULL:
+            path = getattr(candidate, "path", None)
+            if isinstance(path, str) and path:
+                return path
     return UNMATCHED_ROUTE
 
 
@@ -75,9 +95,12 @@ async def _delivered(scope: Scope) -> bool:
 class AccessLogMiddleware:
     """One JSON access-log line and the request metrics per HTTP request."""
 
-    def __init__(self, app: ASGIApp, *, metrics: Metrics) -> None:
+    def __init__(
+        self, app: ASGIApp, *, metrics: Metrics, included: Sequence[BaseRoute] = ()
+    ) -> None:
         self.app = app
         self.metrics = metrics
+        self.included = tuple(included)  # the routes of the included routers (route_template)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -125,7 +148,7 @@ class AccessLogMiddleware:
         elapsed_s: float,
     ) -> None:
         final_status = CLIENT_CLOSED_STATUS if status is None else status
-        route = route_template(scope)
+        route = route_template(scope, self.included)
         self.metrics.requests_total.labels(route=route, status=str(final_status)).inc()
         self.metrics.request_duration_seconds.labels(route=route).observe(elapsed_s)
 

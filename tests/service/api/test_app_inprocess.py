@@ -81,6 +81,45 @@ def test_auth_runs_before_the_body_limit(client: TestClient) -> None:
     assert client.get("/healthz").status_code == 200  # open path
 
 
+def _requests_total(client: TestClient) -> dict[tuple[str, str], float]:
+    families = text_string_to_metric_families(client.get("/metrics", headers=KEY).text)
+    return {
+        (sample.labels["route"], sample.labels["status"]): sample.value
+        for family in families
+        if family.name == "sdpa_requests"
+        for sample in family.samples
+        if sample.name == "sdpa_requests_total"
+    }
+
+
+def test_refusals_before_routing_are_labelled_with_their_route(client: TestClient) -> None:
+    # Every operation of the OpenAPI document that needs a key, refused for the lack of one
+    # (the route never runs), is counted under its own template, not "unmatched".
+    doc = client.get("/openapi.json", headers=KEY).json()
+    operations = [
+        (path, method)
+        for path, item in doc["paths"].items()
+        for method, operation in item.items()
+        if operation.get("security") != [] and "{" not in path
+    ]
+    assert ("/v1/attention", "post") in operations
+    assert ("/v2/models/attention/infer", "post") in operations
+    before = _requests_total(client)
+    for path, method in operations:
+        assert client.request(method, path).status_code == 401, path
+    big = b"{" + b" " * 4096 + b"}"
+    json = {"content-type": "application/json"}
+    assert client.post("/v1/analyze", content=big, headers={**json, **KEY}).status_code == 413
+    assert client.post("/v1/attention", content=b"x", headers=KEY).status_code == 415
+    after = _requests_total(client)
+    grown = {label: after[label] - before.get(label, 0.0) for label in after}
+    for path, _ in operations:
+        assert grown[(path, "401")] >= 1, path
+    assert grown[("/v1/analyze", "413")] == 1
+    assert grown[("/v1/attention", "415")] == 1
+    assert grown.get(("unmatched", "401"), 0.0) == 0
+
+
 def test_openapi_declares_the_keys_when_they_are_on(client: TestClient) -> None:
     doc = client.get("/openapi.json", headers=KEY).json()
     assert set(doc["components"]["securitySchemes"]) == {"bearer", "apiKey"}
