@@ -167,12 +167,32 @@ class Metrics:
             ["tag", "source"],
             registry=reg,
         )
+        self.health_tags_evicted_total = Counter(
+            "sdpa_health_tags_evicted_total",
+            "Request tags whose health series were removed to give their slot to a new tag "
+            "(SDPA_HEALTH_MAX_TAGS slots; only a tag idle for a while can lose its slot).",
+            registry=reg,
+        )
         self.health_samples_dropped_total = Counter(
             "sdpa_health_samples_dropped_total",
             "Sampled requests whose health summary was not computed: the bounded queue of "
             "samples was full, or the service was draining.",
             registry=reg,
         )
+
+    def forget_tag(self, tag: str) -> None:
+        """Remove every health series labelled `tag` (its slot goes to another tag)."""
+        for collector in (
+            self.attention_entropy_normalized,
+            self.attention_max_weight,
+            self.attention_saturated_fraction,
+            self.attention_sink_share,
+            self.attention_logit_abs_max,
+            self.attention_masked_rows_total,
+        ):
+            collector.remove(tag)  # a no-op for a series never observed
+        for source in HEALTH_SOURCES:
+            self.health_observations_total.remove(tag, source)
 
     def track_device_memory(self, read_bytes: Callable[[], float]) -> None:
         """Export sdpa_device_memory_allocated_bytes, read at each scrape (CUDA: the bytes of

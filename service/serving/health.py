@@ -12,9 +12,15 @@ Bounds: at most MAX_PENDING_SAMPLES waiting, whose estimated device time (the co
 chunked-path seconds, the path a summary runs on) adds up to at most MAX_PENDING_SAMPLE_S and
 whose input tensors (held until the sample runs, beyond the in-flight limit's reach) add up to
 at most MAX_PENDING_SAMPLE_BYTES; a sample that does not fit is dropped and counted in
-sdpa_health_samples_dropped_total. Tags: the first SDPA_HEALTH_MAX_TAGS distinct tags label
-their own series, every later one is counted as "other", so a client cannot grow the
-registry without bound.
+sdpa_health_samples_dropped_total.
+
+Tags: SDPA_HEALTH_MAX_TAGS slots, each a tag whose series are its own, so that a client cannot
+grow the registry without bound. The slots are kept least recently used first: a new tag takes
+a free slot, else the slot of the tag idle longest if that tag was idle for at least
+TAG_IDLE_BEFORE_EVICTION_S (its series are removed and the eviction counted in
+sdpa_health_tags_evicted_total), else it is counted as "other". So the first tags a client
+sends no longer hold their slots until a restart, and a client sending new tags in a stream can
+only take slots of tags nobody used for that long: tags in use keep their series.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from __future__ import annotations
 import collections
 import logging
 import random
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final, Literal
@@ -39,6 +46,10 @@ logger = logging.getLogger("sdpa.health")
 
 DEFAULT_TAG: Final = "default"
 OTHER_TAG: Final = "other"
+# Longer than any scrape interval (Prometheus' default is 1 min) by far, so a tag's last values
+# were scraped before its series go, and long enough that a tag used every few minutes (a model
+# sampled by the tap every n forwards) keeps its slot.
+TAG_IDLE_BEFORE_EVICTION_S: Final = 600.0
 MAX_PENDING_SAMPLES: Final = 16
 # A sample runs only while the device is idle, but a request that arrives meanwhile waits for
 # it: 50 ms of device time bounds that wait (and the queue holds at most that much in all).
@@ -95,12 +106,15 @@ class HealthMonitor:
         sample_rate: float,
         max_tags: int,
         rng: random.Random | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._metrics = metrics
         self._diagnose = diagnose
         self._sample_rate = sample_rate
         self._max_tags = max_tags
-        self._tags: set[str] = set()
+        # The tags holding a slot -> when each was last used, least recently used first.
+        self._tags: collections.OrderedDict[str, float] = collections.OrderedDict()
+        self._clock = clock
         self._rng = rng if rng is not None else random.Random()
         self._pending: collections.deque[_Sample] = collections.deque()
         self._pending_s = 0.0
@@ -111,16 +125,24 @@ class HealthMonitor:
     # -- tags --------------------------------------------------------------------------------
 
     def label(self, tag: str | None) -> str:
-        """The metrics label of a request's tag: its own while fewer than max_tags distinct
-        tags were seen, "other" after (the wire model has validated its characters)."""
+        """The metrics label of a request's tag: its own when it holds a slot or can take one
+        (the module docstring), "other" otherwise (the wire model validated its characters)."""
         if tag is None:
             tag = DEFAULT_TAG
+        now = self._clock()
         if tag in self._tags:
+            self._tags[tag] = now
+            self._tags.move_to_end(tag)
             return tag
-        if len(self._tags) < self._max_tags:
-            self._tags.add(tag)
-            return tag
-        return OTHER_TAG
+        if len(self._tags) >= self._max_tags:
+            idlest, last_used = next(iter(self._tags.items()))
+            if now - last_used < TAG_IDLE_BEFORE_EVICTION_S:
+                return OTHER_TAG
+            del self._tags[idlest]
+            self._metrics.forget_tag(idlest)
+            self._metrics.health_tags_evicted_total.inc()
+        self._tags[tag] = now
+        return tag
 
     # -- observing ---------------------------------------------------------------------------
 
@@ -222,7 +244,9 @@ class HealthMonitor:
             # The request itself was answered; its sample must not take the worker down.
             logger.exception("health sample failed")
             return
-        self.observe(diagnostics, n_q=sample.prepared.spec.n_q, tag=sample.tag, source="sampled")
+        # The tag may have lost its slot while the sample waited: its series must not return.
+        tag = sample.tag if sample.tag in self._tags else OTHER_TAG
+        self.observe(diagnostics, n_q=sample.prepared.spec.n_q, tag=tag, source="sampled")
 
 
 def _input_bytes(prepared: PreparedJob) -> int:

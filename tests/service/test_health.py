@@ -22,6 +22,7 @@ from service.serving.health import (
     MAX_PENDING_SAMPLE_S,
     MAX_PENDING_SAMPLES,
     OTHER_TAG,
+    TAG_IDLE_BEFORE_EVICTION_S,
     HealthMonitor,
 )
 
@@ -36,7 +37,17 @@ def sample(metrics: Metrics, name: str, **labels: str) -> float:
     return metrics.registry.get_sample_value(name, labels) or 0.0
 
 
-def monitor(metrics: Metrics, *, rate: float = 1.0, max_tags: int = 64) -> HealthMonitor:
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def monitor(
+    metrics: Metrics, *, rate: float = 1.0, max_tags: int = 64, clock: FakeClock | None = None
+) -> HealthMonitor:
     engine = Engine(torch.device("cpu"), sink_tokens=3)
     return HealthMonitor(
         metrics=metrics,
@@ -44,6 +55,7 @@ def monitor(metrics: Metrics, *, rate: float = 1.0, max_tags: int = 64) -> Healt
         sample_rate=rate,
         max_tags=max_tags,
         rng=random.Random(0),
+        clock=clock if clock is not None else FakeClock(),
     )
 
 
@@ -54,6 +66,64 @@ def test_tags_past_the_cap_are_other_and_known_tags_keep_their_label() -> None:
     assert health.label("b") == OTHER_TAG  # "default" and "a" fill the two places
     assert health.label("a") == "a"
     assert health.label(None) == "default"
+
+
+def _observe_requested(metrics: Metrics, health: HealthMonitor, tag: str) -> str:
+    prepared = job(1)
+    j = prepared.job
+    assert isinstance(j, AttentionJob)
+    diagnostics = attention(j.q, j.k, j.v, diagnostics="summary").diagnostics
+    label = health.label(tag)
+    health.observe(diagnostics, n_q=prepared.spec.n_q, tag=label, source="requested")
+    return label
+
+
+def test_a_tag_idle_long_enough_gives_its_slot_to_a_new_one_and_its_series_go() -> None:
+    metrics, clock = Metrics(), FakeClock()
+    health = monitor(metrics, max_tags=2, clock=clock)
+    assert _observe_requested(metrics, health, "old") == "old"
+    clock.now += 1.0
+    assert _observe_requested(metrics, health, "busy") == "busy"
+    # Both slots held and neither tag idle long enough: a newcomer is "other".
+    clock.now += TAG_IDLE_BEFORE_EVICTION_S - 1.5
+    assert _observe_requested(metrics, health, "new") == OTHER_TAG
+    assert health.label("busy") == "busy"  # in use: its idle time starts again
+    clock.now += 1.0  # "old" is now idle for exactly the threshold, "busy" for 1 s
+    assert _observe_requested(metrics, health, "new") == "new"
+    assert sample(metrics, "sdpa_health_tags_evicted_total") == 1
+    for name in ("sdpa_attention_entropy_normalized_count", "sdpa_attention_masked_rows_total"):
+        assert metrics.registry.get_sample_value(name, {"tag": "old"}) is None
+    assert sample(metrics, "sdpa_attention_entropy_normalized_count", tag="new") == 2  # 2 heads
+    assert (
+        metrics.registry.get_sample_value(
+            "sdpa_health_observations_total", {"tag": "old", "source": "requested"}
+        )
+        is None
+    )
+    assert sample(metrics, "sdpa_health_observations_total", tag="busy", source="requested") == 1
+    # A stream of new tags cannot take the slots of tags in use.
+    for i in range(50):
+        clock.now += 1.0
+        health.label("busy")
+        health.label("new")
+        assert health.label(f"squatter{i}") == OTHER_TAG
+    assert sample(metrics, "sdpa_health_tags_evicted_total") == 1
+
+
+def test_a_sample_whose_tag_lost_its_slot_while_it_waited_is_counted_as_other() -> None:
+    metrics, clock = Metrics(), FakeClock()
+    health = monitor(metrics, max_tags=1, clock=clock)
+    assert health.offer(job(2), tag=health.label("gone"), seconds=0.001)
+    clock.now += TAG_IDLE_BEFORE_EVICTION_S
+    assert health.label("taker") == "taker"
+    run = health.next_sample()
+    assert run is not None
+    run()
+    assert sample(metrics, "sdpa_health_observations_total", tag=OTHER_TAG, source="sampled") == 1
+    assert (
+        metrics.registry.get_sample_value("sdpa_attention_sink_share_count", {"tag": "gone"})
+        is None
+    )
 
 
 @pytest.mark.parametrize(
@@ -71,7 +141,7 @@ def test_a_sample_observes_what_a_requested_summary_would() -> None:
     metrics = Metrics()
     health = monitor(metrics)
     prepared = job(3)
-    assert health.offer(prepared, tag="t", seconds=0.001)
+    assert health.offer(prepared, tag=health.label("t"), seconds=0.001)
     run = health.next_sample()
     assert run is not None
     run()
