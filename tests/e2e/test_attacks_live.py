@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 import socket
 import threading
 import time
@@ -217,3 +218,55 @@ def test_a_dozen_clients_that_never_read_stay_under_the_in_flight_limit(
         assert bystander.worst_s < 1.0
         metrics = httpx.get(f"{server.url}/metrics").text
         assert 'sdpa_rejected_total{reason="inflight_bytes"}' in metrics
+
+
+# -- the wrong or misleading answers of the hardening issue --------------------------------
+
+
+def test_a_scale_that_is_infinite_in_float32_is_refused_not_answered_with_zeros(
+    server: LiveServer,
+) -> None:
+    # Every q·k is positive: -1e308 (-inf in float32) made every score -inf, and the fused
+    # path answered 200 with an output of zeros.
+    x = [[1.0, 0.0], [2.0, 0.0]]
+    for diagnostics in ("none", "summary"):
+        body = {"q": x, "k": x, "v": x, "scale": -1e308, "diagnostics": diagnostics}
+        response = httpx.post(f"{server.url}/v1/attention", json=body)
+        assert response.status_code == 422, response.text
+        assert response.json()["errors"][0]["loc"] == ["body", "scale"]
+
+
+def test_tags_sent_in_a_stream_cannot_take_the_slots_of_tags_in_use(server: LiveServer) -> None:
+    # The module's server keeps SDPA_HEALTH_MAX_TAGS at 64; 300 distinct tags arrive in turn
+    # beside one tag in use. Tags in use keep their series, the others share "other", and no
+    # slot is taken from a tag idle for less than 10 minutes.
+    small = {**SMALL, "diagnostics": "summary"}
+    with httpx.Client(base_url=server.url, timeout=10) as client:
+        for i in range(300):
+            assert client.post("/v1/attention", json={**small, "tag": "in-use"}).status_code == 200
+            assert client.post("/v1/attention", json={**small, "tag": f"t{i}"}).status_code == 200
+        metrics = client.get("/metrics").text
+    tags = set(
+        re.findall(r'^sdpa_health_observations_total\{source="\w+",tag="([^"]+)"', metrics, re.M)
+    )
+    tags |= set(re.findall(r'^sdpa_health_observations_total\{tag="([^"]+)"', metrics, re.M))
+    assert "in-use" in tags and "other" in tags
+    assert len(tags - {"other"}) <= 64
+    assert re.search(r"^sdpa_health_tags_evicted_total 0\.0$", metrics, re.M)
+
+
+def test_one_request_is_one_guess_of_the_api_key(tmp_path: Path) -> None:
+    """99 keys in one request (the header count bounds them at 100 lines) are refused
+    without trying any, even with the right key among them, and counted once; a refusal is
+    labelled with its route."""
+    with live_server({"SDPA_API_KEYS": "right-key"}, tmp_path=tmp_path) as keyed:
+        headers = [("X-API-Key", f"guess-{i}") for i in range(98)] + [("X-API-Key", "right-key")]
+        with httpx.Client(base_url=keyed.url, timeout=10) as client:
+            refused = client.post("/v1/attention", json=SMALL, headers=headers)
+            assert refused.status_code == 401
+            assert refused.json()["detail"].startswith("99 API keys presented, none tried")
+            one = client.post("/v1/attention", json=SMALL, headers={"X-API-Key": "right-key"})
+            assert one.status_code == 200
+            metrics = client.get("/metrics", headers={"X-API-Key": "right-key"}).text
+        assert re.search(r'^sdpa_rejected_total\{reason="unauthorized"\} 1\.0$', metrics, re.M)
+        assert 'sdpa_requests_total{route="/v1/attention",status="401"} 1.0' in metrics
