@@ -30,23 +30,27 @@ alignment, scale, mask kinds, outputs asked for) plus a *length bucket* of N_q a
 
 Answers
 -------
-Every accepted item gets exactly one answer: its result, its own exception, DeadlineExceeded
-(its deadline passed while it was queued: never computed; or while a long item ran),
-ShuttingDown (still queued, or a long item running, when a drain timed out), or nothing at all
-when its awaiting task was cancelled (the client went away; it is dropped before compute if
-still queued, at its next tile if long). An item's state moves QUEUED -> TAKEN -> DONE or
-QUEUED -> DROPPED, and only the side that moves it out of QUEUED may answer it (for a long item
-running, the deadline timer too, which the worker then sees between tiles), and whoever answers
-marks it DONE first, so no two sides ever answer one item.
+An item refused at submit (QueueFull or ShuttingDown: the queue is full, the batcher drains,
+or a long item the turns would not finish by its deadline; DeadlineExceeded: its deadline
+already passed) never enters the queue. Every accepted item gets exactly one answer: its
+result, its own exception, DeadlineExceeded (its deadline passed while it was queued: never
+computed; or while a long item ran), ShuttingDown (still queued, or a long item running, when
+a drain timed out), or nothing at all when its awaiting task was cancelled (the client went
+away; it is dropped before compute if still queued, at its next tile if long). An item's
+state moves QUEUED -> TAKEN -> DONE or QUEUED -> DROPPED, and only the side that moves it out
+of QUEUED may answer it (for a long item running, the deadline timer too, which the worker
+then sees between tiles), and whoever answers marks it DONE first, so no two sides ever answer
+one item.
 
 Long requests run in slices
 ---------------------------
 With ``slice_s`` and ``start_long``, an item whose estimated work exceeds one slice (at the
 measured pace, below) is *long*: it runs alone, as a resumable run of about that many tiles
 (``start_long(item, tiles)``, called on the device thread; each ``step()`` computes one tile).
-Up to MAX_RUNNING_LONG long items take turns, one tile each, the oldest queued one joining
-when one finishes (one of at most FEW_SLICES slices joins at once); so a long item of a few
-slices is not stuck behind one of hundreds. Before each tile the worker
+Up to MAX_RUNNING_LONG long items take turns, one tile each in round robin (unless a
+deadline is at stake: Deadlines of long items, below), the oldest queued one joining when one
+finishes (one of at most FEW_SLICES slices joins at once); so a long item of a few slices is
+not stuck behind one of hundreds. Before each tile the worker
 
 - drops the long items nobody waits for: their deadline passed (the timer answers
   DeadlineExceeded at once, naming how many tiles were done) or their client left
@@ -58,6 +62,39 @@ slices is not stuck behind one of hundreds. Before each tile the worker
 Short batches are cut at one slice of estimated work too (their first item always goes).
 sdpa_abandoned_total{reason} counts the runs dropped, and sdpa_compute_seconds (one
 observation per tile) shows that no further tile of theirs ran.
+
+Deadlines of long items
+-----------------------
+Taking turns, long items that share a deadline would all progress together and all miss it
+(8 analyzes of 0.38 s with 1.5 s to go: none finished, where 3 would have one after the
+other). So long items are admitted by their deadline, and the turns keep to them:
+
+- At submit, a *projection* of the turns (``_Turns``: the running long items sharing the
+  device equally, the queued ones joining as they would, each stopping at its deadline,
+  after the short work queued; all work at the measured pace) says which long items would
+  finish by their deadlines, with and without the new one. The new one is refused, QueueFull
+  (503) counted as sdpa_rejected_total{reason="deadline_unreachable"}, if it would miss a
+  deadline it could meet alone on an idle device, or if it would make an admitted long item
+  miss a deadline that item would meet without it. Its Retry-After is the first whole second
+  at which the same request would be admitted as the projection goes on without it (at most
+  60). When all the long work and the short work queued would be done by the earliest
+  deadline in any order, nothing is at stake and no projection runs (the common case: the
+  default deadline is 30 s).
+- An item that cannot finish by its deadline even alone is admitted as before (the estimate
+  may be wrong), and at its deadline abandoned (504, naming the tiles done); but it takes
+  turns only while no running item that can still finish wants them, so it costs nobody
+  their deadline (the projection gives it a place and no share of the device).
+- The projection shares the device as the round robin does, so what it admits keeps the
+  turns: a long item of a few slices beside ones of hundreds is admitted when every deadline
+  holds, and runs beside them, not after them. (Earliest deadline first throughout would
+  meet as many deadlines, but with the default deadline, 30 s from each request's start, it
+  is first come first served: the few slices would wait for the hundreds again.)
+- Estimates can be wrong. Before each tile, the worker projects the running items that can
+  still finish alone sharing the device; if one of them would miss its deadline, the tile
+  goes to the earliest such deadline (the oldest first), else the round robin goes on.
+
+Time (deadlines, the pace, the projections) comes from one ``clock``, time.monotonic unless
+another is given; the deadline timer runs on the event loop's clock, the same one by default.
 
 Retry-After and the backlog
 ---------------------------
@@ -71,7 +108,8 @@ THROUGHPUT_HALF_LIFE_S of device time and starting from THROUGHPUT_PRIOR_S of th
 pace. Weighing batches by their time, a stream of tiny requests (whose fixed costs the model
 under-counts) cannot make a queue of large ones look long or short, and a model off by a
 constant factor is corrected.
-Retry-After (a full queue, a drain) is that backlog in whole seconds, within [1, 60];
+Retry-After (a full queue, a drain) is that backlog in whole seconds, within [1, 60] (a long
+item refused by its deadline has its own: Deadlines of long items, above);
 ``backlog_seconds()`` and the gauge sdpa_backlog_seconds report it.
 """
 
@@ -81,12 +119,13 @@ import asyncio
 import contextlib
 import enum
 import functools
+import heapq
 import itertools
 import logging
 import math
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
@@ -200,6 +239,7 @@ class _Pending(Generic[T, R]):
         work: float,
         seq: int,
         deadline: float,
+        enqueued: float,
         future: asyncio.Future[BatchResult[R]],
         tiles: int = 0,
     ) -> None:
@@ -210,7 +250,7 @@ class _Pending(Generic[T, R]):
         self.work = work  # estimated device seconds (one unit without a cost model)
         self.seq = seq
         self.deadline = deadline
-        self.enqueued = time.monotonic()
+        self.enqueued = enqueued
         self.future = future
         self.state = _State.QUEUED
         self.queue_s = 0.0
@@ -238,6 +278,122 @@ class _Long(Generic[T, R]):
         return f"{done} of {total} tiles done"
 
 
+@dataclass(frozen=True, slots=True)
+class _Share:
+    """A long item in a projection of the turns: device seconds of work left, its deadline in
+    seconds from the projection's start, and whether it is of few slices (joins past the cap).
+    """
+
+    seq: int
+    left: float
+    deadline: float
+    few: bool = False
+
+
+class _Turns:
+    """A projection of the long items' turns (module docstring), for their admission and for
+    the choice of a turn. The running items share the device equally (the round robin of
+    tiles, taken as fluid); the queued ones join as _next_long lets them (the oldest while
+    fewer than MAX_RUNNING_LONG run, else the oldest of few slices while fewer than twice as
+    many); each stops at its deadline (abandoned, or dropped while queued). An item that
+    cannot finish by its deadline even alone, when it joins, holds its place until its
+    deadline without a share: it takes turns only when no item that can finish runs.
+
+    Times are seconds from now (no rounding of a large clock value can stall it). The sharing
+    items are kept in *service* time, the seconds of device each has had since the projection
+    began: all of them gain it at the same rate, so an item ends at the service it joined at
+    plus its work, and one step (heaps of those ends and of the deadlines) ends one item: a
+    whole run costs O(items x log MAX_RUNNING_LONG).
+    """
+
+    def __init__(self, start: float, running: Iterable[_Share], queued: Sequence[_Share]) -> None:
+        self.now = start
+        self._service = 0.0
+        self._sharing: dict[int, float] = {}  # seq -> the service at which it is done
+        self._ends: list[tuple[float, int]] = []  # heaps (entries of items gone are skipped)
+        self._deadlines: list[tuple[float, int]] = []
+        self._holding: list[float] = []  # a heap of the deadlines of those without a share
+        self._queued = list(queued)
+        self._joined = [False] * len(self._queued)
+        self._few = [i for i, share in enumerate(self._queued) if share.few]
+        self._next_any = self._next_few = 0  # no queued item before these is left to join
+        # The items that finished by their deadline, and when.
+        self.finished: dict[int, float] = {}
+        for share in running:
+            self._start(share)
+        self._join()
+
+    def add(self, share: _Share) -> None:
+        """Queue `share` after the others (it joins at once if a place is free)."""
+        if share.few:
+            self._few.append(len(self._queued))
+        self._queued.append(share)
+        self._joined.append(False)
+        self._join()
+
+    def run(self, until: float = math.inf) -> None:
+        """Project the turns up to `until` (to the end by default)."""
+        ends, deadlines, sharing, holding = (
+            self._ends, self._deadlines, self._sharing, self._holding
+        )  # fmt: skip
+        while (sharing or holding) and self.now < until:
+            done_at = deadline = math.inf
+            if sharing:
+                while ends[0][1] not in sharing:
+                    heapq.heappop(ends)
+                while deadlines[0][1] not in sharing:
+                    heapq.heappop(deadlines)
+                (end, first), (deadline, due) = ends[0], deadlines[0]
+                done_at = self.now + (end - self._service) * len(sharing)
+            released = holding[0] if holding else math.inf
+            at = min(done_at, deadline, released, until)
+            if at > self.now:
+                if sharing:
+                    self._service += (at - self.now) / len(sharing)
+                self.now = at
+            if at == done_at:  # done at its deadline still counts (rounding aside)
+                del sharing[first]
+                self.finished[first] = self.now
+            elif at == deadline:
+                del sharing[due]  # abandoned at its deadline
+            elif at == released:
+                heapq.heappop(holding)
+            else:
+                return  # until
+            self._join()
+
+    def _start(self, share: _Share) -> None:
+        if share.left > share.deadline - self.now:
+            heapq.heappush(self._holding, share.deadline)
+            return
+        self._sharing[share.seq] = self._service + share.left
+        heapq.heappush(self._ends, (self._service + share.left, share.seq))
+        heapq.heappush(self._deadlines, (share.deadline, share.seq))
+
+    def _join(self) -> None:
+        while (places := len(self._sharing) + len(self._holding)) < 2 * MAX_RUNNING_LONG:
+            if places < MAX_RUNNING_LONG:
+                while self._next_any < len(self._queued) and self._joined[self._next_any]:
+                    self._next_any += 1
+                index = self._next_any
+            else:
+                while self._next_few < len(self._few) and self._joined[self._few[self._next_few]]:
+                    self._next_few += 1
+                index = self._few[self._next_few] if self._next_few < len(self._few) else -1
+            if not 0 <= index < len(self._queued):
+                return
+            self._joined[index] = True
+            if (share := self._queued[index]).deadline > self.now:
+                self._start(share)
+            # else: its deadline passed while it was queued (a 504, never computed)
+
+
+@dataclass(frozen=True, slots=True)
+class _Refusal:
+    detail: str
+    retry_after_s: float
+
+
 class DynamicBatcher(Generic[T, R]):
     """Groups submitted items into batches and runs them one batch at a time on one thread."""
 
@@ -256,6 +412,7 @@ class DynamicBatcher(Generic[T, R]):
         work_seconds: Callable[[T], float] | None = None,
         slice_s: float | None = None,
         start_long: Callable[[T, int], Resumable[R]] | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if slice_s is not None and slice_s <= 0:
             raise ValueError(f"slice_s must be > 0, got {slice_s}")
@@ -266,6 +423,9 @@ class DynamicBatcher(Generic[T, R]):
         if max_batch_delay_s < 0:
             raise ValueError(f"max_batch_delay_s must be >= 0, got {max_batch_delay_s}")
         self._run_batch = run_batch
+        # The one time source: deadlines are its instants, and the pace, the backlog and the
+        # long items' projections are measured on it (a test injects a clock it steps).
+        self._clock = clock
         self._group_key = group_key
         self._max_batch_size = max_batch_size
         self._max_batch_delay_s = max_batch_delay_s
@@ -383,10 +543,13 @@ class DynamicBatcher(Generic[T, R]):
     # -- submit ----------------------------------------------------------------------------
 
     async def submit(self, item: T, *, deadline: float) -> BatchResult[R]:
-        """Queue `item` and wait for its answer. `deadline` is a time.monotonic() instant.
+        """Queue `item` and wait for its answer. `deadline` is an instant of the batcher's
+        clock (time.monotonic unless another was given).
 
-        Raises QueueFull or ShuttingDown (503), DeadlineExceeded (504: never computed), or the
-        item's own exception. Cancelling the awaiting task drops a queued item before compute.
+        Raises QueueFull or ShuttingDown (503; QueueFull too for a long item the turns would
+        not finish by its deadline: module docstring), DeadlineExceeded (504: never computed),
+        or the item's own exception. Cancelling the awaiting task drops a queued item before
+        compute.
         """
         if self._draining or not self.running or self._arrival is None:
             self._reject("shutting_down")
@@ -399,7 +562,8 @@ class DynamicBatcher(Generic[T, R]):
                 f"the queue is full ({self._max_queue} requests waiting)",
                 retry_after_s=self._retry_after_s(item),
             )
-        remaining = deadline - time.monotonic()
+        now = self._clock()
+        remaining = deadline - now
         if remaining <= 0:
             self._reject("deadline")
             raise DeadlineExceeded("the request's deadline passed before it was queued")
@@ -410,8 +574,11 @@ class DynamicBatcher(Generic[T, R]):
         work = self._work_of(item)
         pending = _Pending(
             item=item, key=key, cost=cost, work=work, seq=next(self._seq),
-            deadline=deadline, future=future, tiles=self._tiles_for(work),
+            deadline=deadline, enqueued=now, future=future, tiles=self._tiles_for(work),
         )  # fmt: skip
+        if pending.tiles and (refusal := self._refusal(pending, now)) is not None:
+            self._reject("deadline_unreachable")
+            raise QueueFull(refusal.detail, retry_after_s=refusal.retry_after_s)
         self._enqueue(pending)
         # The deadline bounds the queue wait and a long item's compute: a timer fails the item
         # while it is queued, or while a long one runs (dropped at its next tile); a short
@@ -497,7 +664,7 @@ class DynamicBatcher(Generic[T, R]):
         first = next((p for p in self._queue.values() if not p.tiles), None)
         if first is None:
             return []
-        now = time.monotonic()
+        now = self._clock()
         # The worker's error path answers self._in_flight: should anything below raise, the
         # items already taken out of the queue are there, not lost with a local list.
         batch: list[_Pending[T, R]] = []
@@ -536,7 +703,7 @@ class DynamicBatcher(Generic[T, R]):
                 return
             if sum(p.cost for p in group.values()) >= self._max_batch_cost:
                 return
-            remaining = oldest.enqueued + self._max_batch_delay_s - time.monotonic()
+            remaining = oldest.enqueued + self._max_batch_delay_s - self._clock()
             if remaining <= 0:
                 return
             self._arrival.clear()
@@ -604,10 +771,116 @@ class DynamicBatcher(Generic[T, R]):
             None,
         )
 
+    def _seconds_per_work(self) -> float:
+        """Device seconds per estimated second, at the measured pace."""
+        return self._busy_s / self._done_work
+
+    def _running_shares(self, now: float) -> dict[int, _Share]:
+        """The running long items still waited for, by seq, as a projection starts from
+        them (the tile on the device counted with its item)."""
+        per_work = self._seconds_per_work()
+        on_device = self._in_flight[0].seq if self._in_flight else None
+        shares = {}
+        for long in self._longs.values():
+            pending = long.pending
+            if pending.state is not _State.TAKEN or pending.future.cancelled():
+                continue  # dropped at its next turn
+            left = long.left_work * per_work
+            if pending.seq == on_device:
+                left += self._in_flight_s(now)
+            shares[pending.seq] = _Share(pending.seq, left, pending.deadline - now)
+        return shares
+
+    def _in_flight_s(self, now: float) -> float:
+        """Device seconds likely left of the batch or tile on the device."""
+        if not self._running_work:
+            return 0.0
+        return max(0.0, self._running_work * self._seconds_per_work() - (now - self._running_since))
+
+    def _refusal(self, pending: _Pending[T, R], now: float) -> _Refusal | None:
+        """Whether a long item may join the turns (None) or is refused (module docstring:
+        Deadlines of long items): projected with the long items admitted before it, it would
+        miss a deadline it could meet alone on an idle device, or make one of them miss a
+        deadline it would meet without it. The refusal's Retry-After is the first whole
+        second at which the same request would be admitted, as the projection goes on
+        without it (at most _MAX_RETRY_AFTER_S)."""
+        per_work = self._seconds_per_work()
+        left, timeout = pending.work * per_work, pending.deadline - now
+        if left > timeout:
+            # It cannot finish in time even alone, yet the estimate may be wrong: it runs, and
+            # is abandoned at its deadline, taking turns only when no item that can finish
+            # runs, so it costs nobody their deadline.
+            return None
+        running = list(self._running_shares(now).values())
+        queued, queued_long_work = [], 0.0
+        for other in self._queue.values():
+            if other.tiles:
+                queued_long_work += other.work
+                few = other.tiles <= FEW_SLICES
+                queued.append(_Share(other.seq, other.work * per_work, other.deadline - now, few))
+        # The short work queued, and a short batch on the device, go before the next tile.
+        short_s = max(0.0, self._queued_work - queued_long_work) * per_work
+        if self._in_flight and self._in_flight[0].seq not in self._longs:
+            short_s += self._in_flight_s(now)
+        # All done by the earliest deadline whatever the order: nobody's deadline is at stake
+        # (the common case, spared the projections).
+        others = (*running, *queued)
+        everything_s = short_s + left + sum(share.left for share in others)
+        if everything_s <= min((timeout, *(share.deadline for share in others))):
+            return None
+        baseline = _Turns(short_s, running, queued)
+        baseline.run()
+
+        def fits(at: float) -> bool:
+            turns = _Turns(short_s, running, queued)
+            turns.run(until=at)
+            turns.add(_Share(pending.seq, left, at + timeout, pending.tiles <= FEW_SLICES))
+            turns.run()
+            harmed = baseline.finished.keys() - turns.finished.keys()
+            return pending.seq in turns.finished and not harmed
+
+        if fits(0.0):
+            return None
+        # The first second it fits at, by bisection (a later arrival finds less work left,
+        # so whether it fits is monotonic but for the order in which the queued ones join);
+        # once the projection without it has ended, it fits alone.
+        low, high = 1, min(int(_MAX_RETRY_AFTER_S), max(1, math.ceil(baseline.now)))
+        if fits(high):
+            while low < high:
+                middle = (low + high) // 2
+                low, high = (low, middle) if fits(middle) else (middle + 1, high)
+        return _Refusal(
+            "the long requests admitted before this one would not let it finish by its deadline "
+            "(it could alone); retry later, or with a longer timeout",
+            retry_after_s=float(high),
+        )
+
+    def _whose_turn(self) -> _Long[T, R] | None:
+        """The long item whose turn it is (module docstring: Deadlines of long items): the
+        next in the round robin of those that can still finish by their deadline (of all,
+        when none can), unless sharing the device would make one of them miss: then the
+        earliest such deadline, the oldest first."""
+        longs = list(self._longs.values())
+        if len(longs) < 2:
+            return next(iter(longs), None)
+        shares = self._running_shares(self._clock())
+        can_finish = {seq: share for seq, share in shares.items() if share.left <= share.deadline}
+        if not can_finish:
+            return longs[0]
+        turns = _Turns(0.0, can_finish.values(), ())
+        turns.run()
+        threatened = [
+            long for long in longs
+            if long.pending.seq in can_finish and long.pending.seq not in turns.finished
+        ]  # fmt: skip
+        if threatened:
+            return min(threatened, key=lambda long: (long.pending.deadline, long.pending.seq))
+        return next(long for long in longs if long.pending.seq in can_finish)
+
     def _begin_long(self, pending: _Pending[T, R]) -> None:
         """Take a queued long item off the queue; it takes its turns after those running."""
         self._remove(pending)
-        now = time.monotonic()
+        now = self._clock()
         if pending.deadline <= now:
             self._reject("deadline")
             self._answer_error(pending, _queued_too_long())
@@ -635,11 +908,16 @@ class DynamicBatcher(Generic[T, R]):
 
     def _left_alone(self, long: _Long[T, R]) -> bool:
         """Whether a running long item lost its reason to run: its deadline passed (the timer
-        answered it) or its client left. Then its run is dropped and counted."""
+        answered it, or answers it now: a timer runs late on a busy loop, and on the loop's
+        clock, which need not be the batcher's) or its client left. Then its run is dropped
+        and counted."""
         pending = long.pending
         if pending.future.cancelled():
             reason = "disconnected"
         elif pending.state is not _State.TAKEN:
+            reason = "deadline"
+        elif pending.deadline <= self._clock():
+            self._expire(pending)
             reason = "deadline"
         else:
             return False
@@ -680,7 +958,7 @@ class DynamicBatcher(Generic[T, R]):
         while budget > 1e-6 * (self._slice_s or 0.0) and (batch := self._take_batch(budget)):
             budget -= sum(p.work for p in batch)
             await self._execute(batch)
-        long: _Long[T, R] | None = next(iter(self._longs.values()), None)
+        long = self._whose_turn()
         if long is None or self._left_alone(long):
             return
         self._longs.move_to_end(long.pending.seq)  # the next turn is the next item's
@@ -694,7 +972,7 @@ class DynamicBatcher(Generic[T, R]):
             tile_work = work * long.share_done() / run.tiles_done
         tile_work = min(tile_work, long.left_work)
         long.left_work -= tile_work
-        self._running_work, self._running_since = tile_work, time.monotonic()
+        self._running_work, self._running_since = tile_work, self._clock()
         self._in_flight = [long.pending]
         self._device_busy = True
         try:
@@ -736,13 +1014,13 @@ class DynamicBatcher(Generic[T, R]):
         """One tile of a long item, on the device thread (its run starts at the first).
         -> (done, its seconds), timed here: on the loop the time would also hold however long
         the loop took to come back to it (a busy loop made the pace look several times slow)."""
-        started = time.perf_counter()
+        started = self._clock()
         try:
             if long.run is None:
                 assert self._start_long is not None
                 long.run = self._start_long(long.pending.item, long.pending.tiles)
             assert self._slice_s is not None  # long items exist only with a slice
-            return long.run.step(self._slice_s), time.perf_counter() - started
+            return long.run.step(self._slice_s), self._clock() - started
         finally:
             self._device_busy = False
 
@@ -769,7 +1047,7 @@ class DynamicBatcher(Generic[T, R]):
         # device finished. (run_in_executor would first wake this worker, which would then wake
         # the items: two more steps per batch, a measurable share of a small request's latency.)
         device_done: asyncio.Future[None] = loop.create_future()
-        started = time.perf_counter()
+        started = self._clock()
 
         def on_device() -> None:
             try:
@@ -788,13 +1066,13 @@ class DynamicBatcher(Generic[T, R]):
                 results = [_twin(error) for _ in batch]
             finally:
                 self._device_busy = False
-            seconds = time.perf_counter() - started
+            seconds = self._clock() - started
             # RuntimeError: the loop is closed, nobody is left to answer.
             with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(self._answer_batch, batch, results, seconds, device_done)
 
         self._running_work = sum(pending.work for pending in batch)
-        self._running_since = time.monotonic()
+        self._running_since = self._clock()
         self._device_busy = True
         self._executor.submit(on_device)
         try:
@@ -873,7 +1151,7 @@ class DynamicBatcher(Generic[T, R]):
         running_left = 0.0
         if self._running_work:
             running_left = max(
-                0.0, self._running_work / rate - (time.monotonic() - self._running_since)
+                0.0, self._running_work / rate - (self._clock() - self._running_since)
             )
         running_longs = sum(long.left_work for long in self._longs.values())
         queued = self._queued_work + running_longs + extra_work

@@ -516,6 +516,52 @@ def test_deadline_already_passed_at_submit() -> None:
     assert rejected(metrics, "deadline") == 1
 
 
+def test_deadlines_are_instants_of_the_injected_clock() -> None:
+    """With a clock of its own, a batcher reads deadlines on it: an item whose deadline
+    passes on that clock while it waits is never computed (the deadline timer, on the
+    event loop's clock, is an hour away), and the batch time that the pace learns from is
+    that clock's too."""
+    device = FakeDevice()
+    metrics = Metrics()
+    clock = {"now": 500.0}
+
+    def held_for_ten_seconds(items: Sequence[str]) -> list[str | BaseException]:
+        result = device(items)
+        clock["now"] += 10.0  # the batch takes 10 s on the injected clock
+        return result
+
+    async def main() -> list[BatchResult[str] | BaseException]:
+        b: DynamicBatcher[str, str] = DynamicBatcher(
+            held_for_ten_seconds, group_key=group_of, max_batch_size=1, max_batch_delay_s=0.0,
+            max_queue=8, metrics=metrics, clock=lambda: clock["now"],
+        )  # fmt: skip
+        device.hold()
+        await b.start()
+        first = asyncio.create_task(b.submit("a0", deadline=500.0 + FAR))
+        await device.wait_busy()
+        doomed = asyncio.create_task(b.submit("a1", deadline=505.0))  # passes during a0
+        kept = asyncio.create_task(b.submit("a2", deadline=500.0 + FAR))
+        await until(lambda: b.depth == 2)
+        device.release()
+        answers = await asyncio.gather(first, doomed, kept, return_exceptions=True)
+        # 10 s a batch, one unit of work each (no cost model): the pace says so, after the
+        # prior of one second per unit; timed on the real clock, it would say ~0 s.
+        pace = b._busy_s / b._done_work
+        await b.drain(5)
+        assert 5.0 < pace < 10.0
+        return answers
+
+    first, doomed, kept = run(main())
+    assert isinstance(first, BatchResult)
+    assert first.value == "A0"
+    assert isinstance(doomed, DeadlineExceeded)
+    assert isinstance(kept, BatchResult)
+    assert kept.value == "A2"
+    assert kept.queue_ms == pytest.approx(10_000.0)
+    assert device.computed() == ["a0", "a2"]
+    assert rejected(metrics, "deadline") == 1
+
+
 def test_deadline_does_not_interrupt_a_request_already_on_the_device() -> None:
     device = FakeDevice()
     metrics = Metrics()

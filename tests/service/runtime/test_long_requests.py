@@ -17,10 +17,10 @@ from typing import Any
 
 import pytest
 
-from service.errors import DeadlineExceeded, ShuttingDown
+from service.errors import DeadlineExceeded, QueueFull, ShuttingDown
 from service.metrics import Metrics
 from service.runtime.batcher import FEW_SLICES, MAX_RUNNING_LONG, BatchResult, DynamicBatcher
-from tests.service.runtime.test_batcher import FAR, deadline_in, run, until
+from tests.service.runtime.test_batcher import FAR, deadline_in, rejected, run, until
 
 TILE_S = 0.02  # real seconds one fake tile takes
 SLICES = FEW_SLICES + 2  # a long item that waits for a place among MAX_RUNNING_LONG
@@ -548,3 +548,269 @@ def test_long_items_of_few_slices_join_past_the_cap_only_up_to_twice_it() -> Non
 
     run(main())
     assert max(running) == 2 * MAX_RUNNING_LONG
+
+
+# -- deadlines of long items, on a fake clock ------------------------------------------------
+# The clock stands still but for the fake device, which moves it by one UNIT a tile: what the
+# batcher decides at each submit and each turn happens at instants computed here by hand, and
+# an item's finish is read off the clock, however slowly this machine runs the test. (The
+# deadline timers run on the event loop's clock, tens of real seconds away: a long item's
+# deadline on the fake clock is seen by the worker at its next turn.)
+
+UNIT = 1.0  # fake seconds of one tile and of one slice
+START = 1000.0  # the fake clock when a test begins
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = START
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class ClockedDevice:
+    """Long items 'L<name>:<slices>' estimated at that many slices of work, run in as many
+    tiles, or 'L<name>:<slices>:<tiles>' (the estimate was wrong); each tile moves the clock
+    by UNIT. The device logs each tile and the instant each run finished; pause_at holds the
+    device before the first tile that would start at or after that instant."""
+
+    def __init__(self, clock: Clock) -> None:
+        self.clock = clock
+        self.log: list[str] = []
+        self.finished: dict[str, float] = {}
+        self.pause_at = float("inf")
+        self.paused = threading.Event()
+        self.resume = threading.Event()
+
+    def run_batch(self, items: Sequence[str]) -> list[str | BaseException]:
+        self.clock.now += sum(clocked_work(item) for item in items)
+        self.log.append("batch:" + ",".join(items))
+        return [item.upper() for item in items]
+
+    def start_long(self, item: str, tiles: int) -> ClockedRun:
+        return ClockedRun(self, item)
+
+    def tiles_of(self, name: str) -> int:
+        return sum(entry.startswith(f"tile:{name}:") for entry in self.log)
+
+
+class ClockedRun:
+    def __init__(self, device: ClockedDevice, item: str) -> None:
+        self.device, self.item = device, item
+        self.name, *counts = item.split(":")
+        self.tiles_total, self.tiles_done = int(counts[-1]), 0
+
+    @property
+    def share_done(self) -> float:
+        return self.tiles_done / self.tiles_total
+
+    def step(self, budget_s: float) -> bool:
+        device = self.device
+        if device.clock.now >= device.pause_at:
+            device.paused.set()
+            assert device.resume.wait(10.0), "never resumed"
+            device.resume.clear()
+        device.clock.now += UNIT
+        device.log.append(f"tile:{self.name}:{self.tiles_done}")
+        self.tiles_done += 1
+        if self.tiles_done == self.tiles_total:
+            device.finished[self.name] = device.clock.now
+            return True
+        return False
+
+    def outcome(self) -> str | BaseException:
+        return f"{self.item} in {self.tiles_done} tiles"
+
+
+def clocked_work(item: str) -> float:
+    return (float(item.split(":")[1]) if item.startswith("L") else 0.1) * UNIT
+
+
+def make_clocked(device: ClockedDevice, metrics: Metrics | None = None) -> DynamicBatcher[str, str]:
+    return DynamicBatcher(
+        device.run_batch,
+        group_key=lambda item: item[0],
+        max_batch_size=32,
+        max_batch_delay_s=0.0,
+        max_queue=64,
+        metrics=metrics,
+        work_seconds=clocked_work,
+        slice_s=UNIT,
+        start_long=device.start_long,
+        clock=device.clock,
+    )
+
+
+async def submit_all(
+    b: DynamicBatcher[str, str], items: dict[str, float]
+) -> dict[str, BatchResult[str] | BaseException]:
+    """Submit every item at once, {item: its deadline in seconds from now}: all of them are
+    admitted or refused before the worker takes its first turn."""
+    now = b._clock()
+    answers = await asyncio.gather(
+        *(b.submit(item, deadline=now + seconds) for item, seconds in items.items()),
+        return_exceptions=True,
+    )
+    return dict(zip(items, answers, strict=True))
+
+
+def test_eight_long_items_sharing_a_deadline_three_could_meet_in_order() -> None:
+    """Eight long items of 8 s each, 30.5 s to go: three finish one after the other by 24 s,
+    four sharing the device would all finish at 32 s. The first three are admitted and
+    finish in time; the other five are refused at once, 503 with Retry-After 5: by hand, at
+    k s the three have 8 - k/3 s left each, and with a fourth of 8 s sharing they finish at
+    32 - k/3 s, by their deadline once k >= 4.5 (the fourth itself, at 32 s, by k + 30.5
+    once k >= 1.5). None of the admitted is ruined by the others."""
+    clock = Clock()
+    device = ClockedDevice(clock)
+    metrics = Metrics()
+
+    async def main() -> dict[str, BatchResult[str] | BaseException]:
+        b = make_clocked(device, metrics)
+        await b.start()
+        answers = await submit_all(b, {f"L{i}:8": 30.5 for i in range(8)})
+        await b.drain(5)
+        return answers
+
+    answers = run(main())
+    done = [item for item, answer in answers.items() if isinstance(answer, BatchResult)]
+    assert done == ["L0:8", "L1:8", "L2:8"]
+    # the device never idles: the last of the three is done after their 24 tiles
+    assert max(device.finished.values()) == START + 24 <= START + 30.5
+    for i in range(3, 8):
+        refused = answers[f"L{i}:8"]
+        assert isinstance(refused, QueueFull), refused
+        assert refused.status == 503
+        assert refused.headers == {"Retry-After": "5"}
+        assert "deadline" in refused.detail
+        assert device.tiles_of(f"L{i}") == 0
+    assert rejected(metrics, "deadline_unreachable") == 5
+    assert rejected(metrics, "queue_full") == 0
+
+
+def test_a_long_item_of_few_slices_runs_beside_big_ones_when_deadlines_are_at_stake() -> None:
+    """Four items of 100 s (460 s to go), one of 3 s with 20 s to go, and one of 2 s whose
+    deadline is the latest (470 s, as a later request's default deadline would be). The
+    deadlines are at stake (403 s of work, 20 s to the earliest), so the projection decides:
+    sharing the device, the 2 s item finishes after six turns, the 3 s one after about 17 s,
+    the big ones by 405 s. All are admitted, and the few slices run beside the hundreds: the
+    2 s item is done within about two rounds of six tiles (earliest deadline first would have
+    run it last, after 403 s)."""
+    clock = Clock()
+    device = ClockedDevice(clock)
+    metrics = Metrics()
+
+    async def main() -> dict[str, BatchResult[str] | BaseException]:
+        b = make_clocked(device, metrics)
+        await b.start()
+        items = {f"L{i}:100": 460.0 for i in range(MAX_RUNNING_LONG)}
+        answers = await submit_all(b, {**items, "Lmid:3": 20.0, "Lfew:2": 470.0})
+        await b.drain(5)
+        return answers
+
+    answers = run(main())
+    assert all(isinstance(answer, BatchResult) for answer in answers.values()), answers
+    assert rejected(metrics, "deadline_unreachable") == 0
+    # all six have joined after six turns (one a turn), then each round is six tiles
+    assert device.finished["Lfew"] <= START + 6 + 2 * 6
+    assert device.finished["Lmid"] <= START + 20
+    assert all(device.finished[f"L{i}"] <= START + 460 for i in range(MAX_RUNNING_LONG))
+
+
+def test_an_admitted_item_is_never_made_to_miss_its_deadline_by_a_later_one() -> None:
+    """A (10 s of work, 12.5 s to go) is admitted. B (3 s) would share the device with it and
+    A would finish at 13 s: B is refused, with Retry-After 8 (by hand: at k s A has 10 - k s
+    left; while that is at least B's 3 s, A finishes at 13 s whenever B arrives; after, at
+    20 - k s, by 12.5 s once k >= 7.5). C (2 s) leaves A its deadline (A at 12 s): admitted.
+    A and C finish in time."""
+    clock = Clock()
+    device = ClockedDevice(clock)
+    metrics = Metrics()
+
+    async def main() -> dict[str, BatchResult[str] | BaseException]:
+        b = make_clocked(device, metrics)
+        await b.start()
+        answers = await submit_all(b, {"La:10": 12.5, "Lb:3": 1000.0, "Lc:2": 100.0})
+        await b.drain(5)
+        return answers
+
+    answers = run(main())
+    refused = answers["Lb:3"]
+    assert isinstance(refused, QueueFull), refused
+    assert refused.retry_after_s == 8
+    assert isinstance(answers["La:10"], BatchResult)
+    assert isinstance(answers["Lc:2"], BatchResult)
+    assert device.finished["La"] <= START + 12.5
+    assert device.finished["Lc"] <= START + 2 * 2 + 1  # beside A, not after it
+    assert device.tiles_of("Lb") == 0
+    assert rejected(metrics, "deadline_unreachable") == 1
+
+
+def test_retry_after_of_a_deadline_refusal_is_at_most_a_minute() -> None:
+    """A (100 s, 101 s to go) leaves 1 s to spare; B (3 s, 5 s to go) fits only once A is
+    nearly done, 98 s from now by hand: Retry-After says 60, the most it ever says."""
+    clock = Clock()
+    device = ClockedDevice(clock)
+
+    async def main() -> BaseException | BatchResult[str]:
+        b = make_clocked(device)
+        await b.start()
+        answers = await submit_all(b, {"La:100": 101.0, "Lb:3": 5.0})
+        await b.drain(5)
+        return answers["Lb:3"]
+
+    refused = run(main())
+    assert isinstance(refused, QueueFull)
+    assert refused.retry_after_s == 60
+
+
+def test_an_item_that_cannot_finish_even_alone_runs_only_when_nobody_else_can() -> None:
+    """A (10 s, 12.5 s to go) and H (50 s, 5 s to go: hopeless even alone). Both are admitted
+    (H's estimate may be wrong), but H takes no turn while A can still finish: A is done in
+    10 s, as alone; H is then past its deadline and abandoned (504, naming its tiles done).
+    Alone, such an item runs (test_a_long_item_is_abandoned_at_its_deadline)."""
+    clock = Clock()
+    device = ClockedDevice(clock)
+    metrics = Metrics()
+
+    async def main() -> dict[str, BatchResult[str] | BaseException]:
+        b = make_clocked(device, metrics)
+        await b.start()
+        answers = await submit_all(b, {"La:10": 12.5, "Lh:50": 5.0})
+        await b.drain(5)
+        return answers
+
+    answers = run(main())
+    assert isinstance(answers["La:10"], BatchResult)
+    assert device.finished["La"] == START + 10
+    hopeless = answers["Lh:50"]
+    assert isinstance(hopeless, DeadlineExceeded), hopeless
+    assert "0 of 50 tiles done" in str(hopeless)
+    assert device.tiles_of("Lh") == 0
+    assert abandoned(metrics, "deadline") == 1
+    assert rejected(metrics, "deadline_unreachable") == 0
+
+
+def test_the_turns_go_to_the_earliest_deadline_when_the_estimates_were_wrong() -> None:
+    """A and B are estimated at 4 s each and admitted (8 s of work, 12 s to A's deadline),
+    but each takes 8 tiles. In round robin A would finish at 15 s, past its deadline. Once
+    the pace and the runs' progress show it, the turns go to A (the earliest deadline it can
+    still meet): A finishes by 12 s, B after it."""
+    clock = Clock()
+    device = ClockedDevice(clock)
+
+    async def main() -> dict[str, BatchResult[str] | BaseException]:
+        b = make_clocked(device)
+        await b.start()
+        answers = await submit_all(b, {"La:4:8": 12.0, "Lb:4:8": 100.0})
+        await b.drain(5)
+        return answers
+
+    answers = run(main())
+    assert all(isinstance(answer, BatchResult) for answer in answers.values()), answers
+    assert device.finished["La"] <= START + 12
+    assert device.finished["Lb"] == START + 16
+    tiles = [entry.rsplit(":", 1)[0] for entry in device.log if entry.startswith("tile:")]
+    a_done = tiles.index("tile:La") + len(tiles) - tiles[::-1].index("tile:La") - 1
+    assert tiles[: a_done + 1].count("tile:Lb") <= 4, tiles
