@@ -1,12 +1,29 @@
 """SDPA_MAX_INFLIGHT_BYTES: the bytes all requests hold together, bounded.
 
-A request holds the body it has read and the answer bytes it hands to the server until the app
-is done with it; after that, what its client has not taken yet waits in the connection's write
-buffer (service.middleware.connections counts those of clients that fell behind; the send
-timeout frees a client that reads nothing). A new request reserves its declared body
-(Content-Length, at most SDPA_MAX_BODY_BYTES) at once; when that does not fit beside the bytes
-held, it gets 503 with Retry-After before any of its body is read. Once a request is parsed,
-its answer's working set is reserved before it is computed, or the request gets that 503.
+A request holds the body it has read, what parsing that body will take, and the answer bytes it
+hands to the server until the app is done with it; after that, what its client has not taken
+yet waits in the connection's write buffer (service.middleware.connections counts those of
+clients that fell behind; the send timeout frees a client that reads nothing).
+
+- Its declared body (Content-Length, at most SDPA_MAX_BODY_BYTES) is reserved at once: when
+  that does not fit beside the bytes held, it gets 503 with Retry-After before any of its body
+  is read.
+- Its body is counted as it arrives, after inflation (service.middleware.content_encoding sits
+  outside): a chunked or compressed body, which declares nothing, grows its reservation chunk
+  by chunk, and so does the parse estimate below. A step that would take the bytes held past
+  the limit is refused there, mid-stream: 503 with Retry-After while others hold the room, 413
+  when the body alone passes the limit, 422 when its body and parse estimate do.
+- Parsing a JSON body holds more than its bytes: pydantic_core's from_json builds a Python
+  object for every number and list, and numpy copies them again (a body of short numbers
+  peaks at 10x its size, one of single-element lists at 20x). So the body's JSON separators
+  are counted as it arrives (`,` for an element, `[` or `{` for a container, `:` for a key),
+  and each reserves what it cost to parse, measured on this service (bench/attack_bodies.py
+  parse-peak). Base64 tensors hold none of them. Under /v2/ with
+  Inference-Header-Content-Length, only the JSON header is scanned: binary data holds no JSON.
+  The parse reservation is dropped once the request is decoded (its first reserve_answer).
+- Once a request is decoded, its answer's working set is reserved before it is computed, or
+  the request gets that 503 (422 when it could never fit).
+
 Probes and metrics are never refused for it: an orchestrator must still see the process alive,
 and an operator why it refuses.
 """
@@ -20,9 +37,9 @@ from typing import Final
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.api.errors import service_error_response
-from service.errors import FieldError, InvalidRequest, MemoryBusy, PayloadTooLarge
+from service.errors import FieldError, InvalidRequest, MemoryBusy, PayloadTooLarge, ServiceError
 from service.metrics import Metrics
-from service.middleware.body_limit import declared_length
+from service.middleware.body_limit import declared_length, header_number
 from service.middleware.connections import unsent_bytes
 
 MB: Final = 1e6
@@ -41,6 +58,27 @@ EXEMPT_PATHS: Final = frozenset(
 # The request-state key of a request's reserve_answer(nbytes): it raises MemoryBusy (503) when
 # the answer's estimated size would take the bytes in flight over the limit.
 RESERVE_ANSWER: Final = "reserve_answer"
+# What parsing a JSON body holds at its peak besides the body, per separator byte: the Python
+# objects from_json builds and numpy's copies of them, measured by the growth of peak RSS while
+# v1 and v2 bodies are prepared (bench/attack_bodies.py parse-peak; numpy 2.4, pydantic_core
+# 2.50, CPython 3.11). An element (`,`): 48 bytes in v1 lists, 49.4 in v2's flat data (a float
+# object, its list slot, numpy's float64 and the float32 tensor). A container (`[` or `{`):
+# 86 more per single-element list and 84 per empty list (the list object and its slot). A key
+# (`:`): 103 with its comma (the key string and its dict slot). Rounded up.
+ELEMENT_PEAK_BYTES: Final = 52
+CONTAINER_PEAK_BYTES: Final = 88
+KEY_PEAK_BYTES: Final = 56
+_SEPARATORS: Final = (
+    (b",", ELEMENT_PEAK_BYTES),
+    (b"[", CONTAINER_PEAK_BYTES),
+    (b"{", CONTAINER_PEAK_BYTES),
+    (b":", KEY_PEAK_BYTES),
+)
+# The first bytes of every body's estimate are not reserved: a request's envelope (its field
+# names, shapes, options: about 2 KB of estimate for a base64 request) parses to a few
+# kilobytes, and reserving it would refuse base64 bodies that exactly fill the limit.
+ENVELOPE_BYTES: Final = 8 * 1024
+V2_HEADER_LENGTH: Final = b"inference-header-content-length"
 # cgroup v2, then v1: the memory the container may use ("max" or a huge number: no limit).
 _CGROUP_LIMITS: Final = (
     Path("/sys/fs/cgroup/memory.max"),
@@ -66,8 +104,32 @@ def default_inflight_bytes() -> int:
     return process_memory_limit() // 4
 
 
+def parse_estimate(chunk: bytes) -> int:
+    """What parsing `chunk` of a JSON body will hold at its peak, from its separators."""
+    estimate = 0
+    for separator, cost in _SEPARATORS:
+        # find() runs at memchr speed (several GB/s) and count() at about 1.4 GB/s: a base64
+        # chunk, which holds no separator, costs four memchr passes (2.3 ms per 16 MB).
+        if chunk.find(separator) >= 0:
+            estimate += cost * chunk.count(separator)
+    return estimate
+
+
+def json_prefix(scope: Scope) -> int | None:
+    """How many leading bytes of the body are JSON: a v2 request's Inference-Header-Content-Length
+    (the rest is binary data), else None (all of it). Not a number: None, and the route refuses
+    the request once read."""
+    if not scope["path"].startswith("/v2/"):
+        return None
+    for name, value in scope["headers"]:
+        if name == V2_HEADER_LENGTH:
+            return header_number(value)
+    return None
+
+
 class InflightBytesMiddleware:
-    """503 for new requests while the requests in flight hold more than `max_bytes`."""
+    """503 for new requests, and for bodies mid-stream, while the requests in flight hold more
+    than `max_bytes`."""
 
     def __init__(
         self,
@@ -91,66 +153,63 @@ class InflightBytesMiddleware:
         # would otherwise all be admitted while nothing is held yet, and read past the limit.
         declared = min(declared_length(scope) or 0, self.max_body_bytes)
         if declared > self.max_bytes:
-            await service_error_response(self._body_too_big(declared))(scope, receive, send)
+            error: ServiceError = self.body_too_big(declared, declared=True)
+            await service_error_response(error)(scope, receive, send)
             return
         if self.held + unsent_bytes() + declared > self.max_bytes:
-            await self._refuse(scope, receive, send, declared)
+            error = self.busy(self.held + unsent_bytes() + declared)
+            await service_error_response(error)(scope, receive, send)
             return
 
-        body = 0  # bytes of the body held: declared (reserved), or read (whichever is more)
-        answer = 0  # the answer's bytes: reserved, or handed over (whichever is more)
-        sent = 0
-        received = 0  # bytes of the body read
-
-        def hold(body_now: int, answer_now: int) -> None:
-            nonlocal body, answer
-            self.held += (body_now - body) + (answer_now - answer)
-            body, answer = body_now, answer_now
-
-        def reserve_answer(nbytes: int) -> None:
-            # The app reserves what its answer will take before computing it (so a burst of
-            # requests admitted together cannot pass the limit together), then shrinks the
-            # reservation to the encoded answer. Only growth is checked.
-            if body + nbytes > self.max_bytes:
-                raise self._too_big(body + nbytes)  # no retry would help: a 422, not a 503
-            growth = nbytes - answer
-            if growth > 0 and self.held + unsent_bytes() + growth > self.max_bytes:
-                raise self._busy(self.held + unsent_bytes() + growth)
-            hold(body, max(nbytes, sent))
-
-        scope.setdefault("state", {})[RESERVE_ANSWER] = reserve_answer
-        hold(declared, 0)
+        holding = RequestHolding(self, declared=declared, json_bytes=json_prefix(scope))
+        scope.setdefault("state", {})[RESERVE_ANSWER] = holding.reserve_answer
 
         async def counting_receive() -> Message:
-            nonlocal received
             message = await receive()
             if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                hold(max(declared, received), answer)
+                holding.arrived(message.get("body", b""))
             return message
 
+        response_started = False
+
         async def counting_send(message: Message) -> None:
-            nonlocal sent
-            if message["type"] == "http.response.body":
-                sent += len(message.get("body", b""))
-                hold(body, max(answer, sent))
+            nonlocal response_started
+            if message["type"] == "http.response.start":
+                response_started = True
+            elif message["type"] == "http.response.body":
+                holding.handed_over(len(message.get("body", b"")))
             await send(message)
 
         try:
             await self.app(scope, counting_receive, counting_send)
+        except ServiceError as exc:
+            # A refusal raised from receive() reaches the route's body read, and the app's
+            # ServiceError handler answers it; should it escape the app (a body read outside
+            # the handlers), the client still gets its status, never a 500.
+            if exc is not holding.refusal or response_started:
+                raise
+            await service_error_response(exc)(scope, receive, send)
         finally:
-            hold(0, 0)
+            holding.release()
 
-    def _busy(self, in_flight: int) -> MemoryBusy:
+    def fits(self, growth: int) -> bool:
+        """Whether `growth` more bytes fit beside what requests and write buffers hold."""
+        return self.held + unsent_bytes() + growth <= self.max_bytes
+
+    def count_refusal(self) -> None:
         if self.metrics is not None:
             self.metrics.rejected_total.labels(reason="inflight_bytes").inc()
+
+    def busy(self, in_flight: int) -> MemoryBusy:
+        self.count_refusal()
         return MemoryBusy(
-            f"requests in flight hold {in_flight} bytes of bodies and answers, above "
-            f"SDPA_MAX_INFLIGHT_BYTES = {self.max_bytes}; retry shortly",
+            f"requests in flight hold {in_flight} bytes of bodies, their parsing and answers, "
+            f"above SDPA_MAX_INFLIGHT_BYTES = {self.max_bytes}; retry shortly",
             retry_after_s=1,
         )
 
-    def _too_big(self, nbytes: int) -> InvalidRequest:
+    def answer_too_big(self, nbytes: int) -> InvalidRequest:
+        self.count_refusal()
         msg = (
             f"this request alone would hold about {nbytes / MB:.3g} MB at its peak (its body, "
             f"inputs, results and encoded answer), above SDPA_MAX_INFLIGHT_BYTES = "
@@ -161,16 +220,121 @@ class InflightBytesMiddleware:
             msg, errors=[FieldError(loc=("body",), msg=msg, type="inflight_limit")]
         )
 
-    def _body_too_big(self, declared: int) -> PayloadTooLarge:
+    def parse_too_big(self, body: int, parse: int) -> InvalidRequest:
+        self.count_refusal()
         msg = (
-            f"the body ({declared} bytes, Content-Length) is larger than SDPA_MAX_INFLIGHT_BYTES "
-            f"= {self.max_bytes} allows all requests together; split the request or send "
-            "base64 tensors"
+            f"parsing this request's JSON would hold about {parse / MB:.3g} MB beside its "
+            f"{body / MB:.3g} MB body so far (about {ELEMENT_PEAK_BYTES} bytes a number and "
+            f"{CONTAINER_PEAK_BYTES} a list), above SDPA_MAX_INFLIGHT_BYTES = "
+            f"{self.max_bytes / MB:.3g} MB for all requests together; send tensors as base64 "
+            "(v2: binary data), or fewer elements per request"
         )
-        return PayloadTooLarge(
-            msg, errors=[FieldError(loc=("header", "content-length"), msg=msg, type="inflight")]
+        return InvalidRequest(
+            msg, errors=[FieldError(loc=("body",), msg=msg, type="inflight_limit")]
         )
 
-    async def _refuse(self, scope: Scope, receive: Receive, send: Send, declared: int) -> None:
-        error = self._busy(self.held + unsent_bytes() + declared)
-        await service_error_response(error)(scope, receive, send)
+    def body_too_big(self, nbytes: int, *, declared: bool) -> PayloadTooLarge:
+        self.count_refusal()
+        loc: tuple[str, ...] = ("header", "content-length") if declared else ("body",)
+        what = (
+            f"the body ({nbytes} bytes, Content-Length) is"
+            if declared
+            else f"the body passed {nbytes} bytes, which is"
+        )
+        msg = (
+            f"{what} larger than SDPA_MAX_INFLIGHT_BYTES = {self.max_bytes} allows all "
+            "requests together; split the request or send base64 tensors"
+        )
+        return PayloadTooLarge(msg, errors=[FieldError(loc=loc, msg=msg, type="inflight")])
+
+
+class RequestHolding:
+    """What one request holds against its middleware's limit: its body (declared, or read if
+    more), the parse estimate of the JSON read so far (until the request is decoded), and its
+    answer (reserved, or handed over if more). Every growth is checked; shrinking never is."""
+
+    def __init__(
+        self, limit: InflightBytesMiddleware, *, declared: int, json_bytes: int | None
+    ) -> None:
+        self.limit = limit
+        self.declared = declared
+        self.received = 0  # bytes of the body read
+        self.json_left = json_bytes  # bytes of JSON still to scan (None: the whole body)
+        self.estimate = 0  # the parse estimate of the JSON read so far
+        self.decoded = False  # the app reserved its answer: the parsed objects are gone
+        self.answer = 0  # the answer's bytes: reserved, or handed over (whichever is more)
+        self.sent = 0
+        self.counted = 0  # what this request adds to limit.held now
+        self.refusal: ServiceError | None = None  # raised from receive(), once
+        limit.held += self._total()
+        self.counted = self._total()
+
+    def body(self) -> int:
+        return max(self.declared, self.received)
+
+    def parse(self) -> int:
+        return 0 if self.decoded else max(0, self.estimate - ENVELOPE_BYTES)
+
+    def _total(self) -> int:
+        return self.body() + self.parse() + self.answer
+
+    def _hold(self) -> None:
+        total = self._total()
+        self.limit.held += total - self.counted
+        self.counted = total
+
+    def arrived(self, chunk: bytes) -> None:
+        """A chunk of the body was read: count it and what parsing it will hold. Raises the
+        refusal when that would take the request, or all requests, past the limit."""
+        if self.refusal is not None:
+            raise self.refusal
+        self.received += len(chunk)
+        if not self.decoded:
+            if self.json_left is None:
+                self.estimate += parse_estimate(chunk)
+            elif self.json_left > 0:
+                self.estimate += parse_estimate(chunk[: self.json_left])
+                self.json_left = max(0, self.json_left - len(chunk))
+        growth = self._total() - self.counted
+        if growth > 0:
+            self.refusal = self._refusal(growth)
+            if self.refusal is not None:
+                raise self.refusal
+        self._hold()
+
+    def _refusal(self, growth: int) -> ServiceError | None:
+        limit = self.limit
+        if self.body() > limit.max_bytes:
+            return limit.body_too_big(self.body(), declared=False)
+        if self.body() + self.parse() > limit.max_bytes:
+            return limit.parse_too_big(self.body(), self.parse())
+        if not limit.fits(growth):
+            return limit.busy(limit.held + unsent_bytes() + growth)
+        return None
+
+    def reserve_answer(self, nbytes: int) -> None:
+        """The app reserves what its answer will take before computing it (so a burst of
+        requests admitted together cannot pass the limit together), then shrinks the
+        reservation to the encoded answer. Only growth is checked. The first call also tells
+        that the request is decoded: its parse reservation is dropped."""
+        if not self.decoded:
+            self.decoded = True
+            self._hold()
+        if self.body() + nbytes > self.limit.max_bytes:
+            raise self.limit.answer_too_big(self.body() + nbytes)  # no retry would help: a 422
+        growth = nbytes - self.answer
+        if growth > 0 and not self.limit.fits(growth):
+            raise self.limit.busy(self.limit.held + unsent_bytes() + growth)
+        self.answer = max(nbytes, self.sent)
+        self._hold()
+
+    def handed_over(self, nbytes: int) -> None:
+        """Answer bytes went to the server: held until the app is done."""
+        self.sent += nbytes
+        self.answer = max(self.answer, self.sent)
+        self._hold()
+
+    def release(self) -> None:
+        """The request ended: everything it held comes back."""
+        self.limit.held -= self.counted
+        self.counted = 0

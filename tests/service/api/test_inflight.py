@@ -1,7 +1,9 @@
 """SDPA_MAX_INFLIGHT_BYTES through the app (ASGI, driven as uvicorn drives it): while the
 requests in flight hold bodies (declared or read) and answers near the limit, a new request
 gets 503 with Retry-After before any of its body is read, probes still answer, and once the
-holders leave the budget is free."""
+holders leave the budget is free. Bodies without Content-Length (chunked, or inflated) and the
+parse estimate of JSON bodies grow their reservation as they arrive, and are refused mid-stream
+once over (503 beside others, 413 or 422 alone); the parse estimate is dropped once decoded."""
 
 from __future__ import annotations
 
@@ -211,5 +213,260 @@ def test_bodies_declared_together_cannot_pass_the_limit_together() -> None:
         leave.set()
         await first
         assert _held(app) == 0
+
+    asyncio.run(scenario())
+
+
+def chunked_scope(path: str, *headers: tuple[bytes, bytes]) -> dict[str, Any]:
+    """The scope of a request without Content-Length (chunked, or inflated inside the app)."""
+    scope = asgi_scope("POST", path)
+    scope["headers"] = [(b"content-type", b"application/json"), *headers]
+    return scope
+
+
+def body_of(sent: list[dict[str, Any]]) -> dict[str, Any]:
+    said = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    parsed: dict[str, Any] = json.loads(said)
+    return parsed
+
+
+def test_a_chunked_body_is_refused_mid_stream_once_others_hold_the_room() -> None:
+    """A holder declares 3,000 bytes of a 4,096-byte limit; a chunked body's first 1,000 bytes
+    fit beside it (4,000), its next 200 do not (4,200): 503 with Retry-After at that chunk,
+    and what it had read comes back at once."""
+    app = create_app(small_settings(max_inflight_bytes=LIMIT))
+
+    async def scenario() -> None:
+        leave, stalled = asyncio.Event(), asyncio.Event()
+        holder = asyncio.create_task(
+            call(
+                app,
+                asgi_scope("POST", "/v1/attention", content_length=3000),
+                [{"wait": leave, "reached": stalled}],
+            )
+        )
+        await stalled.wait()
+        streamed, read = await call(
+            app,
+            chunked_scope("/v1/attention"),
+            [
+                {"type": "http.request", "body": b" " * 1000, "more_body": True},
+                {"type": "http.request", "body": b" " * 200, "more_body": True},
+                {"type": "http.request", "body": b" " * 200, "more_body": False},
+            ],
+        )
+        assert status(streamed) == 503
+        start = next(m for m in streamed if m["type"] == "http.response.start")
+        assert dict(start["headers"])[b"retry-after"] == b"1"
+        assert "SDPA_MAX_INFLIGHT_BYTES" in body_of(streamed)["detail"]
+        assert read == [1000, 200]  # refused at the chunk that passed, not after the body
+        assert _held(app) == 3000
+        leave.set()
+        await holder
+        assert _held(app) == 0
+
+    asyncio.run(scenario())
+
+
+def test_a_chunked_body_that_alone_passes_the_limit_is_a_413_mid_stream() -> None:
+    """Alone, 4,000 bytes fit a 4,096-byte limit and 4,100 never will: 413 naming the body."""
+    app = create_app(small_settings(max_inflight_bytes=LIMIT))
+
+    async def scenario() -> None:
+        streamed, read = await call(
+            app,
+            chunked_scope("/v1/attention"),
+            [
+                {"type": "http.request", "body": b" " * 4000, "more_body": True},
+                {"type": "http.request", "body": b" " * 100, "more_body": True},
+                {"type": "http.request", "body": b" " * 100, "more_body": False},
+            ],
+        )
+        assert status(streamed) == 413
+        error = body_of(streamed)["errors"][0]
+        assert error["loc"] == ["body"]
+        assert "4100" in error["msg"]
+        assert "SDPA_MAX_INFLIGHT_BYTES" in error["msg"]
+        assert read == [4000, 100]
+        assert _held(app) == 0
+
+    asyncio.run(scenario())
+
+
+def test_json_separators_reserve_their_parse_peak_as_they_arrive() -> None:
+    """Each "," reserves 52 bytes, each "[" or "{" 88 and each ":" 56 (what parsing them was
+    measured to hold), past the first 8,192 bytes of estimate. By hand: 1,000 "0," (2,000
+    bytes) reserve 2,000 + 1,000·52 - 8,192 = 45,808 bytes; 100 "[0]," more (400 bytes) add
+    400 + 100·(52 + 88) = 14,400: 60,208. A base64 body's reservation stays its body."""
+    app = create_app(small_settings(max_inflight_bytes=1 << 20))
+
+    async def scenario() -> None:
+        leave, stalled, next_chunk, more = (asyncio.Event() for _ in range(4))
+        holder = asyncio.create_task(
+            call(
+                app,
+                chunked_scope("/v1/attention"),
+                [
+                    {"type": "http.request", "body": b"0," * 1000, "more_body": True},
+                    {"wait": next_chunk, "reached": stalled},
+                ],
+            )
+        )
+        await stalled.wait()
+        assert _held(app) == 45_808
+        next_chunk.set()
+        await holder
+        assert _held(app) == 0
+        holder = asyncio.create_task(
+            call(
+                app,
+                chunked_scope("/v1/attention"),
+                [
+                    {"type": "http.request", "body": b"0," * 1000, "more_body": True},
+                    {"type": "http.request", "body": b"[0]," * 100, "more_body": True},
+                    {"wait": leave, "reached": more},
+                ],
+            )
+        )
+        await more.wait()
+        assert _held(app) == 60_208
+        leave.set()
+        await holder
+        b64 = json.dumps(weights_request()).encode()
+        assert b64.count(b",") < 40  # the envelope: a few fields and shapes
+        done, arrived = asyncio.Event(), asyncio.Event()
+        holder = asyncio.create_task(
+            call(
+                app,
+                asgi_scope("POST", "/v1/attention", content_length=len(b64)),
+                [
+                    {"type": "http.request", "body": b64, "more_body": True},
+                    {"wait": done, "reached": arrived},
+                ],
+            )
+        )
+        await arrived.wait()
+        assert _held(app) == len(b64)
+        done.set()
+        await holder
+
+    asyncio.run(scenario())
+
+
+def json_weights_body() -> bytes:
+    """The weights request of weights_request() with q, k, v as JSON lists of 0.5 (the answer
+    in base64, so its working set is WORKING_SET). Its separators, by hand: each [1, 1, 128, 4]
+    list holds 128·3 commas in its rows and 127 between them (511) and 3 + 128 = 131 "["; the
+    object holds 6 keys (6 ":", 5 commas) in one "{". Estimate: (3·511 + 5)·52 + (3·131 + 1)·88
+    + 6·56 = 114,984; reserved past the 8,192-byte envelope: 106,792."""
+    rows = [[0.5] * 4 for _ in range(128)]
+    tensor = [[rows]]
+    body = json.dumps(
+        {"q": tensor, "k": tensor, "v": tensor, "return_weights": True,
+         "diagnostics": "none", "response_encoding": "base64"}
+    ).encode()  # fmt: skip
+    assert (body.count(b","), body.count(b"["), body.count(b"{")) == (1538, 393, 1)
+    return body
+
+
+JSON_PARSE_RESERVED = 106_792
+
+
+def test_a_json_body_whose_parse_never_fits_is_a_422_before_it_is_parsed() -> None:
+    body = json_weights_body()
+    headers = {"content-type": "application/json"}
+    limit = len(body) + JSON_PARSE_RESERVED - 1
+    with in_process_client(small_settings(max_inflight_bytes=limit)) as client:
+        refused = client.post("/v1/attention", content=body, headers=headers)
+        assert refused.status_code == 422
+        error = refused.json()["errors"][0]
+        assert error["type"] == "inflight_limit"
+        assert "parsing" in error["msg"]
+        assert "base64" in error["msg"]
+        assert "SDPA_MAX_INFLIGHT_BYTES" in error["msg"]
+        assert computed(client.get("/metrics").text) == 0
+
+
+def test_the_parse_reservation_is_dropped_once_the_request_is_decoded() -> None:
+    """Body + parse (106,792) fit a limit of body + WORKING_SET (262,144), and so does body +
+    working set, but not all three: served, so the parse reservation was gone before the
+    working set was reserved. One byte less is the working set's own 422."""
+    body = json_weights_body()
+    headers = {"content-type": "application/json"}
+    with in_process_client(small_settings(max_inflight_bytes=len(body) + WORKING_SET)) as client:
+        served = client.post("/v1/attention", content=body, headers=headers)
+        assert served.status_code == 200, served.text
+    with in_process_client(
+        small_settings(max_inflight_bytes=len(body) + WORKING_SET - 1)
+    ) as client:
+        refused = client.post("/v1/attention", content=body, headers=headers)
+        assert refused.status_code == 422
+        assert "at its peak" in refused.json()["errors"][0]["msg"]
+
+
+def v2_binary_body(fill: bytes) -> tuple[bytes, int]:
+    """A v2 request of q, k, v [1, 1, 128, 4] as binary data of `fill` bytes, output "output"
+    as binary data -> (the body, its JSON header's length)."""
+    header = json.dumps(
+        {
+            "inputs": [
+                {"name": name, "shape": [1, 1, 128, 4], "datatype": "FP32",
+                 "parameters": {"binary_data_size": 2048}}
+                for name in "qkv"
+            ],
+            "outputs": [{"name": "output", "parameters": {"binary_data": True}}],
+        }
+    ).encode()  # fmt: skip
+    return header + fill * (3 * 2048), len(header)
+
+
+def test_v2_binary_data_is_not_scanned_for_json() -> None:
+    """The binary data is 6,144 bytes of "," (float32 0x2C2C2C2C, about 2.4e-12): scanned as
+    JSON they would reserve 6,144·52 = 319,488 bytes, and a limit of body + 150,000 would
+    refuse them. Only the Inference-Header-Content-Length bytes are JSON: served. Told the
+    whole body is its header, the same bytes are scanned, and refused (400 on v2)."""
+    body, header_length = v2_binary_body(b",")
+    url = "/v2/models/attention/infer"
+    with in_process_client(small_settings(max_inflight_bytes=len(body) + 150_000)) as client:
+        served = client.post(
+            url, content=body, headers={"Inference-Header-Content-Length": str(header_length)}
+        )
+        assert served.status_code == 200, served.text
+        scanned = client.post(
+            url, content=body, headers={"Inference-Header-Content-Length": str(len(body))}
+        )
+        assert scanned.status_code == 400
+        assert "parsing" in scanned.json()["error"]
+        assert "SDPA_MAX_INFLIGHT_BYTES" in scanned.json()["error"]
+
+
+def test_content_length_is_read_whatever_its_leading_zeros() -> None:
+    """5,000 leading zeros (int() refuses strings past 4,300 digits) still declare 3,000 bytes,
+    reserved at once; 4,301 significant digits are larger than any limit: 413 before a byte of
+    the body is read, never a 500."""
+    app = create_app(small_settings(max_inflight_bytes=LIMIT))
+
+    async def scenario() -> None:
+        leave, stalled = asyncio.Event(), asyncio.Event()
+        zeros = asgi_scope("POST", "/v1/attention")
+        zeros["headers"] = [
+            (b"content-type", b"application/json"),
+            (b"content-length", b"0" * 5000 + b"3000"),
+        ]
+        holder = asyncio.create_task(call(app, zeros, [{"wait": leave, "reached": stalled}]))
+        await stalled.wait()
+        assert _held(app) == 3000
+        leave.set()
+        await holder
+        huge = asgi_scope("POST", "/v1/attention")
+        huge["headers"] = [
+            (b"content-type", b"application/json"),
+            (b"content-length", b"9" * 4301),
+        ]
+        refused, read = await call(
+            app, huge, [{"type": "http.request", "body": b"{}", "more_body": False}]
+        )
+        assert status(refused) == 413
+        assert read == []
 
     asyncio.run(scenario())
