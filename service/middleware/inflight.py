@@ -224,7 +224,7 @@ class InflightBytesMiddleware:
         self.count_refusal()
         msg = (
             f"parsing this request's JSON would hold about {parse / MB:.3g} MB beside its "
-            f"{body / MB:.3g} MB body so far (about {ELEMENT_PEAK_BYTES} bytes a number and "
+            f"{body / MB:.3g} MB body (about {ELEMENT_PEAK_BYTES} bytes a number and "
             f"{CONTAINER_PEAK_BYTES} a list), above SDPA_MAX_INFLIGHT_BYTES = "
             f"{self.max_bytes / MB:.3g} MB for all requests together; send tensors as base64 "
             "(v2: binary data), or fewer elements per request"
