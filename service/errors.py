@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from itertools import islice
+from typing import Any, Final
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +104,36 @@ class DeadlineExceeded(ServiceError):
     title = "Deadline exceeded"
 
 
+# ---- bounded error bodies ------------------------------------------------------------------
+# An error body is bounded whatever the request holds: a body of a million unknown fields was
+# once answered with 84 MB of errors, and a client's key or value can be megabytes long. At most
+# MAX_LISTED_ERRORS field errors are listed (the detail says how many there were, see
+# and_more()), and every text a client can lengthen is cut: messages and details at
+# MAX_ERROR_TEXT characters, each part of a loc at MAX_LOC_TEXT.
+
+MAX_LISTED_ERRORS: Final = 10
+MAX_ERROR_TEXT: Final = 500
+MAX_LOC_TEXT: Final = 64
+
+
+def clip(text: str, limit: int = MAX_ERROR_TEXT) -> str:
+    """`text`, cut to `limit` characters (the last one "…") when longer."""
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def and_more(total: int, *, listed: int) -> str:
+    """What follows an error's first message when it had company: " (and 99,999 more; 10
+    listed)", or "" for one error."""
+    if total <= 1:
+        return ""
+    shown = f"; {listed} listed" if listed < total else ""
+    return f" (and {total - 1:,} more{shown})"
+
+
+def _loc_part(part: str | int) -> str | int:
+    return clip(part, MAX_LOC_TEXT) if isinstance(part, str) else part
+
+
 # ---- problem+json ----------------------------------------------------------------------
 
 PROBLEM_JSON = "application/problem+json"
@@ -130,11 +161,15 @@ def problem_payload(
     errors: Iterable[FieldError] = (),
     type_: str = "about:blank",
 ) -> dict[str, Any]:
-    """The JSON object of one problem. `errors` lists field-level problems with their loc."""
+    """The JSON object of one problem. `errors` lists field-level problems with their loc: the
+    first MAX_LISTED_ERRORS of them, their texts clipped (the raiser's detail counts them all)."""
     return {
         "type": type_,
         "title": title or _DEFAULT_TITLES.get(status, "Error"),
         "status": status,
-        "detail": detail,
-        "errors": [{"loc": list(e.loc), "msg": e.msg, "type": e.type} for e in errors],
+        "detail": clip(detail),
+        "errors": [
+            {"loc": [_loc_part(part) for part in e.loc], "msg": clip(e.msg), "type": e.type}
+            for e in islice(errors, MAX_LISTED_ERRORS)
+        ],
     }

@@ -26,7 +26,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
 from sdpa_core.errors import SdpaError
-from service.errors import PROBLEM_JSON, FieldError, ServiceError, problem_payload
+from service.errors import PROBLEM_JSON, FieldError, ServiceError, clip, problem_payload
 from service.wire.models import field_errors
 
 logger = logging.getLogger("sdpa.app")
@@ -90,9 +90,9 @@ def v2_message(detail: str, errors: Sequence[FieldError]) -> str:
 def v2_error_response(
     *, status: int, message: str, headers: Mapping[str, str] | None = None
 ) -> JSONResponse:
-    """{"error": message} with v2's status for it."""
+    """{"error": message} with v2's status for it; the message clipped (service.errors)."""
     return JSONResponse(
-        {"error": message},
+        {"error": clip(message)},
         status_code=_V2_STATUS.get(status, status),
         headers=dict(headers) if headers else None,
     )
@@ -158,8 +158,9 @@ async def _on_sdpa_error(request: Request, exc: Exception) -> Response:
 
 async def _on_request_validation(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, RequestValidationError)
-    errors = field_errors(exc.errors(), prefix=())
-    detail = f"{len(errors)} invalid field(s)" if errors else "invalid request"
+    raw = exc.errors()
+    errors = field_errors(raw, prefix=())
+    detail = f"{len(raw)} invalid field(s)" if raw else "invalid request"
     if is_v2_path(request.url.path):
         return v2_error_response(status=422, message=errors[0].msg if errors else detail)
     return problem_response(status=422, detail=detail, errors=errors)

@@ -15,7 +15,7 @@ from typing import Final
 import torch
 
 from sdpa_core import PER_ROW_FIELDS
-from service.errors import FieldError, InvalidRequest
+from service.errors import MAX_LOC_TEXT, FieldError, InvalidRequest, clip
 from service.runtime.jobs import AttentionJob
 from service.runtime.policy import CostModel
 from service.serving.prepare import PreparedRequest, prepare_attention_job, temperature_scale
@@ -52,10 +52,11 @@ def _outputs(req: InferRequest, params: RequestParameters) -> tuple[tuple[str, b
     plan: list[tuple[str, bool]] = []
     for out in req.outputs:
         if out.name not in OUTPUT_NAMES:
+            name = clip(out.name, MAX_LOC_TEXT)
             raise _invalid(
-                f"unknown output {out.name!r}: the model computes {', '.join(OUTPUT_NAMES)}",
+                f"unknown output {name!r}: the model computes {', '.join(OUTPUT_NAMES)}",
                 "outputs",
-                out.name,
+                name,
             )
         if out.name in seen:
             raise _invalid(f"output {out.name!r} is requested twice", "outputs", out.name)

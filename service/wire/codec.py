@@ -22,8 +22,9 @@ import base64
 import binascii
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from itertools import chain, islice
 from typing import Any, Final, Literal
 
 import numpy as np
@@ -72,6 +73,9 @@ _BY_TORCH: Final[dict[torch.dtype, _DType]] = {d.torch: d for d in _DTYPES.value
 FLOAT_DTYPE_NAMES: Final = tuple(_BY_TORCH[dtype].name for dtype in SUPPORTED_DTYPES)
 _FLOAT_NAMES: Final = frozenset(FLOAT_DTYPE_NAMES)
 _INT64_MAX: Final = np.iinfo(np.int64).max
+# Leaves whose types are read in one C call (set(map(type, ...))): about 2 ms each, so that a
+# worker thread reading millions of them gives the GIL back to the event loop between chunks.
+_TYPE_CHUNK: Final = 1 << 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,6 +153,35 @@ def _as_array(data: Any, *, loc: Loc) -> npt.NDArray[Any]:
     return arr
 
 
+def leaf_types(leaves: Iterable[Any]) -> set[type]:
+    """The Python types among `leaves`, read a chunk at a time (no Python step per leaf)."""
+    types: set[type] = set()
+    it = iter(leaves)
+    while chunk := tuple(islice(it, _TYPE_CHUNK)):
+        types.update(map(type, chunk))
+    return types
+
+
+def _leaves(data: list[Any], ndim: int) -> Iterator[Any]:
+    """The leaves of a regular nested list of `ndim` levels, row-major."""
+    leaves: Iterator[Any] = iter(data)
+    for _ in range(ndim - 1):
+        leaves = chain.from_iterable(leaves)
+    return leaves
+
+
+def refuse_booleans_among_numbers(
+    data: Any, arr: npt.NDArray[Any], *, error: Callable[[], InvalidRequest]
+) -> None:
+    """Raise error() when the nested list `data`, which numpy read as the numbers `arr`, holds a
+    boolean. numpy reads [1.0, true] as [1.0, 1.0] (and [1, true] as [1, 1]), but JSON's true
+    is no number: v1 and v2 both refuse it in numeric data, as they refuse a list of booleans
+    alone. Costs a look at each leaf's type; only numeric arrays read from lists pay it."""
+    numbers_from_list = arr.size and arr.dtype.kind in "iuf" and isinstance(data, list)
+    if numbers_from_list and bool in leaf_types(_leaves(data, arr.ndim)):
+        raise error()
+
+
 def _from_list(
     data: Any,
     dtype: str | None,
@@ -176,6 +209,12 @@ def _from_list(
     if arr.size and dtype != "bool" and kind not in "iuf":
         what = "booleans" if kind == "b" else "non-numbers"
         raise _invalid(data_loc, f"data must hold only numbers, found {what}", "type")
+    if dtype != "bool":
+        refuse_booleans_among_numbers(
+            data,
+            arr,
+            error=lambda: _invalid(data_loc, "data must hold only numbers, found booleans", "type"),
+        )
     if shape is not None and tuple(shape) != arr.shape:
         raise _invalid(
             (*loc, "shape"),
@@ -195,7 +234,7 @@ def nulls_as_minus_inf(arr: npt.NDArray[Any], *, loc: Loc) -> npt.NDArray[Any]:
     nulls = np.equal(arr, np.array(None, dtype=object))
     others = arr[~nulls]
     # Per element, but only on this path: a JSON-list mask that holds nulls at all.
-    if not all(type(x) in (int, float) for x in others.flat):
+    if not leaf_types(others.flat) <= {int, float}:
         raise _invalid(
             loc, "a float mask's data holds numbers, and null for -inf (not visible)", "type"
         )
@@ -262,6 +301,9 @@ def decode_int_list(value: list[Any] | int, *, loc: Loc, max_elements: int) -> t
     kind = arr.dtype.kind
     if arr.size and kind not in "iu":
         raise _invalid(loc, "must hold only integers", "type")
+    refuse_booleans_among_numbers(
+        value, arr, error=lambda: _invalid(loc, "must hold only integers, found booleans", "type")
+    )
     if kind == "u" and arr.size and int(arr.max()) > _INT64_MAX:
         raise _invalid(loc, "integers must fit in int64", "type")
     return torch.from_numpy(arr.astype(np.int64))

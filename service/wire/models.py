@@ -14,7 +14,8 @@ Strict mode everywhere: `true` is not 1, "3" is not 3, and non-finite floats are
 from __future__ import annotations
 
 import difflib
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from itertools import islice
 from typing import Annotated, Any, Final, Literal, TypeVar, get_args
 
 from pydantic import (
@@ -31,7 +32,14 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from service.errors import FieldError, InvalidRequest
+from service.errors import (
+    MAX_LISTED_ERRORS,
+    MAX_LOC_TEXT,
+    FieldError,
+    InvalidRequest,
+    and_more,
+    clip,
+)
 
 # Highest tensor rank on the wire: [B1, B2, B3, H, N, D], three leading batch dimensions, more than
 # any use we know of. It keeps the documented schema finite, and small enough that schema-driven
@@ -91,8 +99,43 @@ ScalarOrNested = Annotated[Any, WithJsonSchema({"anyOf": [_NUMBER_OR_NULL, NESTE
 B64_PATTERN: Final = r"^(?:[A-Za-z0-9+/]{4})*(?:[A-Za-z0-9+/]{2}==|[A-Za-z0-9+/]{3}=)?$"
 
 
+# An object may carry this many unknown fields, each refused in an error of its own with a
+# "did you mean" hint; with more, the object is refused whole in one error that names the first
+# few (few_unknown_fields). pydantic has no way to stop collecting errors: a body of 90,000
+# unknown fields cost 2.5 s of errors and hints, and answered 7.4 MB.
+MAX_UNKNOWN_FIELDS: Final = 8
+_UNKNOWN_NAMED: Final = 3
+# The largest dimension a tensor's shape may name (int64's): no limit allows more, and a shape's
+# element count stays a number Python can write (int() refuses to print 4,300 digits or more).
+MAX_DIM: Final = 2**63 - 1
+
+
+def few_unknown_fields(data: Any, fields: Collection[str]) -> Any:
+    """A model's "before" check of its raw input: an object with more than MAX_UNKNOWN_FIELDS
+    keys outside `fields` is refused in one error, before pydantic walks its keys. The work is
+    bounded by the model's own field count, whatever the object holds."""
+    if not isinstance(data, dict) or len(data) <= MAX_UNKNOWN_FIELDS:
+        return data
+    unknown = len(data) - sum(1 for name in fields if name in data)
+    if unknown <= MAX_UNKNOWN_FIELDS:
+        return data
+    # The first keys that are not fields: at most len(fields) + _UNKNOWN_NAMED steps.
+    first = islice((key for key in data if key not in fields), _UNKNOWN_NAMED)
+    names = ", ".join(repr(clip(key, MAX_LOC_TEXT)) for key in first)
+    raise PydanticCustomError(
+        "too_many_unknown_fields",
+        "{count} unknown fields ({names}, ...); this object takes {fields}",
+        {"count": f"{unknown:,}", "names": names, "fields": ", ".join(fields)},
+    )
+
+
 class _Wire(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, frozen=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _few_unknown_fields(cls, data: Any) -> Any:
+        return few_unknown_fields(data, cls.model_fields)
 
 
 def _nested_list_data(value: Any) -> Any:
@@ -149,7 +192,7 @@ class WireTensor(_Wire):
         description="Element type. bool is for masks only; bfloat16 travels as raw 2-byte "
         "values in b64 and as ordinary numbers in data."
     )
-    shape: list[Annotated[int, Field(ge=0)]] | None = Field(
+    shape: list[Annotated[int, Field(ge=0, le=MAX_DIM)]] | None = Field(
         default=None,
         # At least one dimension: no tensor on the wire is 0-d (see _nested_list_data).
         min_length=1,
@@ -656,25 +699,45 @@ _FIELD_MODELS: Final[tuple[type[BaseModel], ...]] = (
 _KNOWN_FIELDS: Final = sorted({name for model in _FIELD_MODELS for name in model.model_fields})
 
 
+# A key over twice the longest field name's length is no typo of one: no hint is looked for
+# (difflib's cost grows with the key's length, and a key can be megabytes long).
+_HINT_MAX_KEY: Final = 2 * max(len(name) for name in _KNOWN_FIELDS)
+
+
+def unknown_field_hint(key: str, known: Sequence[str]) -> str | None:
+    """The field name in `known` that `key` is most likely a typo of, or None."""
+    if len(key) > _HINT_MAX_KEY:
+        return None
+    close = difflib.get_close_matches(key, known, n=1, cutoff=0.75)
+    return close[0] if close else None
+
+
 def field_errors(
     errors: Iterable[Mapping[str, Any]], *, prefix: Sequence[str | int] = ("body",)
 ) -> list[FieldError]:
     """pydantic error dicts -> our FieldErrors: union tags dropped, unknown fields explained.
+    Only the first MAX_LISTED_ERRORS are converted (the work per error is bounded, and more are
+    never listed: service.errors).
 
     Never copies an error's `input` (it can be a whole tensor).
     """
     out: list[FieldError] = []
-    for err in errors:
-        loc = tuple(part for part in err.get("loc", ()) if part not in _UNION_TAGS)
+    for err in islice(errors, MAX_LISTED_ERRORS):
+        loc = tuple(
+            clip(part, MAX_LOC_TEXT) if isinstance(part, str) else part
+            for part in err.get("loc", ())
+            if part not in _UNION_TAGS
+        )
         msg = str(err.get("msg", "invalid value"))
         kind = str(err.get("type", "value_error"))
         if kind == "extra_forbidden" and loc and isinstance(loc[-1], str):
-            close = difflib.get_close_matches(loc[-1], _KNOWN_FIELDS, n=1, cutoff=0.75)
-            if close and close[0] == loc[-1]:  # a field of another endpoint ("scale" on analyze)
-                msg = f"unknown field {loc[-1]!r}: this endpoint does not take it"
+            key = loc[-1]
+            close = unknown_field_hint(key, _KNOWN_FIELDS)
+            if close == key:  # a field of another endpoint ("scale" on analyze)
+                msg = f"unknown field {key!r}: this endpoint does not take it"
             else:
-                hint = f"; did you mean {close[0]!r}?" if close else ""
-                msg = f"unknown field {loc[-1]!r}{hint}"
+                hint = f"; did you mean {close!r}?" if close else ""
+                msg = f"unknown field {key!r}{hint}"
         out.append(FieldError(loc=(*prefix, *loc), msg=msg, type=kind))
     return out
 
@@ -690,5 +753,5 @@ def validate_request(payload: Any, model: type[M]) -> M:
         errors = field_errors(exc.errors(include_url=False, include_input=False))
         first = errors[0]
         where = ".".join(str(p) for p in first.loc[1:]) or "body"
-        more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+        more = and_more(exc.error_count(), listed=len(errors))
         raise InvalidRequest(f"{where}: {first.msg}{more}", errors=errors) from None

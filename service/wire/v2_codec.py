@@ -27,8 +27,9 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from service.errors import FieldError, InvalidRequest
-from service.wire.codec import nulls_as_minus_inf, to_numpy
+from service.errors import MAX_LOC_TEXT, FieldError, InvalidRequest, clip
+from service.wire.codec import nulls_as_minus_inf, refuse_booleans_among_numbers, to_numpy
+from service.wire.lengths import MAX_LENGTH_DIGITS, parse_length
 from service.wire.v2_models import (
     FLOAT_DATATYPES,
     INPUT_DATATYPES,
@@ -76,16 +77,15 @@ def split_header(body: bytes, header_length: str | None) -> tuple[bytes, int]:
     """(the JSON header, the offset where binary data starts) of a request body."""
     if header_length is None:
         return body, len(body)
-    text = header_length.strip()
-    # ASCII digits only: str.isdigit() also takes "²", which int() refuses.
-    if not (text.isascii() and text.isdigit()) or not 0 < int(text) <= len(body):
+    size = parse_length(header_length)
+    if size is None or not 0 < size <= len(body):
         raise _invalid(
             f"header Inference-Header-Content-Length: {header_length[:32]!r} is not the length "
-            f"of a JSON header within the body's {len(body)} bytes",
+            f"of a JSON header within the body's {len(body)} bytes (ASCII digits, at most "
+            f"{MAX_LENGTH_DIGITS} once leading zeros are stripped)",
             "header",
             kind="header_length",
         )
-    size = int(text)
     return body[:size], size
 
 
@@ -100,10 +100,11 @@ def decode_inputs(
     names = [inp.name for inp in request.inputs]
     for inp in request.inputs:
         if inp.name not in INPUT_DATATYPES:
+            name = clip(inp.name, MAX_LOC_TEXT)
             raise _invalid(
-                f"unknown input {inp.name!r}: the model takes {', '.join(INPUT_DATATYPES)}",
+                f"unknown input {name!r}: the model takes {', '.join(INPUT_DATATYPES)}",
                 "inputs",
-                inp.name,
+                name,
             )
         if names.count(inp.name) > 1:
             raise _invalid(f"input {inp.name!r} is given twice", "inputs", inp.name)
@@ -251,14 +252,24 @@ def _from_json(name: str, spec: _Datatype, shape: tuple[int, ...], data: list[An
         kind = arr.dtype.kind
     if arr.size:
         wanted = {"BOOL": "b", "INT32": "iu", "INT64": "iu"}.get(spec.name, "iuf")
+        what = {"b": "true/false", "iu": "integers", "iuf": "numbers"}[wanted]
         if kind not in wanted:
-            what = {"b": "true/false", "iu": "integers", "iuf": "numbers"}[wanted]
             raise _invalid(
                 f"input {name!r}: {spec.name} data must hold only {what}",
                 "inputs",
                 name,
                 kind="type",
             )
+        refuse_booleans_among_numbers(
+            data,
+            arr,
+            error=lambda: _invalid(
+                f"input {name!r}: {spec.name} data must hold only {what}, found booleans",
+                "inputs",
+                name,
+                kind="type",
+            ),
+        )
     count = math.prod(shape)
     if arr.size != count:
         raise _invalid(

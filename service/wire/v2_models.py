@@ -12,14 +12,28 @@ be silently ignored), except the protocol's own parameters that a client sends o
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Iterable, Mapping
+from itertools import islice
 from typing import Annotated, Any, Final, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from service.errors import FieldError, InvalidRequest
-from service.wire.models import MAX_RANK, Causal, DiagnosticsLevel
+from service.errors import (
+    MAX_LISTED_ERRORS,
+    MAX_LOC_TEXT,
+    FieldError,
+    InvalidRequest,
+    and_more,
+    clip,
+)
+from service.wire.models import (
+    MAX_DIM,
+    MAX_RANK,
+    Causal,
+    DiagnosticsLevel,
+    few_unknown_fields,
+    unknown_field_hint,
+)
 
 MODEL_NAME: Final = "attention"
 MODEL_VERSION: Final = "1"
@@ -52,11 +66,18 @@ MAX_TIMEOUT_US: Final = 3_600_000_000
 class _V2(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, frozen=True)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _few_unknown_fields(cls, data: Any) -> Any:
+        # As v1's: many unknown keys are refused in one error, before pydantic walks them.
+        return few_unknown_fields(data, cls.model_fields)
+
 
 class InputParameters(_V2):
     binary_data_size: int | None = Field(
         default=None,
         ge=0,
+        le=MAX_DIM,
         description="Binary tensor data extension: the input's bytes follow the JSON header "
         "(little-endian, row-major), in the order of the inputs.",
     )
@@ -66,7 +87,7 @@ class InferInput(_V2):
     """One input tensor: its data as a JSON list (flat or nested, row-major) or as binary data."""
 
     name: str = Field(description="q, k, v, key_lengths, key_padding_mask or attn_mask.")
-    shape: list[Annotated[int, Field(ge=0)]] = Field(min_length=1, max_length=MAX_RANK)
+    shape: list[Annotated[int, Field(ge=0, le=MAX_DIM)]] = Field(min_length=1, max_length=MAX_RANK)
     datatype: str = Field(
         description="q, k, v: FP16 | BF16 | FP32 | FP64 (BF16 as binary data only); "
         "key_lengths: INT32 | INT64; key_padding_mask: BOOL (true = padding); "
@@ -235,7 +256,7 @@ _KNOWN_NAMES: Final = sorted(
 
 def _where(loc: Iterable[str | int]) -> str:
     """A pydantic loc as the request's own words: parameter 'causal', inputs[0].shape."""
-    parts = list(loc)
+    parts = [clip(part, MAX_LOC_TEXT) if isinstance(part, str) else part for part in loc]
     if len(parts) >= 2 and parts[0] == "parameters" and isinstance(parts[1], str):
         return f"parameter {parts[1]!r}"
     out = ""
@@ -248,25 +269,24 @@ def _message(err: Mapping[str, Any]) -> tuple[str, tuple[str | int, ...]]:
     loc = tuple(err.get("loc", ()))
     msg = str(err.get("msg", "invalid value"))
     if err.get("type") == "extra_forbidden" and loc and isinstance(loc[-1], str):
-        close = difflib.get_close_matches(loc[-1], _KNOWN_NAMES, n=1, cutoff=0.75)
-        hint = f"; did you mean {close[0]!r}?" if close else ""
+        close = unknown_field_hint(loc[-1], _KNOWN_NAMES)
+        hint = f"; did you mean {close!r}?" if close else ""
         what = "parameter" if len(loc) == 2 and loc[0] == "parameters" else "field"
-        return f"unknown {what} {loc[-1]!r}{hint}", loc
+        return f"unknown {what} {clip(loc[-1], MAX_LOC_TEXT)!r}{hint}", loc
     return f"{_where(loc)}: {msg}", loc
 
 
 def parse_infer_request(payload: Any) -> InferRequest:
     """The parsed JSON header as an InferRequest, or InvalidRequest naming the first bad field,
-    input or parameter (a 400 on v2)."""
+    input or parameter (a 400 on v2); the first MAX_LISTED_ERRORS are listed."""
     try:
         return InferRequest.model_validate(payload)
     except ValidationError as exc:
-        errors = exc.errors(include_url=False, include_input=False)
+        errors = list(islice(exc.errors(include_url=False, include_input=False), MAX_LISTED_ERRORS))
         messages = [_message(err) for err in errors]
         first, _ = messages[0]
-        more = f" (and {len(messages) - 1} more)" if len(messages) > 1 else ""
         raise InvalidRequest(
-            first + more,
+            first + and_more(exc.error_count(), listed=len(messages)),
             errors=[
                 FieldError(loc=("v2", *loc), msg=msg, type=str(err.get("type", "value_error")))
                 for (msg, loc), err in zip(messages, errors, strict=True)

@@ -149,7 +149,12 @@ CATALOGUE = [
     Bad("elements-over-limit", 422, ("body", "q", "shape"),
         json=with_(q={"dtype": "float32", "shape": [70_000, 1], "b64": b64(np.zeros(70_000))})),
     Bad("shape-extent-over-limit", 422, ("body", "q", "shape"),
-        json=with_(q={"dtype": "float32", "shape": [0, 2**70], "b64": ""})),
+        json=with_(q={"dtype": "float32", "shape": [0, 2**62], "b64": ""})),
+    # A dimension past int64 is refused by the schema: 3,000-digit dimensions multiplied to a
+    # count that Python refused to print (a 500).
+    Bad("dimension-past-int64", 422, ("body", "q", "shape", 1),
+        content=b'{"q": {"dtype": "float32", "shape": [1, 1%s, 1%s], "b64": ""}, "k": [[1.0]],'
+                b' "v": [[1.0]]}' % (b"0" * 3000, b"0" * 3000)),
     Bad("finite-inputs-overflowing-the-scores", 422, ("body", "scale"),
         json={"q": [[1e20, 1e20]], "k": [[1e20, 1e20]], "v": [[1.0, 2.0]]}),
     Bad("weights-over-limit", 422, ("body", "return_weights"),
