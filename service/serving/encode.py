@@ -68,19 +68,21 @@ def diagnostics_json(diagnostics: Diagnostics | None) -> dict[str, Any] | None:
     return {"summary": summary, "per_head": per_head, "per_row": per_row}
 
 
-def attention_elements(outcome: AttentionOutcome) -> int:
-    """How many numbers the response carries (to decide whether encoding leaves the loop)."""
+def attention_numbers(outcome: AttentionOutcome) -> tuple[int, int]:
+    """How many numbers the response carries: (in the output and weights, in the diagnostics).
+    The tensors go out in the request's encoding, the diagnostics always as JSON lists."""
     result = outcome.result
-    elements = result.output.numel() + (0 if result.weights is None else result.weights.numel())
+    tensors = result.output.numel() + (0 if result.weights is None else result.weights.numel())
+    statistics = 0
     diagnostics = result.diagnostics
     if diagnostics is not None:
         # One number per (sequence, head) for each per-head field: with many heads of few rows
         # (a million heads fit the element limit) they dominate the response.
-        elements += len(PER_HEAD_FIELDS) * diagnostics.per_head.masked_rows.numel()
+        statistics += len(PER_HEAD_FIELDS) * diagnostics.per_head.masked_rows.numel()
         if diagnostics.per_row is not None:
             # "full" adds the per-row tensors [..., H, N_q]; at long N_q they dominate.
-            elements += len(PER_ROW_FIELDS) * diagnostics.per_row.entropy.numel()
-    return elements
+            statistics += len(PER_ROW_FIELDS) * diagnostics.per_row.entropy.numel()
+    return tensors, statistics
 
 
 def encode_attention(

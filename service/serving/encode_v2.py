@@ -46,6 +46,13 @@ def _tensor(result: AttentionResult, name: str) -> torch.Tensor:
     return tensor
 
 
+def json_output_numbers(outcome: AttentionOutcome, prepared: PreparedInfer) -> int:
+    """How many numbers the response writes as JSON lists (binary outputs cost no encoding:
+    they are sent from the result tensors)."""
+    result = outcome.result
+    return sum(_tensor(result, name).numel() for name, binary in prepared.outputs if not binary)
+
+
 def infer_parameters(
     result: AttentionResult, *, summary: bool, meta: dict[str, Any]
 ) -> dict[str, Any]:

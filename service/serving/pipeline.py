@@ -3,8 +3,9 @@
 The api layer reads the body and answers; this module does everything in between, without
 knowing about HTTP frameworks: it receives a `Call` (settings, the request id, when reading
 started and ended, and how to submit a job to the runtime's queue) and returns a `Reply`.
-Large bodies are decoded, and large results encoded, on a worker thread, so the event loop
-never blocks on megabytes.
+Bodies whose decoding, and results whose encoding, would take more than a few milliseconds
+run on a worker thread (service.serving.offload says which), with the cyclic collector paused
+while a body decodes (service.serving.gc_pause).
 """
 
 from __future__ import annotations
@@ -12,29 +13,23 @@ from __future__ import annotations
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Final, TypeVar
-
-import anyio.to_thread
+from typing import Any, TypeVar
 
 from sdpa_core import NonFiniteError
 from service.runtime.batcher import BatchResult
 from service.runtime.jobs import AnalyzeOutcome, AttentionOutcome, Outcome, PreparedJob
 from service.runtime.policy import CostModel
 from service.serving.encode import (
-    attention_elements,
+    attention_numbers,
     encode_analyze,
     encode_attention,
     response_meta,
     server_timing,
 )
 from service.serving.health import HealthMonitor
+from service.serving.offload import decode_inline, encode_inline, off_loop_if, without_gc
 from service.serving.prepare import PreparedRequest, prepare_analyze, prepare_attention
 from service.settings import Settings
-
-# Bodies (and results) above this size are decoded (encoded) on a worker thread: below it the
-# work takes well under a few milliseconds on the loop, less than the thread hop would add to
-# the small-payload latency; above it, parsing megabytes would stall every other request.
-OFFLOAD_BYTES: Final = 1 << 20
 
 T = TypeVar("T")
 OutcomeT = TypeVar("OutcomeT", AttentionOutcome, AnalyzeOutcome)
@@ -70,13 +65,6 @@ class Reply:
     content: bytes
     server_timing: str
     batch_size: int
-
-
-async def off_loop_if(big: bool, fn: Callable[..., T], *args: Any) -> T:
-    """fn(*args) on a worker thread when `big`, inline otherwise."""
-    if big:
-        return await anyio.to_thread.run_sync(fn, *args)
-    return fn(*args)
 
 
 def _deadline(request: PreparedRequest, call: Call) -> float:
@@ -155,15 +143,28 @@ async def attention(body: bytes, call: Call) -> Reply:
     request = await counting_nonfinite(
         call,
         off_loop_if(
-            len(body) > OFFLOAD_BYTES, prepare_attention, body, call.settings, call.cost_model
+            not decode_inline(body),
+            without_gc,
+            prepare_attention,
+            body,
+            call.settings,
+            call.cost_model,
         ),
     )
     decoded = time.monotonic()
     outcome, batch, meta = await run_prepared(request, call, AttentionOutcome)
     computed = time.monotonic()
+    tensors, statistics = attention_numbers(outcome)
+    as_json = request.encoding == "json"
     content = await off_loop_if(
-        attention_elements(outcome) * 4 > OFFLOAD_BYTES,
-        lambda: encode_attention(outcome, encoding=request.encoding, meta=meta),
+        not encode_inline(
+            json_numbers=statistics + (tensors if as_json else 0),
+            base64_numbers=0 if as_json else tensors,
+        ),
+        encode_attention,
+        outcome,
+        encoding=request.encoding,
+        meta=meta,
     )
     timing = answered(request, call, outcome, batch, len(content), decoded, computed)
     return Reply(content=content, server_timing=timing, batch_size=batch.batch_size)
@@ -173,7 +174,7 @@ async def analyze(body: bytes, call: Call) -> Reply:
     """POST /v1/analyze: body -> the scaling report, with its timing."""
     # Always off the loop: synthetic inputs are generated here, and analysis is not a hot path.
     request = await counting_nonfinite(
-        call, anyio.to_thread.run_sync(prepare_analyze, body, call.settings, call.cost_model)
+        call, off_loop_if(True, without_gc, prepare_analyze, body, call.settings, call.cost_model)
     )
     decoded = time.monotonic()
     outcome, batch, meta = await run_prepared(request, call, AnalyzeOutcome)

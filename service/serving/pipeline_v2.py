@@ -11,17 +11,11 @@ import time
 from dataclasses import dataclass
 
 from service.runtime.jobs import AttentionOutcome
-from service.serving.encode import attention_elements
-from service.serving.encode_v2 import InferAnswer, encode_infer
-from service.serving.pipeline import (
-    OFFLOAD_BYTES,
-    Call,
-    answered,
-    counting_nonfinite,
-    off_loop_if,
-    run_prepared,
-)
+from service.serving.encode_v2 import InferAnswer, encode_infer, json_output_numbers
+from service.serving.offload import decode_inline, encode_inline, off_loop_if, without_gc
+from service.serving.pipeline import Call, answered, counting_nonfinite, run_prepared
 from service.serving.prepare_v2 import prepare_infer
+from service.wire.lengths import parse_length
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,10 +30,17 @@ class InferReply:
 async def infer(body: bytes, header_length: str | None, call: Call) -> InferReply:
     """POST /v2/models/attention/infer: body (and its Inference-Header-Content-Length) ->
     the named outputs and the response parameters, with their timing."""
+    # The binary data after the JSON header costs a copy: the estimate counts the header's
+    # JSON (an invalid length is refused while decoding; the whole body counts until then).
+    json_bytes = None if header_length is None else parse_length(header_length)
+    inline = decode_inline(
+        body, json_bytes=json_bytes if json_bytes is not None and json_bytes <= len(body) else None
+    )
     prepared = await counting_nonfinite(
         call,
         off_loop_if(
-            len(body) > OFFLOAD_BYTES,
+            not inline,
+            without_gc,
             prepare_infer,
             body,
             header_length,
@@ -51,11 +52,12 @@ async def infer(body: bytes, header_length: str | None, call: Call) -> InferRepl
     decoded = time.monotonic()
     outcome, batch, meta = await run_prepared(request, call, AttentionOutcome)
     computed = time.monotonic()
-    # Binary outputs are views of the result tensors: only JSON lists cost encoding time.
-    json_outputs = not all(binary for _, binary in prepared.outputs)
     answer = await off_loop_if(
-        json_outputs and attention_elements(outcome) * 4 > OFFLOAD_BYTES,
-        lambda: encode_infer(outcome, prepared, meta=meta),
+        not encode_inline(json_numbers=json_output_numbers(outcome, prepared)),
+        encode_infer,
+        outcome,
+        prepared,
+        meta=meta,
     )
     timing = answered(request, call, outcome, batch, answer.size, decoded, computed)
     return InferReply(answer=answer, server_timing=timing, batch_size=batch.batch_size)
