@@ -16,8 +16,8 @@ torch on one thread, as the server's loop and workers run it):
 | rank 6 single-element lists       | 135 - 320   |                                 |
 
 So the estimate is DECODE_NS_PER_BYTE a byte, DECODE_NS_PER_LIST a "[", and
-DECODE_NS_PER_ITEM a "," (an element, a key, a list), each near the top of its range; counting
-both characters with numpy takes 50 µs on a 262 KB body (bytes.count: 280 µs). A body whose
+DECODE_NS_PER_ITEM a "," (an element, a key, a list), each near the top of its range; finding
+both characters takes 10 µs in the small preset's 262 KB body (_occurrences). A body whose
 estimate is under INLINE_BUDGET_NS (a few milliseconds) decodes on the loop, where the thread
 hop would cost more than it saves; so does a body under TINY_BYTES, without counting. A body
 over INLINE_MAX_BYTES is not even counted: it always leaves the loop (the worst bytes, big
@@ -62,15 +62,32 @@ ENCODE_NS_PER_BASE64_NUMBER: Final = 6
 
 _LIST: Final = ord("[")
 _ITEM: Final = ord(",")
+_FIND_ONE_BY_ONE: Final = 32
 
 
-def decode_ns(json_text: bytes | memoryview) -> int:
-    """The estimated nanoseconds of parsing and decoding `json_text` (a request body or v2's
-    JSON header)."""
-    chars = np.frombuffer(json_text, dtype=np.uint8)
-    lists = int(np.count_nonzero(chars == _LIST))
-    items = int(np.count_nonzero(chars == _ITEM))
-    return DECODE_NS_PER_BYTE * chars.size + DECODE_NS_PER_LIST * lists + DECODE_NS_PER_ITEM * items
+def _occurrences(text: bytes, char: int, end: int) -> int:
+    """How many times `char` occurs in text[:end]. Where it is rare (a base64 body holds a few,
+    in its envelope), each is found at memchr's speed; past _FIND_ONE_BY_ONE the rest is counted
+    with numpy. bytes.count runs at 1.4 GB/s (CPython 3.11), numpy's count at about 5: both
+    characters of the small preset's 262 KB body are found in 10 µs, numpy counts them in 57."""
+    found = 0
+    at = text.find(char, 0, end)
+    while at >= 0:
+        found += 1
+        if found == _FIND_ONE_BY_ONE:
+            rest = np.frombuffer(text, dtype=np.uint8, count=end - at - 1, offset=at + 1)
+            return found + int(np.count_nonzero(rest == char))
+        at = text.find(char, at + 1, end)
+    return found
+
+
+def decode_ns(body: bytes, *, json_bytes: int | None = None) -> int:
+    """The estimated nanoseconds of parsing and decoding the body's JSON: all of it, or its
+    first `json_bytes` (v2's JSON header)."""
+    end = len(body) if json_bytes is None else json_bytes
+    lists = _occurrences(body, _LIST, end)
+    items = _occurrences(body, _ITEM, end)
+    return DECODE_NS_PER_BYTE * end + DECODE_NS_PER_LIST * lists + DECODE_NS_PER_ITEM * items
 
 
 def decode_inline(body: bytes, *, json_bytes: int | None = None) -> bool:
@@ -80,8 +97,7 @@ def decode_inline(body: bytes, *, json_bytes: int | None = None) -> bool:
         return True
     if len(body) > INLINE_MAX_BYTES:
         return False
-    text = memoryview(body) if json_bytes is None else memoryview(body)[:json_bytes]
-    return decode_ns(text) <= INLINE_BUDGET_NS
+    return decode_ns(body, json_bytes=json_bytes) <= INLINE_BUDGET_NS
 
 
 def encode_inline(*, json_numbers: int, base64_numbers: int = 0) -> bool:

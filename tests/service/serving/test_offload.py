@@ -38,6 +38,11 @@ def b64_body(shape: tuple[int, ...]) -> bytes:
 def test_the_estimate_counts_bytes_lists_and_items() -> None:
     # 13 bytes, 3 "[" and 3 ",": 6 x 13 + 700 x 3 + 400 x 3 ns.
     assert decode_ns(b"[[1,2],[3,4]]") == 78 + 2100 + 1200
+    # Past 32 of a character the rest is counted another way: 99 "," in 201 bytes.
+    many = b"[" + b"1," * 99 + b"1]"
+    assert decode_ns(many) == 6 * 201 + 700 + 400 * 99
+    # v2: only the JSON header counts; the binary data after it is bytes to copy.
+    assert decode_ns(b"[1,2]" + b",[" * 50, json_bytes=5) == 6 * 5 + 700 + 400
     assert (DECODE_NS_PER_BYTE, DECODE_NS_PER_LIST, DECODE_NS_PER_ITEM) == (6, 700, 400)
     assert INLINE_BUDGET_NS == 3_000_000
 
