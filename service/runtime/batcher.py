@@ -31,7 +31,7 @@ alignment, scale, mask kinds, outputs asked for) plus a *length bucket* of N_q a
 Answers
 -------
 An item refused at submit (QueueFull or ShuttingDown: the queue is full, the batcher drains,
-or a long item the turns would not finish by its deadline; DeadlineExceeded: its deadline
+or a long item that would not finish by its deadline; DeadlineExceeded: its deadline
 already passed) never enters the queue. Every accepted item gets exactly one answer: its
 result, its own exception, DeadlineExceeded (its deadline passed while it was queued: never
 computed; or while a long item ran), ShuttingDown (still queued, or a long item running, when
@@ -47,14 +47,15 @@ Long requests run in slices
 With ``slice_s`` and ``start_long``, an item whose estimated work exceeds one slice (at the
 measured pace, below) is *long*: it runs alone, as a resumable run of about that many tiles
 (``start_long(item, tiles)``, called on the device thread; each ``step()`` computes one tile).
-Up to MAX_RUNNING_LONG long items take turns, one tile each in round robin (unless a
-deadline is at stake: Deadlines of long items, below), the oldest queued one joining when one
-finishes (one of at most FEW_SLICES slices joins at once); so a long item of a few slices is
-not stuck behind one of hundreds. Before each tile the worker
+Up to MAX_RUNNING_LONG long items run at once and share the device tile by tile, the oldest
+queued one joining when one finishes (one of at most FEW_SLICES slices joins at once). Each
+tile goes to the running item with the least estimated work left (below: Deadlines of long
+items), so a long item of a few slices is not stuck behind one of hundreds. Before each tile
+the worker
 
 - drops the long items nobody waits for: their deadline passed (the timer answers
-  DeadlineExceeded at once, naming how many tiles were done) or their client left
-  (cancelled), freeing what they held;
+  DeadlineExceeded at once, naming how many tiles were done; or, should the timer be late,
+  the worker) or their client left (cancelled), freeing what they held;
 - runs the short batches waiting (the oldest short item's group first), up to one slice of
   their estimated work, so a short request waits about one tile behind long ones and a
   stream of short ones still leaves the long ones at least half the device.
@@ -65,33 +66,36 @@ observation per tile) shows that no further tile of theirs ran.
 
 Deadlines of long items
 -----------------------
-Taking turns, long items that share a deadline would all progress together and all miss it
-(8 analyzes of 0.38 s with 1.5 s to go: none finished, where 3 would have one after the
-other). So long items are admitted by their deadline, and the turns keep to them:
+Long items that shared the device in round robin, one tile each, all progressed together and
+all missed a deadline they shared (8 analyzes of 0.38 s with 1.5 s to go: none finished,
+where 3 would have one after the other). So the tiles go by work and deadline, and long items
+are admitted by deadline:
 
-- At submit, a *projection* of the turns (``_Turns``: the running long items sharing the
-  device equally, the queued ones joining as they would, each stopping at its deadline,
-  after the short work queued; all work at the measured pace) says which long items would
-  finish by their deadlines, with and without the new one. The new one is refused, QueueFull
-  (503) counted as sdpa_rejected_total{reason="deadline_unreachable"}, if it would miss a
-  deadline it could meet alone on an idle device, or if it would make an admitted long item
-  miss a deadline that item would meet without it. Its Retry-After is the first whole second
-  at which the same request would be admitted as the projection goes on without it (at most
-  60). When all the long work and the short work queued would be done by the earliest
-  deadline in any order, nothing is at stake and no projection runs (the common case: the
-  default deadline is 30 s).
+- The next tile goes to the running item with the least estimated work left (the oldest
+  first on ties): it finishes items rather than spreading the device over them. Of items
+  running together, each finishes no later than in round robin; a long item of a few slices
+  beside ones of hundreds goes first; and items of one size run one after the other, so an
+  estimate that was short costs the last of them its deadline, not all of them. The price: a
+  long item may wait for smaller ones that arrive after it, as long as its deadline allows
+  (the admission below keeps it).
+- Unless that order would make a running item miss a deadline it can still meet alone (a
+  projection of the tiles, ``_Turns``, at the measured pace): then the tile goes to the
+  earliest deadline among those that can (earliest deadline first meets every deadline that
+  any order could). Earliest deadline first throughout would not do: with the default
+  deadline, 30 s from each request's start, it is first come first served, and a few slices
+  would wait for the hundreds again.
+- At submit, a long item is refused, QueueFull (503) counted as
+  sdpa_rejected_total{reason="deadline_unreachable"}, if a projection of the running and
+  queued long items by earliest deadline first (after the short work queued) says it would
+  miss a deadline it could meet alone on an idle device, or make an admitted long item miss a
+  deadline it would meet without it. Its Retry-After is the first whole second at which the
+  same request would be admitted as the projection goes on without it (at most 60). When all
+  the long work and the short work queued would be done by the earliest deadline in any
+  order, no projection runs (the common case: the default deadline is 30 s).
 - An item that cannot finish by its deadline even alone is admitted as before (the estimate
-  may be wrong), and at its deadline abandoned (504, naming the tiles done); but it takes
-  turns only while no running item that can still finish wants them, so it costs nobody
-  their deadline (the projection gives it a place and no share of the device).
-- The projection shares the device as the round robin does, so what it admits keeps the
-  turns: a long item of a few slices beside ones of hundreds is admitted when every deadline
-  holds, and runs beside them, not after them. (Earliest deadline first throughout would
-  meet as many deadlines, but with the default deadline, 30 s from each request's start, it
-  is first come first served: the few slices would wait for the hundreds again.)
-- Estimates can be wrong. Before each tile, the worker projects the running items that can
-  still finish alone sharing the device; if one of them would miss its deadline, the tile
-  goes to the earliest such deadline (the oldest first), else the round robin goes on.
+  may be wrong) and abandoned at its deadline (504, naming the tiles done), but it gets a
+  tile only while no running item that can still finish is there: it costs nobody their
+  deadline (the projections give it a place and never the device).
 
 Time (deadlines, the pace, the projections) comes from one ``clock``, time.monotonic unless
 another is given; the deadline timer runs on the event loop's clock, the same one by default.
@@ -151,14 +155,15 @@ _MAX_RETRY_AFTER_S = 60.0
 # slice, so the pace soon rests on measurements.)
 THROUGHPUT_PRIOR_S = 0.25
 THROUGHPUT_HALF_LIFE_S = 30.0
-# Long items that take turns on the device, tile by tile: a long item of a few slices need
-# not wait for a long one of hundreds. Each holds its inputs and partial results on the device
-# until it is done (their bytes were reserved at admission: service.middleware.inflight).
+# Long items running at once, which share the device tile by tile: a long item of a few
+# slices need not wait for a long one of hundreds. Each holds its inputs and partial results
+# on the device until it is done (their bytes were reserved at admission:
+# service.middleware.inflight).
 MAX_RUNNING_LONG = 4
-# A long item of at most this many slices joins the turns at once even past MAX_RUNNING_LONG
-# (up to twice as many running in all): it is done after a few turns, rather than waiting for
-# a long item of hundreds to finish. The bound keeps a flood of them from each holding its
-# inputs and results on the device at once.
+# A long item of at most this many slices joins the running ones at once even past
+# MAX_RUNNING_LONG (up to twice as many running in all): it is done after a few tiles, rather
+# than waiting for a long item of hundreds to finish. The bound keeps a flood of them from
+# each holding its inputs and results on the device at once.
 FEW_SLICES = 4
 
 
@@ -280,7 +285,7 @@ class _Long(Generic[T, R]):
 
 @dataclass(frozen=True, slots=True)
 class _Share:
-    """A long item in a projection of the turns: device seconds of work left, its deadline in
+    """A long item in a projection of the tiles: device seconds of work left, its deadline in
     seconds from the projection's start, and whether it is of few slices (joins past the cap).
     """
 
@@ -291,28 +296,35 @@ class _Share:
 
 
 class _Turns:
-    """A projection of the long items' turns (module docstring), for their admission and for
-    the choice of a turn. The running items share the device equally (the round robin of
-    tiles, taken as fluid); the queued ones join as _next_long lets them (the oldest while
-    fewer than MAX_RUNNING_LONG run, else the oldest of few slices while fewer than twice as
-    many); each stops at its deadline (abandoned, or dropped while queued). An item that
-    cannot finish by its deadline even alone, when it joins, holds its place until its
-    deadline without a share: it takes turns only when no item that can finish runs.
+    """A projection of the long items' tiles (module docstring), for their admission and for
+    the choice of a tile. One running item has the device at a time: the earliest deadline
+    (``by_deadline``) or the least work left, the oldest first on ties; the queued items join
+    as _next_long lets them (the oldest while fewer than MAX_RUNNING_LONG run, else the oldest
+    of few slices while fewer than twice as many), and may then take the device; each item
+    stops at its deadline (abandoned, or dropped while queued). An item that cannot finish by
+    its deadline even alone, when it joins, holds its place until its deadline and never has
+    the device. Tiles are taken as fluid.
 
-    Times are seconds from now (no rounding of a large clock value can stall it). The sharing
-    items are kept in *service* time, the seconds of device each has had since the projection
-    began: all of them gain it at the same rate, so an item ends at the service it joined at
-    plus its work, and one step (heaps of those ends and of the deadlines) ends one item: a
-    whole run costs O(items x log MAX_RUNNING_LONG).
+    Times are seconds from now (no rounding of a large clock value can stall it). Each step
+    ends an item, frees a place or ends the projection, at O(log MAX_RUNNING_LONG) (heaps of
+    the items by priority and by deadline): a whole run costs O(items x log MAX_RUNNING_LONG).
     """
 
-    def __init__(self, start: float, running: Iterable[_Share], queued: Sequence[_Share]) -> None:
+    def __init__(
+        self,
+        start: float,
+        running: Iterable[_Share],
+        queued: Sequence[_Share],
+        *,
+        by_deadline: bool,
+    ) -> None:
         self.now = start
-        self._service = 0.0
-        self._sharing: dict[int, float] = {}  # seq -> the service at which it is done
-        self._ends: list[tuple[float, int]] = []  # heaps (entries of items gone are skipped)
+        self._by_deadline = by_deadline
+        self._left: dict[int, float] = {}  # the items that may have the device: work left
+        self._deadline: dict[int, float] = {}
+        self._order: list[tuple[float, int]] = []  # heaps (entries no longer true are skipped)
         self._deadlines: list[tuple[float, int]] = []
-        self._holding: list[float] = []  # a heap of the deadlines of those without a share
+        self._holding: list[float] = []  # a heap of the deadlines of those that never run
         self._queued = list(queued)
         self._joined = [False] * len(self._queued)
         self._few = [i for i, share in enumerate(self._queued) if share.few]
@@ -332,46 +344,49 @@ class _Turns:
         self._join()
 
     def run(self, until: float = math.inf) -> None:
-        """Project the turns up to `until` (to the end by default)."""
-        ends, deadlines, sharing, holding = (
-            self._ends, self._deadlines, self._sharing, self._holding
-        )  # fmt: skip
-        while (sharing or holding) and self.now < until:
+        """Project the tiles up to `until` (to the end by default)."""
+        left, order, deadlines, holding = self._left, self._order, self._deadlines, self._holding
+        while (left or holding) and self.now < until:
             done_at = deadline = math.inf
-            if sharing:
-                while ends[0][1] not in sharing:
-                    heapq.heappop(ends)
-                while deadlines[0][1] not in sharing:
+            if left:
+                while order[0][1] not in left or order[0][0] != self._priority(order[0][1]):
+                    heapq.heappop(order)
+                while deadlines[0][1] not in left:
                     heapq.heappop(deadlines)
-                (end, first), (deadline, due) = ends[0], deadlines[0]
-                done_at = self.now + (end - self._service) * len(sharing)
+                (_, first), (deadline, due) = order[0], deadlines[0]
+                done_at = self.now + left[first]
             released = holding[0] if holding else math.inf
             at = min(done_at, deadline, released, until)
-            if at > self.now:
-                if sharing:
-                    self._service += (at - self.now) / len(sharing)
-                self.now = at
+            if left and at > self.now:
+                left[first] -= at - self.now
+            self.now = max(self.now, at)
             if at == done_at:  # done at its deadline still counts (rounding aside)
-                del sharing[first]
+                del left[first]
                 self.finished[first] = self.now
             elif at == deadline:
-                del sharing[due]  # abandoned at its deadline
+                del left[due]  # abandoned at its deadline
             elif at == released:
                 heapq.heappop(holding)
-            else:
-                return  # until
+            if left and first in left and not self._by_deadline:
+                heapq.heappush(order, (left[first], first))  # its priority moved
+            if at == until:
+                return
             self._join()
+
+    def _priority(self, seq: int) -> float:
+        return self._deadline[seq] if self._by_deadline else self._left[seq]
 
     def _start(self, share: _Share) -> None:
         if share.left > share.deadline - self.now:
             heapq.heappush(self._holding, share.deadline)
             return
-        self._sharing[share.seq] = self._service + share.left
-        heapq.heappush(self._ends, (self._service + share.left, share.seq))
+        self._left[share.seq] = share.left
+        self._deadline[share.seq] = share.deadline
+        heapq.heappush(self._order, (self._priority(share.seq), share.seq))
         heapq.heappush(self._deadlines, (share.deadline, share.seq))
 
     def _join(self) -> None:
-        while (places := len(self._sharing) + len(self._holding)) < 2 * MAX_RUNNING_LONG:
+        while (places := len(self._left) + len(self._holding)) < 2 * MAX_RUNNING_LONG:
             if places < MAX_RUNNING_LONG:
                 while self._next_any < len(self._queued) and self._joined[self._next_any]:
                     self._next_any += 1
@@ -445,7 +460,7 @@ class DynamicBatcher(Generic[T, R]):
         # Long items run in slices (module docstring); without both, every item is short.
         self._slice_s = slice_s if start_long is not None else None
         self._start_long = start_long
-        # The long items running, in turn order (the next to get a tile first).
+        # The long items running, in the order they started.
         self._longs: OrderedDict[int, _Long[T, R]] = OrderedDict()
 
         # Every queued item in arrival order, and the same items per group (arrival order).
@@ -546,9 +561,9 @@ class DynamicBatcher(Generic[T, R]):
         """Queue `item` and wait for its answer. `deadline` is an instant of the batcher's
         clock (time.monotonic unless another was given).
 
-        Raises QueueFull or ShuttingDown (503; QueueFull too for a long item the turns would
-        not finish by its deadline: module docstring), DeadlineExceeded (504: never computed),
-        or the item's own exception. Cancelling the awaiting task drops a queued item before
+        Raises QueueFull or ShuttingDown (503; QueueFull too for a long item that would not
+        finish by its deadline: module docstring), DeadlineExceeded (504: never computed), or
+        the item's own exception. Cancelling the awaiting task drops a queued item before
         compute.
         """
         if self._draining or not self.running or self._arrival is None:
@@ -798,7 +813,7 @@ class DynamicBatcher(Generic[T, R]):
         return max(0.0, self._running_work * self._seconds_per_work() - (now - self._running_since))
 
     def _refusal(self, pending: _Pending[T, R], now: float) -> _Refusal | None:
-        """Whether a long item may join the turns (None) or is refused (module docstring:
+        """Whether a long item may be queued (None) or is refused (module docstring:
         Deadlines of long items): projected with the long items admitted before it, it would
         miss a deadline it could meet alone on an idle device, or make one of them miss a
         deadline it would meet without it. The refusal's Retry-After is the first whole
@@ -808,7 +823,7 @@ class DynamicBatcher(Generic[T, R]):
         left, timeout = pending.work * per_work, pending.deadline - now
         if left > timeout:
             # It cannot finish in time even alone, yet the estimate may be wrong: it runs, and
-            # is abandoned at its deadline, taking turns only when no item that can finish
+            # is abandoned at its deadline, getting tiles only while no item that can finish
             # runs, so it costs nobody their deadline.
             return None
         running = list(self._running_shares(now).values())
@@ -828,11 +843,11 @@ class DynamicBatcher(Generic[T, R]):
         everything_s = short_s + left + sum(share.left for share in others)
         if everything_s <= min((timeout, *(share.deadline for share in others))):
             return None
-        baseline = _Turns(short_s, running, queued)
+        baseline = _Turns(short_s, running, queued, by_deadline=True)
         baseline.run()
 
         def fits(at: float) -> bool:
-            turns = _Turns(short_s, running, queued)
+            turns = _Turns(short_s, running, queued, by_deadline=True)
             turns.run(until=at)
             turns.add(_Share(pending.seq, left, at + timeout, pending.tiles <= FEW_SLICES))
             turns.run()
@@ -856,29 +871,27 @@ class DynamicBatcher(Generic[T, R]):
         )
 
     def _whose_turn(self) -> _Long[T, R] | None:
-        """The long item whose turn it is (module docstring: Deadlines of long items): the
-        next in the round robin of those that can still finish by their deadline (of all,
-        when none can), unless sharing the device would make one of them miss: then the
-        earliest such deadline, the oldest first."""
+        """The running long item that gets the next tile (module docstring: Deadlines of long
+        items): of those that can still finish by their deadline alone (of all, when none
+        can), the one with the least work left, unless that order would make one of them miss
+        its deadline: then the earliest deadline. The oldest first on ties."""
         longs = list(self._longs.values())
         if len(longs) < 2:
             return next(iter(longs), None)
         shares = self._running_shares(self._clock())
-        can_finish = {seq: share for seq, share in shares.items() if share.left <= share.deadline}
-        if not can_finish:
-            return longs[0]
-        turns = _Turns(0.0, can_finish.values(), ())
-        turns.run()
-        threatened = [
-            long for long in longs
-            if long.pending.seq in can_finish and long.pending.seq not in turns.finished
-        ]  # fmt: skip
-        if threatened:
-            return min(threatened, key=lambda long: (long.pending.deadline, long.pending.seq))
-        return next(long for long in longs if long.pending.seq in can_finish)
+        can_finish = [share for share in shares.values() if share.left <= share.deadline]
+        if not shares:
+            return longs[0]  # nobody waits for them: dropped at this turn
+        chosen = min(can_finish or shares.values(), key=lambda share: (share.left, share.seq))
+        if len(can_finish) > 1:
+            turns = _Turns(0.0, can_finish, (), by_deadline=False)
+            turns.run()
+            if len(turns.finished) < len(can_finish):
+                chosen = min(can_finish, key=lambda share: (share.deadline, share.seq))
+        return self._longs[chosen.seq]
 
     def _begin_long(self, pending: _Pending[T, R]) -> None:
-        """Take a queued long item off the queue; it takes its turns after those running."""
+        """Take a queued long item off the queue; it runs beside those running."""
         self._remove(pending)
         now = self._clock()
         if pending.deadline <= now:
@@ -961,7 +974,6 @@ class DynamicBatcher(Generic[T, R]):
         long = self._whose_turn()
         if long is None or self._left_alone(long):
             return
-        self._longs.move_to_end(long.pending.seq)  # the next turn is the next item's
 
         # What this tile will likely do, for the backlog while it runs: the mean share of a
         # step so far, or a planned tile's before the first step.
