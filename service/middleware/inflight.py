@@ -74,6 +74,9 @@ _SEPARATORS: Final = (
     (b"{", CONTAINER_PEAK_BYTES),
     (b":", KEY_PEAK_BYTES),
 )
+# Separators found one by one in a chunk before the rest are counted (_occurrences).
+_FIND_ONE_BY_ONE: Final = 32
+_COUNT_SHORT_CHUNKS: Final = 4096  # bytes
 # The first bytes of every body's estimate are not reserved: a request's envelope (its field
 # names, shapes, options: about 2 KB of estimate for a base64 request) parses to a few
 # kilobytes, and reserving it would refuse base64 bodies that exactly fill the limit.
@@ -106,13 +109,27 @@ def default_inflight_bytes() -> int:
 
 def parse_estimate(chunk: bytes) -> int:
     """What parsing `chunk` of a JSON body will hold at its peak, from its separators."""
-    estimate = 0
-    for separator, cost in _SEPARATORS:
-        # find() runs at memchr speed (several GB/s) and count() at about 1.4 GB/s: a base64
-        # chunk, which holds no separator, costs four memchr passes (2.3 ms per 16 MB).
-        if chunk.find(separator) >= 0:
-            estimate += cost * chunk.count(separator)
-    return estimate
+    return sum(cost * _occurrences(chunk, separator) for separator, cost in _SEPARATORS)
+
+
+def _occurrences(chunk: bytes, separator: bytes) -> int:
+    """chunk.count(separator), at memchr speed where the separator is rare.
+
+    bytes.count(one byte) runs at about 1.4 GB/s and bytes.find(one byte) at memchr's speed,
+    20 times that (CPython 3.11): a base64 body holds a few separators, in its envelope, so
+    they are found one by one; past a few, the rest is counted. A short chunk is counted at
+    once: one call costs less than a few.
+    """
+    if len(chunk) <= _COUNT_SHORT_CHUNKS:
+        return chunk.count(separator)
+    found = 0
+    at = chunk.find(separator)
+    while at >= 0:
+        found += 1
+        if found == _FIND_ONE_BY_ONE:
+            return found + chunk.count(separator, at + 1)
+        at = chunk.find(separator, at + 1)
+    return found
 
 
 def json_prefix(scope: Scope) -> int | None:

@@ -8,13 +8,17 @@ once over (503 beside others, 413 or 422 alone); the parse estimate is dropped o
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 from typing import Any
 
+import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from service.app import create_app
+from service.middleware.body_limit import BEYOND_ANY_LIMIT, header_number
+from service.middleware.inflight import parse_estimate
 from tests.support.app import asgi_scope, in_process_client, small_settings
 from tests.support.wire import to_wire
 
@@ -470,3 +474,53 @@ def test_content_length_is_read_whatever_its_leading_zeros() -> None:
         assert read == []
 
     asyncio.run(scenario())
+
+
+def test_a_compressed_body_is_counted_as_it_inflates() -> None:
+    """The gzip-compressed JSON weights body declares no inflated length: its bytes and their
+    parse estimate are counted as they inflate, with the same limits as the plain body's."""
+    body = json_weights_body()
+    packed = gzip.compress(body)
+    assert len(packed) < len(body) // 20
+    headers = {"content-type": "application/json", "content-encoding": "gzip"}
+    limit = len(body) + JSON_PARSE_RESERVED - 1
+    with in_process_client(small_settings(max_inflight_bytes=limit)) as client:
+        refused = client.post("/v1/attention", content=packed, headers=headers)
+        assert refused.status_code == 422
+        assert "parsing" in refused.json()["errors"][0]["msg"]
+    with in_process_client(small_settings(max_inflight_bytes=len(body) + WORKING_SET)) as client:
+        served = client.post("/v1/attention", content=packed, headers=headers)
+        assert served.status_code == 200, served.text
+
+
+def test_separators_are_counted_wherever_they_sit_in_a_chunk() -> None:
+    """By hand: 10 commas in 10 kB of base64-like bytes (found one by one) reserve 10·52; 100
+    (found 32 by one, the rest counted) 100·52; a short chunk is counted at once."""
+    filler = b"QUJD" * 2500  # 10,000 bytes of base64: no separator
+    sparse = b",".join([filler[:1000]] * 11)
+    assert parse_estimate(sparse) == 10 * 52
+    dense = b"," * 100 + filler
+    assert parse_estimate(dense) == 100 * 52
+    assert parse_estimate(b'{"a": [1, 2]}') == 88 + 56 + 88 + 52
+    assert parse_estimate(filler) == 0
+
+
+@pytest.mark.parametrize(
+    ("value", "number"),
+    [
+        (b"42", 42),
+        (b" 42 ", 42),
+        (b"0" * 5000 + b"42", 42),  # int() refuses strings of more than 4,300 digits
+        (b"000", 0),
+        (b"9" * 18, 10**18 - 1),
+        (b"1" + b"0" * 18, BEYOND_ANY_LIMIT),  # 19 digits: past every limit
+        (b"9" * 4301, BEYOND_ANY_LIMIT),
+        (b"", None),
+        (b"+5", None),
+        (b"1_000", None),  # int() would take it
+        ("4²".encode(), None),  # str.isdigit() would take it
+        (b"-1", None),
+    ],
+)
+def test_numbers_in_headers_are_read_with_a_length_cap(value: bytes, number: int | None) -> None:
+    assert header_number(value) == number
