@@ -17,7 +17,8 @@ torch on one thread, as the server's loop and workers run it):
 
 So the estimate is DECODE_NS_PER_BYTE a byte, DECODE_NS_PER_LIST a "[", and
 DECODE_NS_PER_ITEM a "," (an element, a key, a list), each near the top of its range; finding
-both characters takes 10 µs in the small preset's 262 KB body (_occurrences). A body whose
+both characters takes 10 µs in the small preset's 262 KB body (service.wire.codec.occurrences;
+numpy's count takes 57). A body whose
 estimate is under INLINE_BUDGET_NS (a few milliseconds) decodes on the loop, where the thread
 hop would cost more than it saves; so does a body under TINY_BYTES, without counting. A body
 over INLINE_MAX_BYTES is not even counted: it always leaves the loop (the worst bytes, big
@@ -36,9 +37,9 @@ from collections.abc import Callable
 from typing import Final, ParamSpec, TypeVar
 
 import anyio.to_thread
-import numpy as np
 
 from service.serving.gc_pause import gc_paused
+from service.wire.codec import occurrences
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -62,31 +63,14 @@ ENCODE_NS_PER_BASE64_NUMBER: Final = 6
 
 _LIST: Final = ord("[")
 _ITEM: Final = ord(",")
-_FIND_ONE_BY_ONE: Final = 32
-
-
-def _occurrences(text: bytes, char: int, end: int) -> int:
-    """How many times `char` occurs in text[:end]. Where it is rare (a base64 body holds a few,
-    in its envelope), each is found at memchr's speed; past _FIND_ONE_BY_ONE the rest is counted
-    with numpy. bytes.count runs at 1.4 GB/s (CPython 3.11), numpy's count at about 5: both
-    characters of the small preset's 262 KB body are found in 10 µs, numpy counts them in 57."""
-    found = 0
-    at = text.find(char, 0, end)
-    while at >= 0:
-        found += 1
-        if found == _FIND_ONE_BY_ONE:
-            rest = np.frombuffer(text, dtype=np.uint8, count=end - at - 1, offset=at + 1)
-            return found + int(np.count_nonzero(rest == char))
-        at = text.find(char, at + 1, end)
-    return found
 
 
 def decode_ns(body: bytes, *, json_bytes: int | None = None) -> int:
     """The estimated nanoseconds of parsing and decoding the body's JSON: all of it, or its
     first `json_bytes` (v2's JSON header)."""
     end = len(body) if json_bytes is None else json_bytes
-    lists = _occurrences(body, _LIST, end)
-    items = _occurrences(body, _ITEM, end)
+    lists = occurrences(body, _LIST, end=end)
+    items = occurrences(body, _ITEM, end=end)
     return DECODE_NS_PER_BYTE * end + DECODE_NS_PER_LIST * lists + DECODE_NS_PER_ITEM * items
 
 

@@ -29,7 +29,7 @@ from service.serving.limits import (
     over_limit,
 )
 from service.settings import Settings
-from service.wire.codec import EncodingName, decode_int_list, decode_tensor, loads
+from service.wire.codec import EncodingName, decode_int_list, decode_tensor, loads_request
 from service.wire.models import (
     AnalyzeRequest,
     AttentionRequest,
@@ -98,7 +98,7 @@ def _decode_masks(
 def prepare_attention(body: bytes, settings: Settings, cost: CostModel) -> PreparedRequest:
     """Body bytes -> a validated attention job within every limit. Raises InvalidRequest /
     SdpaError (422)."""
-    req = validate_request(loads(body), AttentionRequest)
+    req = validate_request(loads_request(body), AttentionRequest)
     limit = settings.max_elements
     q = decode_tensor(req.q, loc=("body", "q"), role="float", max_elements=limit)
     k = decode_tensor(req.k, loc=("body", "k"), role="float", max_elements=limit)
@@ -244,7 +244,7 @@ def _synthetic(
 def prepare_analyze(body: bytes, settings: Settings, cost: CostModel) -> PreparedRequest:
     """Body bytes -> a validated analysis job within every limit. Raises InvalidRequest /
     SdpaError (422)."""
-    req = validate_request(loads(body), AnalyzeRequest)
+    req = validate_request(loads_request(body), AnalyzeRequest)
     limit = settings.max_elements
     strategies = (
         None

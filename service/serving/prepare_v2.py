@@ -20,7 +20,7 @@ from service.runtime.jobs import AttentionJob
 from service.runtime.policy import CostModel
 from service.serving.prepare import PreparedRequest, prepare_attention_job, temperature_scale
 from service.settings import Settings
-from service.wire.codec import loads
+from service.wire.codec import loads_request
 from service.wire.v2_codec import decode_inputs, split_header
 from service.wire.v2_models import InferRequest, RequestParameters, parse_infer_request
 
@@ -72,7 +72,7 @@ def prepare_infer(
     """A v2 infer body (and its Inference-Header-Content-Length) -> a prepared request within
     every limit. Raises InvalidRequest / SdpaError (a 400 on v2)."""
     header, offset = split_header(body, header_length)
-    req = parse_infer_request(loads(header, allow_inf_nan=True))
+    req = parse_infer_request(loads_request(header, allow_inf_nan=True))
     params = req.parameters or RequestParameters()
     if params.scale is not None and params.temperature is not None:
         raise _invalid(

@@ -19,6 +19,7 @@ from service.errors import (
     clip,
     problem_payload,
 )
+from service.wire.codec import MAX_OBJECT_CHARS, loads_request, occurrences
 from service.wire.models import (
     MAX_UNKNOWN_FIELDS,
     AnalyzeRequest,
@@ -147,3 +148,36 @@ def test_clip_and_and_more_say_what_they_cut() -> None:
     assert and_more(1, listed=1) == ""
     assert and_more(2, listed=2) == " (and 1 more)"
     assert and_more(100_000, listed=10) == " (and 99,999 more; 10 listed)"
+
+
+def test_a_body_of_more_keys_than_any_request_holds_is_refused_before_parsing() -> None:
+    # q, k, v and n unknown fields: n + 3 ':' (no string here holds one).
+    def body(n: int) -> bytes:
+        return json.dumps({**BASE, **unknown(n)}).encode()
+
+    assert MAX_OBJECT_CHARS == 4096
+    assert body(4093).count(b":") == 4096
+    parsed = loads_request(body(4093))  # parsed, then refused by the model (one error)
+    assert len(parsed) == 4096
+    with pytest.raises(InvalidRequest) as raised:
+        loads_request(body(4094))
+    (error,) = raised.value.errors
+    assert (error.loc, error.type) == (("body",), "too_many_objects")
+    assert error.msg.startswith("request body holds more than 4,096 ':' (its keys")
+
+
+def test_a_body_of_more_objects_than_any_request_holds_is_refused_before_parsing() -> None:
+    objects = b'{"q": [' + b", ".join([b"{}"] * 4096) + b"]}"  # 4,097 '{'
+    with pytest.raises(InvalidRequest) as raised:
+        loads_request(objects)
+    assert raised.value.errors[0].msg.startswith("request body holds more than 4,096 '{'")
+
+
+def test_occurrences_counts_exactly_across_windows_and_stops_past_the_bound() -> None:
+    text = (b"x" * 999 + b":") * 3000  # 3,000 ':' over 3 MB: counting windows of 1 MiB
+    assert occurrences(text, ord(":")) == 3000
+    assert occurrences(text, ord(":"), end=999 * 1000 + 1000) == 1000
+    assert occurrences(text, ord("x"), end=10) == 10
+    assert occurrences(text, ord("{")) == 0
+    # Asked only whether it is past 40: it stops after the first window that tells.
+    assert 40 < occurrences(text, ord(":"), past=40) < 3000
