@@ -14,8 +14,9 @@ clients that fell behind; the send timeout frees a client that reads nothing).
   the limit is refused there, mid-stream: 503 with Retry-After while others hold the room, 413
   when the body alone passes the limit, 422 when its body and parse estimate do.
 - Parsing a JSON body holds more than its bytes: pydantic_core's from_json builds a Python
-  object for every number and list, and numpy copies them again (a body of short numbers
-  peaks at 10x its size, one of single-element lists at 20x). So the body's JSON separators
+  object for every number and list, and numpy copies them again (preparing a body of
+  one-decimal numbers grows the peak RSS by 8.8x its size, one of one-number lists by 18x, one
+  of empty lists by 30x: bench/attack_bodies.py parse-peak). So the body's JSON separators
   are counted as it arrives (`,` for an element, `[` or `{` for a container, `:` for a key),
   and each reserves what it cost to parse, measured on this service (bench/attack_bodies.py
   parse-peak). Base64 tensors hold none of them. Under /v2/ with
@@ -61,10 +62,10 @@ RESERVE_ANSWER: Final = "reserve_answer"
 # What parsing a JSON body holds at its peak besides the body, per separator byte: the Python
 # objects from_json builds and numpy's copies of them, measured by the growth of peak RSS while
 # v1 and v2 bodies are prepared (bench/attack_bodies.py parse-peak; numpy 2.4, pydantic_core
-# 2.50, CPython 3.11). An element (`,`): 48 bytes in v1 lists, 49.4 in v2's flat data (a float
+# 2.50, CPython 3.11). An element (`,`): 48-49 bytes in v1 lists and in v2's flat data (a float
 # object, its list slot, numpy's float64 and the float32 tensor). A container (`[` or `{`):
-# 86 more per single-element list and 84 per empty list (the list object and its slot). A key
-# (`:`): 103 with its comma (the key string and its dict slot). Rounded up.
+# 84-89 more (a one-number list, an empty list: the list object and its slot). A key (`:`):
+# 101-103 with its comma (the key string and its dict slot). Rounded up.
 ELEMENT_PEAK_BYTES: Final = 52
 CONTAINER_PEAK_BYTES: Final = 88
 KEY_PEAK_BYTES: Final = 56

@@ -15,10 +15,11 @@ from typing import Any
 import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
+from starlette.types import Receive, Scope, Send
 
 from service.app import create_app
 from service.middleware.body_limit import BEYOND_ANY_LIMIT, header_number
-from service.middleware.inflight import parse_estimate
+from service.middleware.inflight import InflightBytesMiddleware, parse_estimate
 from tests.support.app import asgi_scope, in_process_client, small_settings
 from tests.support.wire import to_wire
 
@@ -107,8 +108,6 @@ def computed(exposition: str) -> float:
 
 def _held(app: Any) -> int:
     """The in-flight counter of the app's InflightBytesMiddleware."""
-    from service.middleware.inflight import InflightBytesMiddleware
-
     layer = app.middleware_stack
     while layer is not None and not isinstance(layer, InflightBytesMiddleware):
         layer = getattr(layer, "app", None)
@@ -524,3 +523,32 @@ def test_separators_are_counted_wherever_they_sit_in_a_chunk() -> None:
 )
 def test_numbers_in_headers_are_read_with_a_length_cap(value: bytes, number: int | None) -> None:
     assert header_number(value) == number
+
+
+def test_a_refusal_that_escapes_the_app_still_reaches_the_client() -> None:
+    """An app that reads the body outside any error handler (a bare ASGI app): the mid-stream
+    413 raised from receive() is answered by the middleware, not turned into a 500."""
+
+    async def bare(scope: Scope, receive: Receive, send: Send) -> None:
+        while (await receive()).get("more_body"):
+            pass
+        await send({"type": "http.response.start", "status": 204, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    limited = InflightBytesMiddleware(bare, max_bytes=LIMIT, max_body_bytes=1 << 20)
+
+    async def scenario() -> None:
+        streamed, read = await call(
+            limited,
+            chunked_scope("/v1/attention"),
+            [
+                {"type": "http.request", "body": b" " * 4000, "more_body": True},
+                {"type": "http.request", "body": b" " * 100, "more_body": False},
+            ],
+        )
+        assert status(streamed) == 413
+        assert "SDPA_MAX_INFLIGHT_BYTES" in body_of(streamed)["detail"]
+        assert read == [4000, 100]
+        assert limited.held == 0
+
+    asyncio.run(scenario())
