@@ -89,7 +89,8 @@ are admitted by deadline:
   queued long items by earliest deadline first (after the short work queued) says it would
   miss a deadline it could meet alone on an idle device, or make an admitted long item miss a
   deadline it would meet without it. Its Retry-After is the first whole second at which the
-  same request would be admitted as the projection goes on without it (at most 60). When all
+  same request would be admitted as the projection goes on without it (at most 60; past
+  _SEARCHED_LONGS long items, when the admitted long work is done, not searched). When all
   the long work and the short work queued would be done by the earliest deadline in any
   order, no projection runs (the common case: the default deadline is 30 s).
 - An item that cannot finish by its deadline even alone is admitted as before (the estimate
@@ -160,6 +161,12 @@ THROUGHPUT_HALF_LIFE_S = 30.0
 # on the device until it is done (their bytes were reserved at admission:
 # service.middleware.inflight).
 MAX_RUNNING_LONG = 4
+# A long item refused by its deadline is told to come back at the first second the projection
+# would admit it, searched by bisection (about six projections) while at most this many long
+# items are running and queued; past them, at once when the admitted long work is done (an
+# upper bound, from the one projection already made): a refusal holds the event loop for a
+# few projections of a few items, never for many of many.
+_SEARCHED_LONGS = 64
 # A long item of at most this many slices joins the running ones at once even past
 # MAX_RUNNING_LONG (up to twice as many running in all): it is done after a few tiles, rather
 # than waiting for a long item of hundreds to finish. The bound keeps a flood of them from
@@ -858,9 +865,10 @@ class DynamicBatcher(Generic[T, R]):
             return None
         # The first second it fits at, by bisection (a later arrival finds less work left,
         # so whether it fits is monotonic but for the order in which the queued ones join);
-        # once the projection without it has ended, it fits alone.
+        # once the projection without it has ended, it fits alone. Past _SEARCHED_LONGS
+        # items, that end itself (each probe projects them all: a few ms a thousand items).
         low, high = 1, min(int(_MAX_RETRY_AFTER_S), max(1, math.ceil(baseline.now)))
-        if fits(high):
+        if len(running) + len(queued) <= _SEARCHED_LONGS and fits(high):
             while low < high:
                 middle = (low + high) // 2
                 low, high = (low, middle) if fits(middle) else (middle + 1, high)

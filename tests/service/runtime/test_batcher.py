@@ -543,7 +543,7 @@ def test_deadlines_are_instants_of_the_injected_clock() -> None:
         kept = asyncio.create_task(b.submit("a2", deadline=500.0 + FAR))
         await until(lambda: b.depth == 2)
         device.release()
-        answers = await asyncio.gather(first, doomed, kept, return_exceptions=True)
+        answers = list(await asyncio.gather(first, doomed, kept, return_exceptions=True))
         # 10 s a batch, one unit of work each (no cost model): the pace says so, after the
         # prior of one second per unit; timed on the real clock, it would say ~0 s.
         pace = b._busy_s / b._done_work

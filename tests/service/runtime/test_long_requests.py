@@ -19,6 +19,7 @@ import pytest
 
 from service.errors import DeadlineExceeded, QueueFull, ShuttingDown
 from service.metrics import Metrics
+from service.runtime import batcher as batcher_module
 from service.runtime.batcher import FEW_SLICES, MAX_RUNNING_LONG, BatchResult, DynamicBatcher
 from tests.service.runtime.test_batcher import FAR, deadline_in, rejected, run, until
 
@@ -817,3 +818,82 @@ def test_the_earliest_deadline_goes_first_when_the_estimates_were_wrong() -> Non
     assert all(isinstance(answer, BatchResult) for answer in answers.values()), answers
     assert device.finished["La"] <= START + 13
     assert device.finished["Lb"] == START + 15
+
+
+def test_retry_after_of_a_deadline_refusal_is_the_first_second_it_would_fit() -> None:
+    """Six items of 2 s (13 s to go: 12 s of work, 1 s to spare) and X of 2 s with 6 s to
+    go. X's deadline comes first, and served first it would finish the last of the six at
+    14 s: refused. Arriving at k s, X goes first while k + 6 < 13; from k = 7 its deadline is
+    no earlier than theirs and it goes last, done at 14 s, by k + 6 once k >= 8: Retry-After
+    8, not the 12 s after which all the admitted work is done."""
+    clock = Clock()
+    device = ClockedDevice(clock)
+
+    async def main() -> dict[str, BatchResult[str] | BaseException]:
+        b = make_clocked(device)
+        await b.start()
+        items = {f"L{i}:2": 13.0 for i in range(6)}
+        answers = await submit_all(b, {**items, "Lx:2": 6.0})
+        await b.drain(5)
+        return answers
+
+    answers = run(main())
+    refused = answers.pop("Lx:2")
+    assert isinstance(refused, QueueFull), refused
+    assert refused.retry_after_s == 8
+    assert all(isinstance(answer, BatchResult) for answer in answers.values()), answers
+    assert max(device.finished.values()) == START + 12
+
+
+def test_a_refusal_among_many_long_items_projects_them_only_twice(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With more than _SEARCHED_LONGS long items admitted, a refusal's Retry-After is not
+    searched (each probe would project them all, on the event loop): it is the time until
+    the admitted long work is done, at most 60 s, from the two projections that decided the
+    refusal; among a few items, the search takes more. (N items of 2 s with 2N + 1 s to go,
+    1 s to spare; X of 2 s with N s to go would go first and cost the last its deadline.)"""
+    projections: list[int] = []
+
+    class Counted(batcher_module._Turns):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            projections.append(1)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(batcher_module, "_Turns", Counted)
+
+    def refusal_of_x(count: int) -> tuple[BaseException | BatchResult[str], int]:
+        device = ClockedDevice(Clock())
+        per_submit: dict[str, int] = {}
+
+        async def main() -> BatchResult[str] | BaseException:
+            b = make_clocked(device)
+            refusal = b._refusal
+
+            def counted(pending: Any, now: float) -> Any:
+                before = len(projections)
+                try:
+                    return refusal(pending, now)
+                finally:
+                    per_submit[pending.item] = len(projections) - before
+
+            b._refusal = counted  # type: ignore[method-assign]
+            b._max_queue = count + 1
+            await b.start()
+            items = {f"L{i}:2": 2.0 * count + 1 for i in range(count)}
+            answers = await submit_all(b, {**items, "Lx:2": float(count)})
+            await b.drain(5)
+            return answers["Lx:2"]
+
+        refused = run(main())
+        assert sum(per_submit.values()) == per_submit["Lx:2"]  # the others: no projection
+        return refused, per_submit["Lx:2"]
+
+    many, projected = refusal_of_x(batcher_module._SEARCHED_LONGS + 1)
+    assert isinstance(many, QueueFull), many
+    assert many.retry_after_s == 60  # 130 s of admitted work, told as at most 60
+    assert projected == 2
+    few, searched = refusal_of_x(6)
+    assert isinstance(few, QueueFull), few
+    assert few.retry_after_s == 8  # test_..._the_first_second_it_would_fit
+    assert searched > 2
