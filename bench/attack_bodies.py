@@ -42,6 +42,7 @@ import argparse
 import collections
 import gzip
 import json
+import multiprocessing
 import re
 import socket
 import subprocess
@@ -52,7 +53,8 @@ import time
 import zlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from multiprocessing.queues import Queue
+from multiprocessing.synchronize import Event as EventType
 from pathlib import Path
 
 import httpx
@@ -103,46 +105,61 @@ def log_errors(path: Path) -> str:
     return f"500s in the log: {five_hundreds}, tracebacks: {text.count('Traceback')}"
 
 
-@dataclass
+# What a bystander saw: its latencies (ms), its statuses, the requests that got no answer.
+Probed = tuple[list[float], dict[int, int], int]
+
+
+def probe(url: str, every_s: float, stop: EventType, results: Queue[Probed]) -> None:
+    """GET /healthz and a small POST /v1/attention every `every_s` seconds until `stop`."""
+    latencies_ms: list[float] = []
+    statuses: collections.Counter[int] = collections.Counter()
+    failures = 0
+    with httpx.Client(base_url=url, timeout=10) as client:
+        while not stop.is_set():
+            for method, path in (("GET", "/healthz"), ("POST", "/v1/attention")):
+                started = time.perf_counter()
+                try:
+                    small = SMALL if method == "POST" else None
+                    statuses[client.request(method, path, json=small).status_code] += 1
+                except httpx.HTTPError:
+                    failures += 1
+                latencies_ms.append((time.perf_counter() - started) * 1e3)
+            stop.wait(every_s)
+    results.put((latencies_ms, dict(statuses), failures))
+
+
 class Bystander:
-    """Another client: GET /healthz and a small POST /v1/attention every `every_s` seconds."""
+    """Another client, in a process of its own (the attack's client threads would otherwise
+    take turns with it for this process's GIL, and its latencies would be theirs)."""
 
-    url: str
-    every_s: float = 0.15
-    latencies_ms: list[float] = field(default_factory=list)
-    statuses: collections.Counter[int] = field(default_factory=collections.Counter)
-    failures: int = 0  # requests that got no answer within 10 s
-    _stop: threading.Event = field(default_factory=threading.Event)
-
-    def _run(self) -> None:
-        with httpx.Client(base_url=self.url, timeout=10) as client:
-            while not self._stop.is_set():
-                for method, path in (("GET", "/healthz"), ("POST", "/v1/attention")):
-                    started = time.perf_counter()
-                    try:
-                        small = SMALL if method == "POST" else None
-                        self.statuses[client.request(method, path, json=small).status_code] += 1
-                    except httpx.HTTPError:
-                        self.failures += 1
-                    self.latencies_ms.append((time.perf_counter() - started) * 1e3)
-                self._stop.wait(self.every_s)
+    def __init__(self, url: str, every_s: float = 0.15) -> None:
+        context = multiprocessing.get_context("spawn")
+        self._stop = context.Event()
+        self._results: Queue[Probed] = context.Queue()
+        self._process = context.Process(
+            target=probe, args=(url, every_s, self._stop, self._results), daemon=True
+        )
+        self.latencies_ms: list[float] = []
+        self.statuses: dict[int, int] = {}
+        self.failures = 0
 
     def __enter__(self) -> Bystander:
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
+        self._process.start()
+        time.sleep(1.0)  # the spawned interpreter imports httpx before it probes
         return self
 
     def __exit__(self, *exc: object) -> None:
         time.sleep(0.5)  # a few probes after the attack too
         self._stop.set()
-        self._thread.join(timeout=30)
+        self.latencies_ms, self.statuses, self.failures = self._results.get(timeout=60)
+        self._process.join(timeout=30)
 
     def summary(self) -> str:
         ms = sorted(self.latencies_ms) or [0.0]
         p99 = ms[min(len(ms) - 1, int(0.99 * len(ms)))]
         return (
             f"bystander: {len(self.latencies_ms)} requests, p50 {ms[len(ms) // 2]:.0f} ms, "
-            f"p99 {p99:.0f} ms, max {ms[-1]:.0f} ms, statuses {dict(self.statuses)}, "
+            f"p99 {p99:.0f} ms, max {ms[-1]:.0f} ms, statuses {self.statuses}, "
             f"no answer {self.failures}"
         )
 
