@@ -42,6 +42,7 @@ from service.errors import FieldError, InvalidRequest, MemoryBusy, PayloadTooLar
 from service.metrics import Metrics
 from service.middleware.body_limit import declared_length, header_number
 from service.middleware.connections import unsent_bytes
+from service.wire.codec import occurrences
 
 MB: Final = 1e6
 # The probes of both protocols (orchestrators and KServe probe v2's) and the metrics.
@@ -70,14 +71,11 @@ ELEMENT_PEAK_BYTES: Final = 52
 CONTAINER_PEAK_BYTES: Final = 88
 KEY_PEAK_BYTES: Final = 56
 _SEPARATORS: Final = (
-    (b",", ELEMENT_PEAK_BYTES),
-    (b"[", CONTAINER_PEAK_BYTES),
-    (b"{", CONTAINER_PEAK_BYTES),
-    (b":", KEY_PEAK_BYTES),
+    (ord(","), ELEMENT_PEAK_BYTES),
+    (ord("["), CONTAINER_PEAK_BYTES),
+    (ord("{"), CONTAINER_PEAK_BYTES),
+    (ord(":"), KEY_PEAK_BYTES),
 )
-# Separators found one by one in a chunk before the rest are counted (_occurrences).
-_FIND_ONE_BY_ONE: Final = 32
-_COUNT_SHORT_CHUNKS: Final = 4096  # bytes
 # The first bytes of every body's estimate are not reserved: a request's envelope (its field
 # names, shapes, options: about 2 KB of estimate for a base64 request) parses to a few
 # kilobytes, and reserving it would refuse base64 bodies that exactly fill the limit.
@@ -109,28 +107,10 @@ def default_inflight_bytes() -> int:
 
 
 def parse_estimate(chunk: bytes) -> int:
-    """What parsing `chunk` of a JSON body will hold at its peak, from its separators."""
-    return sum(cost * _occurrences(chunk, separator) for separator, cost in _SEPARATORS)
-
-
-def _occurrences(chunk: bytes, separator: bytes) -> int:
-    """chunk.count(separator), at memchr speed where the separator is rare.
-
-    bytes.count(one byte) runs at about 1.4 GB/s and bytes.find(one byte) at memchr's speed,
-    20 times that (CPython 3.11): a base64 body holds a few separators, in its envelope, so
-    they are found one by one; past a few, the rest is counted. A short chunk is counted at
-    once: one call costs less than a few.
-    """
-    if len(chunk) <= _COUNT_SHORT_CHUNKS:
-        return chunk.count(separator)
-    found = 0
-    at = chunk.find(separator)
-    while at >= 0:
-        found += 1
-        if found == _FIND_ONE_BY_ONE:
-            return found + chunk.count(separator, at + 1)
-        at = chunk.find(separator, at + 1)
-    return found
+    """What parsing `chunk` of a JSON body will hold at its peak, from its separators. A base64
+    chunk holds none, and costs four memchr passes (wire.codec.occurrences finds rare bytes one
+    by one before it counts them)."""
+    return sum(cost * occurrences(chunk, separator) for separator, cost in _SEPARATORS)
 
 
 def json_prefix(scope: Scope) -> int | None:

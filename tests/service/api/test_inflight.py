@@ -494,7 +494,7 @@ def test_a_compressed_body_is_counted_as_it_inflates() -> None:
 
 def test_separators_are_counted_wherever_they_sit_in_a_chunk() -> None:
     """By hand: 10 commas in 10 kB of base64-like bytes (found one by one) reserve 10·52; 100
-    (found 32 by one, the rest counted) 100·52; a short chunk is counted at once."""
+    (found one by one, then counted) 100·52; each kind of separator at its own cost."""
     filler = b"QUJD" * 2500  # 10,000 bytes of base64: no separator
     sparse = b",".join([filler[:1000]] * 11)
     assert parse_estimate(sparse) == 10 * 52
