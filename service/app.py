@@ -217,7 +217,9 @@ def create_app(
         max_body_bytes=settings.max_body_bytes,
         metrics=metrics,
     )
-    app.add_middleware(ContentEncodingMiddleware)
+    app.add_middleware(
+        ContentEncodingMiddleware, max_body_bytes=settings.max_body_bytes, metrics=metrics
+    )
     # v2's probes stay open too: KServe's and Triton's orchestrators probe them.
     open_paths = DEFAULT_OPEN_PATHS | {"/v2/health/live", "/v2/health/ready"}
     if api_keys:

@@ -221,3 +221,14 @@ def test_a_member_cut_short_is_an_error() -> None:
     body = gzip.compress(b"x" * 10_000) + gzip.compress(b"y" * 10_000)[:-8]
     with pytest.raises(InvalidRequest, match="ends early"):
         drive(body, b"gzip", stop_after=1 << 30)
+
+
+def test_the_app_bounds_what_a_layer_reads(client: httpx.Client) -> None:
+    """Through create_app: empty gzip members past SDPA_MAX_BODY_BYTES on the wire are a 413,
+    though they inflate to nothing (without the bound they were read for as long as they came).
+    """
+    empty = gzip.compress(b"")
+    stream = empty * (MAX_BODY // len(empty) + 2)
+    response = post(client, stream, ["gzip"])
+    assert response.status_code == 413, response.text
+    assert "SDPA_MAX_BODY_BYTES" in response.json()["detail"]
