@@ -6,22 +6,33 @@ Shutdown sequence on the first SIGTERM or SIGINT:
    503 + Retry-After (ShuttingDown); queued and in-flight work finishes within the timeout.
    From that moment too, every response says `Connection: close`
    (service.middleware.drain), so keep-alive clients do not reuse a connection that will close.
-2. When the drain returns, the listener stays open until a quiet moment: no connection accepted
-   and no request begun for QUIET_S (at most LINGER_S). New work gets 503 + Retry-After
-   meanwhile, and a client that honours it is away when the listener closes: a connection
-   still in the listen backlog at that moment would be reset with its request unanswered.
-3. Then uvicorn is told to exit (should_exit): it closes the listening socket, gives idle
-   connections a short grace for a request already on its way (GuardedHttpToolsProtocol.
-   shutdown), lets open responses finish (at most RESPONSE_FLUSH_TIMEOUT_S), runs the lifespan
-   shutdown and serve() returns 0. If the drain timed out with a batch still computing (its requests
-   got 503), the process exits at once instead (os._exit(0)): the interpreter would otherwise
-   join the device thread and wait for that batch, without bound if a kernel hangs.
+   When the drain returns, AppState.stopping is set: a request still reading or decoding its
+   body can never be computed, and is answered 503 at once.
+2. The listener stays open until a quiet moment: no connection accepted and no request begun
+   for QUIET_S (at most LINGER_S). New work gets 503 + Retry-After meanwhile, and a client
+   that honours it is away when the listener closes: a connection still in the listen backlog
+   at that moment would be reset with its request unanswered.
+3. Then uvicorn is told to exit (should_exit): it closes the listening socket and asks every
+   connection to shut down (GuardedHttpToolsProtocol.shutdown): one without a request in the
+   app gets SHUTDOWN_IDLE_GRACE_S (0.5 s) for a request's headers to complete and then closes,
+   however slowly a client sends them; one with a request in the app closes after its answer,
+   and nothing pipelined behind it is read. Open responses get RESPONSE_FLUSH_TIMEOUT_S, after
+   which uvicorn cancels their tasks; then it runs the lifespan shutdown.
+4. Tasks still running then are cancelled and get LEFTOVER_TASKS_S to end. A task that waits on
+   a worker thread cannot end before the thread does (anyio's to_thread keeps a cancelled task
+   waiting for its thread: a 128 MiB JSON body decoding kept the exit waiting 63 s), and
+   asyncio.run would wait for it without bound: the process exits at once instead
+   (os._exit(0), logs flushed). So it does when, once the loop is closed, a thread of ours is
+   still busy (a decoding worker; the device thread with a batch the drain timed out on,
+   without bound if a kernel hangs): the interpreter would join it.
 A second signal exits at once (exit code 128 + signal number), without waiting for anything.
 
-Worst case from the first signal to the exit: drain_timeout_s + LINGER_S +
-RESPONSE_FLUSH_TIMEOUT_S plus a little; orchestrator grace periods (docker stop -t, compose
-stop_grace_period, Kubernetes terminationGracePeriodSeconds minus the preStop sleep) must
-exceed it.
+Worst case from the first signal to the exit, whatever clients do: drain_timeout_s + LINGER_S
++ 0.1 s (uvicorn's pause after asking connections to shut down) + RESPONSE_FLUSH_TIMEOUT_S +
+the lifespan shutdown (its drain returns at once the second time) + LEFTOVER_TASKS_S +
+THREAD_JOIN_S, plus a little: 39.6 s and a little with the default 30 s drain timeout.
+Orchestrator grace periods (docker stop -t, compose stop_grace_period, Kubernetes
+terminationGracePeriodSeconds minus the preStop sleep) must exceed it.
 
 How uvicorn 0.54 handles signals (checked in its server.py): Server.serve() wraps the run in
 `capture_signals()`, which installs `Server.handle_exit` with signal.signal() for SIGINT and
@@ -39,10 +50,11 @@ import logging.config
 import os
 import socket
 import sys
+import threading
 import time
 from datetime import UTC, datetime
 from types import FrameType
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, NoReturn
 
 import orjson
 import uvicorn
@@ -60,6 +72,10 @@ RESPONSE_FLUSH_TIMEOUT_S = 5
 # told Retry-After: 1 are away), or after LINGER_S under a steady stream of new ones.
 QUIET_S = 0.25
 LINGER_S = 3.0
+# After uvicorn's shutdown: how long the tasks still running get to end once cancelled, and
+# how long threads of ours still running get to end, before the process leaves without them.
+LEFTOVER_TASKS_S = 1.0
+THREAD_JOIN_S = 0.5
 
 
 class JsonFormatter(logging.Formatter):
@@ -129,6 +145,8 @@ class DrainingServer(uvicorn.Server):
     async def serve(self, sockets: list[socket.socket] | None = None) -> None:
         self._loop = asyncio.get_running_loop()
         await super().serve(sockets=sockets)
+        if self.started:
+            await end_leftover_tasks()
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # Runs as a Python signal handler on the main thread, between two bytecodes of the event
@@ -167,12 +185,52 @@ class DrainingServer(uvicorn.Server):
                     "draining", extra={"json_fields": {"drain_timeout_s": self.drain_timeout_s}}
                 )
                 await batcher.drain(self.drain_timeout_s)
+                # No request can be computed any more: those still reading or decoding answer 503.
+                self.state.stopping.set()
                 logger.info("drained")
                 await linger_until_quiet()
         except Exception:
             logger.exception("drain failed; shutting down anyway")
         finally:
             self.should_exit = True
+
+
+async def end_leftover_tasks() -> None:
+    """Cancel the tasks still running after uvicorn's shutdown and give them LEFTOVER_TASKS_S;
+    exit the process if some did not end (module docstring, step 4)."""
+    current = asyncio.current_task()
+    leftover = [task for task in asyncio.all_tasks() if task is not current]
+    for task in leftover:
+        task.cancel()
+    if not leftover:
+        return
+    _, pending = await asyncio.wait(leftover, timeout=LEFTOVER_TASKS_S)
+    if pending:
+        # asyncio.run would wait for them (each on a worker thread), without bound.
+        exit_now(f"exiting with {len(pending)} tasks still waiting (on worker threads)")
+
+
+def exit_now(reason: str) -> NoReturn:
+    """Log `reason`, flush the logs and end the process with status 0, waiting for nothing."""
+    logger.warning(reason)
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(0)
+
+
+def busy_threads(timeout_s: float) -> list[threading.Thread]:
+    """The threads besides this one that the interpreter would join at exit and that are still
+    running after `timeout_s` (in all)."""
+    give_up = time.monotonic() + timeout_s
+    threads = [
+        thread
+        for thread in threading.enumerate()
+        if thread is not threading.current_thread() and not thread.daemon
+    ]
+    for thread in threads:
+        thread.join(max(0.0, give_up - time.monotonic()))
+    return [thread for thread in threads if thread.is_alive()]
 
 
 async def linger_until_quiet() -> None:
@@ -229,17 +287,25 @@ def serve(settings: Settings) -> int:
     # Python warnings (torch's UserWarnings...) as JSON lines too, not bare text on stderr.
     logging.captureWarnings(True)
     app = create_app(settings, own_process=True)
+    state = state_of(app)
     config = uvicorn.Config(
         app,
         host=settings.host,
         port=settings.port,
-        # Read and send timeouts and the connection cap live in the protocol layer, which
-        # uvicorn leaves without them (service.middleware.connections).
+        # Header, pipelining, read, send and connection bounds live in the protocol layer,
+        # which uvicorn leaves without them (service.middleware.connections).
         http=guarded_protocol(
             read_timeout_s=settings.read_timeout_s,
             send_timeout_s=settings.send_timeout_s,
             max_connections=settings.max_connections,
+            max_header_bytes=settings.max_header_bytes,
+            max_headers=settings.max_headers,
+            max_pipelined_requests=settings.max_pipelined_requests,
+            metrics=state.metrics,
         ),
+        # The service has no WebSocket route; an upgraded connection would leave the protocol
+        # above, and every bound with it.
+        ws="none",
         workers=1,
         lifespan="on",
         log_config=log_config,
@@ -248,7 +314,6 @@ def serve(settings: Settings) -> int:
         server_header=False,
         timeout_graceful_shutdown=RESPONSE_FLUSH_TIMEOUT_S,
     )
-    state = state_of(app)
     server = DrainingServer(config, state=state, drain_timeout_s=settings.drain_timeout_s)
     try:
         server.run()
@@ -263,7 +328,10 @@ def serve(settings: Settings) -> int:
         # The drain timed out with a batch still computing (its requests were answered 503).
         # The interpreter would join the device thread at exit and wait for that batch, for
         # ever if a kernel hangs: leave without it, as the shutdown bound above promises.
-        logger.warning("exiting with a batch still on the device (the drain timed out)")
-        logging.shutdown()
-        os._exit(0)
+        exit_now("exiting with a batch still on the device (the drain timed out)")
+    busy = busy_threads(THREAD_JOIN_S)
+    if busy:
+        # A worker still decoding a body the drain gave up on, say: the interpreter would join
+        # it at exit, for as long as it takes (module docstring, step 4).
+        exit_now(f"exiting with {len(busy)} threads still busy: {[t.name for t in busy]}")
     return 0

@@ -50,6 +50,9 @@ _INFO_EXAMPLE: Final = {
         "read_timeout_s": 15.0,
         "send_timeout_s": 60.0,
         "max_connections": 2048,
+        "max_header_bytes": 32768,
+        "max_headers": 100,
+        "max_pipelined_requests": 8,
     },
     "cost_model": {
         "calibrated": True,
@@ -132,6 +135,9 @@ async def info(state: StateDep) -> Response:
                 "read_timeout_s": settings.read_timeout_s,
                 "send_timeout_s": settings.send_timeout_s,
                 "max_connections": settings.max_connections,
+                "max_header_bytes": settings.max_header_bytes,
+                "max_headers": settings.max_headers,
+                "max_pipelined_requests": settings.max_pipelined_requests,
             },
             "cost_model": cost.as_json(),
             "batching": {

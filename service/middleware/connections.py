@@ -1,52 +1,99 @@
-"""Connection limits at the protocol layer: read and send timeouts, and a connection cap.
+"""Limits at the protocol layer: what uvicorn's httptools protocol leaves unbounded below the
+application, where ASGI middleware cannot see (it runs only once a request's headers are
+complete). The service runs uvicorn with GuardedHttpToolsProtocol (`uvicorn.Config(http=...)`,
+built by guarded_protocol() from the settings).
 
-uvicorn 0.54 arms no timer on a fresh connection, nor while request headers or a body trickle
-in (only between requests of a keep-alive connection), so an idle or trickling client holds a
-socket and a file descriptor forever. Its `limit_concurrency` answers 503 only once a request
-arrives on a connection it already accepted. And a client that reads none of its response holds
-the response's memory for as long as it likes. ASGI middleware cannot see any of this: it runs
-only once a request's headers are complete. So the service runs uvicorn with this subclass of
-its httptools protocol (`uvicorn.Config(http=...)`):
+What uvicorn 0.54 with httptools 0.9 does on its own, checked in their code: it feeds every
+byte it reads to the parser at once; the parser builds a header value with `bytes +=` across
+reads (quadratic: a 64 MB value took 3.1 s of event-loop time) and uvicorn keeps every header
+line, without limit; a read of pipelined requests is parsed whole, each request becoming a task's
+worth of state at once, and reading resumes after every answer (GET /healthz pipelined and never
+read grew a server to 4.96 GB); it arms no timer on a fresh connection nor while headers or a
+body trickle in; its `limit_concurrency` answers 503 only once a request arrives on a
+connection it already accepted. So this protocol keeps the bytes it reads and decides itself
+what the parser may have:
 
-- read timeout: while the server waits for a client's bytes (a fresh connection, headers, a
-  body), every byte restarts a timer of `read_timeout_s`. When it fires before the request's
-  headers are complete, the client gets a 408 problem+json and the connection closes; once the
-  app has the request (a stalled body), the connection closes and the app sees the disconnect
-  (a 499 in the access log). While the app computes or answers, no read timer runs.
-- send timeout: when the client stops reading and the write buffer passes its high-water mark,
-  a timer of `send_timeout_s` starts; it stops when the client reads again. When it fires, the
-  connection is aborted and the pending response freed.
-- connection cap: a connection beyond `max_connections` gets a 503 problem+json with
-  Retry-After at once and is closed, before any request is read.
-- shutdown: when uvicorn shuts down (after the drain), a connection idle at that moment is not
-  closed at once, since its client may be sending a request right then, which would be lost
-  unanswered; it gets `shutdown_idle_grace_s` for a request to arrive, which is then answered
-  (with `Connection: close`), and otherwise closes. A connection mid-request closes after its
-  response.
+- header bytes (SDPA_MAX_HEADER_BYTES, default 32 KiB): the request line and all header lines
+  of one request, blank lines before it and the empty line that ends it included. The bytes of
+  a request's head are held until a whole line is in, and the parser is fed whole lines (each
+  header value reaches it in one piece: nothing is concatenated); a head that cannot end within
+  the budget gets a 431 problem+json and the connection closes, before the parser saw more than
+  the budget. A chunked body's trailer section has the same budget (past it the connection
+  closes: the app already holds that request).
+- header lines (SDPA_MAX_HEADERS, default 100): counted as the parser reports them; past the
+  bound, 431 and the connection closes.
+- header deadline (SDPA_READ_TIMEOUT_S, default 15 s): a request's headers must be complete
+  within it of their first byte, however steadily they trickle; else a 408 problem+json and the
+  connection closes.
+- idle read timeout (the same setting): while the server waits for a client's bytes (a fresh
+  connection's first request, a body), every byte restarts a timer. When it fires on a fresh
+  connection, the client gets a 408; mid-body (the app has the request) the connection closes
+  and the app sees the disconnect (a 499 in the access log). While the app computes or answers,
+  or while the server itself stopped reading, no read timer runs.
+- pipelining (SDPA_MAX_PIPELINED_REQUESTS, default 8): at most that many requests of one
+  connection parsed and unanswered. The parser is fed one request's head at a time and a body
+  only up to its end (Content-Length, or the chunked framing read here), so it never parses
+  ahead; beyond the bound the server holds the bytes it read and stops reading the connection
+  (backpressure: no queue, no 4xx), and feeds the next request as answers complete. Each such
+  pause counts in sdpa_connection_reads_paused_total. A request's body is fed only while the
+  app has read what it was given before (uvicorn's 64 KiB high-water mark), so the body of a
+  request waiting behind another does not grow either.
+- send timeout (SDPA_SEND_TIMEOUT_S, default 60 s): when the client stops reading and the write
+  buffer passes its high-water mark, a timer starts; it stops when the client reads again. When
+  it fires, the connection is aborted and the pending response freed.
+- connection cap (SDPA_MAX_CONNECTIONS, default 2048): a connection beyond it closes the one
+  doing no useful work to make room: the one whose request headers have been incomplete the
+  longest (a connection that sent nothing yet counts from its start) gets a 408, else the one
+  idle the longest between keep-alive requests gets a 503 with Retry-After. A connection whose
+  request the app holds (its body being read, computed, answered) is never closed for it. Only
+  when every connection is busy so does the newcomer get a 503 with Retry-After, before any
+  request is read. A slowloris client thus holds its connections only until others need them.
+- shutdown: when uvicorn shuts down (after the drain), a connection with no request in the app
+  is not closed at once, since its client may be sending a request right then, which would be
+  lost unanswered: it gets `shutdown_idle_grace_s` (0.5 s) for a request's headers to complete,
+  which is then answered (with `Connection: close`); otherwise it closes (a 503 if a request's
+  headers were under way). A connection with a request in the app closes after that answer;
+  requests pipelined behind it are not read.
 - delivery: an answer handed to a client that reads slower than the server writes is not yet
   delivered. Each request's scope carries, as the ASGI extension DELIVERY_EXTENSION, an awaitable
   that tells whether its answer reached the client (the access log logs 499 when it did not:
   the client left, or the send timeout dropped it, while its answer was being sent).
+
+Refusals count in sdpa_rejected_total by reason: header_too_large (431), header_timeout (408 at
+the header deadline), read_timeout (the idle timer), connections (the cap: a connection closed
+to make room, or a newcomer refused).
+
+The uvicorn and httptools behaviour this relies on, private attributes included, is exercised
+by tests/service/test_protocol_contract.py; pyproject.toml pins the versions it was checked on.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import re
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, ClassVar, Final
+from typing import TYPE_CHECKING, Any, ClassVar, Final
 
+import httptools
+from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT, FlowControl
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from service.errors import PROBLEM_JSON, problem_payload
+
+if TYPE_CHECKING:
+    from service.metrics import Metrics
+
+logger = logging.getLogger("sdpa.connections")
 
 
 def problem_bytes(
     status: int, reason: str, detail: str, *, retry_after_s: int | None = None
 ) -> bytes:
     """A complete HTTP/1.1 problem+json response that closes the connection."""
-    body = json.dumps(problem_payload(status=status, detail=detail)).encode()
+    body = json.dumps(problem_payload(status=status, title=reason, detail=detail)).encode()
     head = [
         f"HTTP/1.1 {status} {reason}",
         f"content-type: {PROBLEM_JSON}",
@@ -89,44 +136,239 @@ def unsent_bytes() -> int:
     return sum(protocol.transport.get_write_buffer_size() for protocol in _backed_up)
 
 
+# -- framing: where a request's head and body end -----------------------------------------
+
+_HEAD_END: Final = b"\r\n\r\n"
+# CR and LF before a request line are skipped by the parser (llhttp); skipped here as well, the
+# first "\r\n\r\n" of a head is its end.
+_NOT_CRLF: Final = re.compile(rb"[^\r\n]")
+# The parser is fed whole lines of a head, but the first bytes of its request line (up to
+# this many) as they come, so that what is not HTTP (a TLS handshake on the plain port) gets
+# its 400 without waiting for a line end.
+REQUEST_LINE_PROBE: Final = 16
+_HEX_PREFIX: Final = re.compile(rb"[0-9A-Fa-f]*")
+
+
+class ChunkedBodyEnd:
+    """Reads the framing of a chunked request body (RFC 9112 section 7.1) in the bytes that
+    follow its head, to tell where it ends: the parser is fed no byte past it.
+
+    Only the framing is read (size lines, data lengths, the trailer section); the parser
+    validates everything. On input it refuses, the parser's error closes the connection before
+    this count matters. Trailer lines are released whole (a value arrives in one piece) and
+    their bytes counted (`trailer_bytes`) so that the protocol bounds them like a head.
+    """
+
+    _SIZE_LINE, _DATA, _TRAILERS = range(3)
+
+    def __init__(self) -> None:
+        self._state = self._SIZE_LINE
+        self._left = 0  # bytes of the current chunk's data and its CRLF still to come
+        self._digits = bytearray()  # the size line's hex digits, leading zeros left out
+        self._in_digits = True  # no other byte of the size line seen yet
+        self.trailer_bytes = 0
+        self.done = False
+
+    def take(self, buf: bytes | bytearray, start: int, end: int) -> int:
+        """How many bytes of buf[start:end] the parser may have: up to the body's end, and in
+        the trailer section up to the last complete line."""
+        pos = start
+        while pos < end and not self.done:
+            if self._state == self._DATA:
+                step = min(self._left, end - pos)
+                self._left -= step
+                pos += step
+                if not self._left:
+                    self._state = self._SIZE_LINE
+                continue
+            newline = buf.find(b"\n", pos, end)
+            if self._state == self._TRAILERS:
+                if newline < 0:
+                    break  # a partial trailer line waits for the rest of it
+                line = newline + 1 - pos
+                self.trailer_bytes += line
+                pos = newline + 1
+                self.done = line == 2  # the empty line (CRLF) that ends the section
+                continue
+            line_end = end if newline < 0 else newline + 1
+            if self._in_digits:  # what follows them (an extension) is the parser's alone
+                run = _HEX_PREFIX.match(buf, pos, line_end)
+                digits = run[0] if run else b""
+                self._in_digits = run is not None and run.end() == line_end
+                if not self._digits:
+                    digits = digits.lstrip(b"0")
+                # More than 16 digits overflow 64 bits, which the parser refuses.
+                self._digits += digits[: 17 - len(self._digits)]
+            pos = line_end
+            if newline >= 0:
+                size = int(self._digits or b"0", 16)
+                self._digits.clear()
+                self._in_digits = True
+                if size:
+                    self._state, self._left = self._DATA, size + 2  # data, then CRLF
+                else:
+                    self._state = self._TRAILERS
+        return pos - start
+
+
+def content_length(value: bytes) -> int | None:
+    """A Content-Length the parser accepted, as an int; None if it is not one. The parser takes
+    any number of leading zeros (up to an unsigned 64-bit value): int() of the raw text would
+    refuse more than 4,300 digits."""
+    stripped = value.strip()
+    if not stripped.isdigit():
+        return None
+    digits = stripped.lstrip(b"0")
+    return int(digits or b"0") if len(digits) <= 20 else None
+
+
+def is_chunked(transfer_encoding: bytes) -> bool:
+    """Whether a request with this Transfer-Encoding has a chunked body (its last coding)."""
+    return transfer_encoding.rsplit(b",", 1)[-1].strip().lower() == b"chunked"
+
+
+class _TooManyHeaders(Exception):
+    """Raised from on_header to stop the parser at once (it becomes HttpParserCallbackError)."""
+
+
+class _ProtocolFlow(FlowControl):
+    """uvicorn's FlowControl (which the protocol and each request's cycle share), with reading
+    left to the protocol: uvicorn pauses reading when it queues a pipelined request or a body
+    passes its high-water mark, and resumes it when an answer completes or the app reads its
+    body. The protocol holds the bytes it should not parse yet instead (and pauses reading
+    itself), so a pause request is moot and a resume is the cue to feed the parser again."""
+
+    def __init__(self, transport: asyncio.Transport, on_resume: Callable[[], None]) -> None:
+        super().__init__(transport)
+        self._on_resume = on_resume
+
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self) -> None:
+        self._on_resume()
+
+
 class GuardedHttpToolsProtocol(HttpToolsProtocol):
-    """uvicorn's httptools protocol with a read timeout, a send timeout and a connection cap
-    (the module docstring). Configure it with guarded_protocol()."""
+    """uvicorn's httptools protocol with bounds on headers, pipelining, reading, sending and
+    connections (the module docstring). Configure it with guarded_protocol()."""
 
     read_timeout_s: ClassVar[float] = 15.0
     send_timeout_s: ClassVar[float] = 60.0
     max_connections: ClassVar[int] = 2048
+    max_header_bytes: ClassVar[int] = 32 * 1024
+    max_headers: ClassVar[int] = 100
+    max_pipelined_requests: ClassVar[int] = 8
     shutdown_idle_grace_s: ClassVar[float] = 0.5
+    metrics: ClassVar[Metrics | None] = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._read_timer: asyncio.TimerHandle | None = None
         self._send_timer: asyncio.TimerHandle | None = None
-        self._headers_complete = False
+        self._head_timer: asyncio.TimerHandle | None = None
         # Set when the connection was lost before its last answer was complete and written out.
         self._lost_undelivered = False
         self._delivery_waiters: set[asyncio.Future[bool]] = set()
         self._shutting_down = False
-        self._request_begun = False  # a request's first bytes arrived, its response not done
+
+        # Input: bytes read and not yet fed to the parser, and whether the transport reads.
+        self._held = bytearray()
+        self._reading = True
+        self._blocked = False  # the pump stopped at a bound, not for want of bytes
+        self._pump_soon: asyncio.Handle | None = None
+        # The current request, from the parser's point of view.
+        self._in_body = False  # headers complete, message not
+        self._head_since: float | None = None  # monotonic time of the head's first byte
+        self._head_bytes = 0  # bytes of the head taken (fed or skipped)
+        self._head_fed = 0  # of which fed to the parser
+        self._head_tail = b""  # the last (up to 3) bytes fed: "\r\n\r\n" may span two reads
+        self._head_scanned = 0  # held bytes of the head known to hold no line end
+        self._header_lines = 0
+        self._content_length: bytes | None = None
+        self._transfer_encoding: bytes | None = None
+        self._body_left = 0  # bytes of a Content-Length body the parser may still have
+        self._chunked: ChunkedBodyEnd | None = None
+        # Requests parsed and not yet answered (the pipelining bound), and idleness (the cap).
+        self._unanswered = 0
+        self._answered_any = False
+        self._idle_since = time.monotonic()
 
     # -- the connection cap and the first read timer --------------------------------------
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        self.flow = _ProtocolFlow(transport, self._schedule_pump)
         _touch()
-        if len(self.connections) > self.max_connections:
+        if len(self.connections) > self.max_connections and not self._make_room():
             detail = (
                 f"the server holds its maximum of {self.max_connections} connections "
-                "(SDPA_MAX_CONNECTIONS); retry later"
+                "(SDPA_MAX_CONNECTIONS), each with a request in progress; retry later"
             )
+            self._count("connections")
             transport.write(problem_bytes(503, "Service Unavailable", detail, retry_after_s=1))
             transport.close()
             return
         self._arm_read_timer()  # the first request's bytes
 
+    def _make_room(self) -> bool:
+        """At the cap: close the connection doing the least useful work; False if every one
+        has a request in the app."""
+        victim: GuardedHttpToolsProtocol | None = None
+        best = (2, 0.0)
+        still_open = 0
+        for other in self.connections:
+            if other is self or not isinstance(other, GuardedHttpToolsProtocol):
+                continue
+            if other.transport.is_closing():
+                continue  # on its way out (connection_lost comes on a later loop turn)
+            still_open += 1
+            rank = other._uselessness()
+            if rank is not None and rank < best:
+                victim, best = other, rank
+        if still_open < self.max_connections:
+            return True
+        if victim is None:
+            return False
+        victim._evict()
+        return True
+
+    def _uselessness(self) -> tuple[int, float] | None:
+        """(0, since) while a request's headers are incomplete (or none came yet on a fresh
+        connection), (1, since) idle between keep-alive requests, None while the app holds a
+        request of this connection: the connection cap closes the smallest."""
+        if self._unanswered or self._in_body:
+            return None
+        if self._head_since is not None:
+            return (0, self._head_since)
+        return (1 if self._answered_any else 0, self._idle_since)
+
+    def _evict(self) -> None:
+        self._count("connections")
+        held_for = time.monotonic() - (self._head_since or self._idle_since)
+        if self._head_since is not None or not self._answered_any:
+            detail = (
+                f"this connection's request headers were incomplete after {held_for:.1f} s while "
+                f"the server held its maximum of {self.max_connections} connections "
+                "(SDPA_MAX_CONNECTIONS): it was closed to admit another; send a request's "
+                "headers at once"
+            )
+            self._close_with(problem_bytes(408, "Request Timeout", detail))
+        else:
+            detail = (
+                f"this connection was idle for {held_for:.1f} s while the server held its "
+                f"maximum of {self.max_connections} connections (SDPA_MAX_CONNECTIONS): it was "
+                "closed to admit another; retry on a new connection"
+            )
+            self._close_with(problem_bytes(503, "Service Unavailable", detail, retry_after_s=1))
+
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_read_timer()
         self._cancel_send_timer()
+        self._cancel_head_timer()
+        if self._pump_soon is not None:
+            self._pump_soon.cancel()
+        self._held = bytearray()
         # Backed up: bytes were still waiting for the client (an abort drops them silently).
         self._lost_undelivered = self in _backed_up or (
             self.cycle is not None and not self.cycle.response_complete
@@ -135,38 +377,296 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._settle_delivery(not self._lost_undelivered)
         super().connection_lost(exc)
 
-    # -- reading ---------------------------------------------------------------------------
+    # -- reading: what the parser may have ---------------------------------------------------
 
     def data_received(self, data: bytes) -> None:
+        self._unset_keepalive_if_required()  # as uvicorn's data_received
         if self._read_timer is not None:
             self._arm_read_timer()  # any byte restarts the wait for the next one
-        super().data_received(data)
+        if self._held:
+            self._held += data
+            taken = self._pump(self._held)
+            del self._held[:taken]
+        else:
+            taken = self._pump(data)
+            if taken < len(data):
+                self._held += memoryview(data)[taken:]
+        self._settle()
+
+    def _schedule_pump(self) -> None:
+        """An answer completed or the app read its body: feed the held bytes (soon, not from
+        inside uvicorn's callback)."""
+        if self._pump_soon is None and self._held:
+            self._pump_soon = self.loop.call_soon(self._pump_held)
+
+    def _pump_held(self) -> None:
+        self._pump_soon = None
+        if self._held and not self.transport.is_closing():
+            del self._held[: self._pump(self._held)]
+            self._settle()
+
+    def _pump(self, buf: bytes | bytearray) -> int:
+        """Feed the parser what it may have of buf now; return how many bytes it took."""
+        pos, end = 0, len(buf)
+        self._blocked = False
+        while pos < end and not self.transport.is_closing():
+            if self._in_body:
+                cycle = self.cycle
+                if len(cycle.body) > HIGH_WATER_LIMIT and not cycle.response_complete:
+                    # The app has not read what it was given (it asks again by receive()).
+                    self._blocked = True
+                    break
+                taken = self._body_step(buf, pos, end)
+            elif self._may_start_request():
+                taken = self._head_step(buf, pos, end)
+            else:
+                self._blocked = True
+                break
+            if not taken:
+                break
+            pos += taken
+        return pos
+
+    def _may_start_request(self) -> bool:
+        if self._head_since is not None:
+            return True  # under way: the bounds were checked when it began
+        if self._unanswered >= self.max_pipelined_requests:
+            return False
+        return not (self._shutting_down and self._unanswered)
+
+    def _head_step(self, buf: bytes | bytearray, pos: int, end: int) -> int:
+        """Take what the parser may have of the current request's head from buf[pos:end]."""
+        start = pos
+        if self._head_since is None:  # its first byte
+            self._head_since = time.monotonic()
+            self._unset_keepalive_if_required()
+        if not self._head_fed and not self._head_scanned and buf[pos] in b"\r\n":
+            first = _NOT_CRLF.search(buf, pos, end)
+            pos = end if first is None else first.start()
+            self._head_bytes += pos - start
+            if self._head_bytes >= self.max_header_bytes:
+                self._refuse_header_bytes()
+                return end - start
+            if first is None:
+                return pos - start
+        # Bytes held from an earlier read were searched then: only the new ones are (a line
+        # trickled a byte at a time costs linear time, not quadratic).
+        scan = pos + self._head_scanned
+        head_end = self._find_head_end(buf, pos, scan, end)
+        if head_end is not None:
+            if self._head_bytes + (head_end - pos) > self.max_header_bytes:
+                self._refuse_header_bytes()
+                return end - start
+            self._feed_head(buf, pos, head_end)
+            return head_end - start
+        last_line = buf.rfind(b"\n", scan, end)
+        if self._head_bytes + (end - pos) >= self.max_header_bytes:
+            # It cannot end within the budget. Its whole lines go to the parser first, so that
+            # what is not HTTP at all gets the parser's 400 instead.
+            if last_line < 0 or self._feed_head(buf, pos, last_line + 1):
+                self._refuse_header_bytes()
+            return end - start
+        if last_line >= 0:
+            stop = last_line + 1
+        elif not self._head_fed:
+            stop = min(end, pos + REQUEST_LINE_PROBE)
+        else:
+            self._head_scanned = end - pos
+            return pos - start  # the rest of a line: wait for its end
+        self._feed_head(buf, pos, stop)
+        self._head_scanned = end - stop  # no line end after `stop`
+        return stop - start
+
+    def _find_head_end(self, buf: bytes | bytearray, pos: int, scan: int, end: int) -> int | None:
+        """Where the head ends in buf[pos:end] (just after its "\\r\\n\\r\\n"), or None; the
+        bytes before `scan` hold no line end."""
+        if self._head_tail:
+            joined = self._head_tail + bytes(buf[pos : min(end, pos + 3)])
+            found = joined.find(_HEAD_END)
+            if found >= 0:
+                return pos + found + 4 - len(self._head_tail)
+        found = buf.find(_HEAD_END, max(pos, scan - 3), end)
+        return None if found < 0 else found + 4
+
+    def _feed_head(self, buf: bytes | bytearray, pos: int, stop: int) -> bool:
+        self._head_scanned = 0
+        self._head_bytes += stop - pos
+        self._head_fed += stop - pos
+        self._head_tail = (self._head_tail + bytes(buf[max(pos, stop - 3) : stop]))[-3:]
+        return self._feed(buf, pos, stop)
+
+    def _body_step(self, buf: bytes | bytearray, pos: int, end: int) -> int:
+        """Feed the parser the current request's body from buf[pos:end], up to its end."""
+        chunked = self._chunked
+        if chunked is not None:
+            taken = chunked.take(buf, pos, end)
+            if chunked.trailer_bytes > self.max_header_bytes or (
+                not taken and chunked.trailer_bytes + end - pos >= self.max_header_bytes
+            ):
+                # The app holds this request already: it sees the connection close.
+                self._count("header_too_large")
+                self.transport.close()
+                return end - pos
+            done = chunked.done
+        else:
+            taken = min(self._body_left, end - pos)
+            self._body_left -= taken
+            done = not self._body_left
+        if taken and not self._feed(buf, pos, pos + taken):
+            return end - pos
+        if done == self._in_body:
+            # The parser and this framing disagree on where the body ends (never seen: a
+            # guard): the next request's bytes cannot be told apart, so stop here.
+            logger.error("request framing lost; closing the connection")
+            self.transport.close()
+            return end - pos
+        return taken
+
+    def _feed(self, buf: bytes | bytearray, pos: int, stop: int) -> bool:
+        """Feed buf[pos:stop] to the parser (uvicorn's data_received, a slice at a time);
+        False once the connection is closing."""
+        view = memoryview(buf)[pos:stop]
+        try:
+            self.parser.feed_data(view)
+        except httptools.HttpParserCallbackError:
+            if self._header_lines > self.max_headers:
+                self._refuse_header_lines()
+            else:
+                self._parser_error()
+        except httptools.HttpParserError:
+            self._parser_error()
+        except httptools.HttpParserUpgrade:
+            if self._should_upgrade():
+                self.handle_websocket_upgrade()  # the transport has another protocol now
+                self._held = bytearray()
+                return False
+            self._unsupported_upgrade_warning()
+        finally:
+            view.release()
+        return not self.transport.is_closing()
+
+    def _parser_error(self) -> None:
+        msg = "Invalid HTTP request received."
+        self.logger.warning(msg)
+        self.send_400_response(msg)
+
+    def _settle(self) -> None:
+        """After the parser was fed: read while it may have more, else hold and pause; and run
+        the one timer that fits what the connection waits for."""
+        if self.transport.is_closing():
+            return
+        blocked = self._blocked and bool(self._held)
+        if blocked and self._reading:
+            self._reading = False
+            self.transport.pause_reading()
+            if not self._in_body and self._unanswered >= self.max_pipelined_requests:
+                self._count_pause()
+        elif not blocked and not self._reading:
+            self._reading = True
+            self.transport.resume_reading()
+        if not self._reading:
+            self._cancel_read_timer()  # the client owes nothing while the server does not read
+            return
+        if self._head_since is not None and not self._in_body:
+            self._cancel_read_timer()  # the head's deadline comes first
+            if self._head_timer is None:
+                self._head_timer = self.loop.call_at(
+                    self._head_since + self.read_timeout_s, self._on_head_deadline
+                )
+        elif self._in_body or (not self._unanswered and not self._answered_any):
+            if self._read_timer is None:
+                self._arm_read_timer()
+        else:
+            self._cancel_read_timer()  # answers pending, or idle: uvicorn's keep-alive timer
+
+    # -- the parser's callbacks ------------------------------------------------------------
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
         # uvicorn types extensions' values as dicts; ASGI lets a server put any object there.
         extensions: dict[str, Any] = self.scope.setdefault("extensions", {})
         extensions[DELIVERY_EXTENSION] = self.delivered
-        self._headers_complete = False
-        self._request_begun = True
+        self._header_lines = 0
+        self._content_length = self._transfer_encoding = None
         _touch()
-        self._arm_read_timer()
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._header_lines += 1
+        if self._header_lines > self.max_headers:
+            raise _TooManyHeaders
+        lowered = name.lower()
+        if lowered == b"content-length":
+            self._content_length = value
+        elif lowered == b"transfer-encoding":
+            self._transfer_encoding = value
+        super().on_header(name, value)
 
     def on_headers_complete(self) -> None:
-        self._headers_complete = True
+        self._cancel_head_timer()
+        previous = self.cycle
         super().on_headers_complete()
+        if self.cycle is not previous:
+            self._unanswered += 1
+        self._in_body = True  # until on_message_complete, in this very call when bodiless
+        self._chunked = None
+        self._body_left = 0
+        if self._transfer_encoding is not None and is_chunked(self._transfer_encoding):
+            self._chunked = ChunkedBodyEnd()
+        elif self._content_length is not None:
+            self._body_left = content_length(self._content_length) or 0
         if self._shutting_down and self.cycle is not None:
             self.cycle.keep_alive = False  # answered, then closed
 
     def on_message_complete(self) -> None:
         super().on_message_complete()
+        self._in_body = False
+        self._head_since = None
+        self._head_bytes = self._head_fed = self._head_scanned = 0
+        self._head_tail = b""
         self._cancel_read_timer()  # the whole request is in: the client owes nothing now
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
-        self._request_begun = False
-        # uvicorn's keep-alive timer now bounds the wait for the next request.
+        self._unanswered -= 1
+        self._answered_any = True
+        if not self._unanswered:
+            self._idle_since = time.monotonic()
+        self._schedule_pump()  # room for a request held behind this one
+
+    # -- refusals --------------------------------------------------------------------------
+
+    def _count(self, reason: str) -> None:
+        if self.metrics is not None:
+            self.metrics.rejected_total.labels(reason=reason).inc()
+
+    def _count_pause(self) -> None:
+        if self.metrics is not None:
+            self.metrics.reads_paused_total.inc()
+
+    def _close_with(self, response: bytes) -> None:
+        self._cancel_head_timer()
         self._cancel_read_timer()
+        self._held = bytearray()
+        self.transport.write(response)
+        self.transport.close()
+
+    def _refuse_header_bytes(self) -> None:
+        self._count("header_too_large")
+        detail = (
+            f"the request line and headers exceed {self.max_header_bytes} bytes "
+            "(SDPA_MAX_HEADER_BYTES); send fewer or shorter headers (data belongs in the body)"
+        )
+        self._close_with(problem_bytes(431, "Request Header Fields Too Large", detail))
+
+    def _refuse_header_lines(self) -> None:
+        self._count("header_too_large")
+        detail = (
+            f"the request has more than {self.max_headers} header lines (SDPA_MAX_HEADERS); "
+            "send fewer headers"
+        )
+        self._close_with(problem_bytes(431, "Request Header Fields Too Large", detail))
+
+    # -- timers ----------------------------------------------------------------------------
 
     def _arm_read_timer(self) -> None:
         self._cancel_read_timer()
@@ -177,35 +677,59 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             self._read_timer.cancel()
             self._read_timer = None
 
+    def _cancel_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
     def _on_read_timeout(self) -> None:
         self._read_timer = None
         if self.transport.is_closing():
             return
-        if not self._headers_complete or self.cycle is None or self.cycle.response_complete:
-            # No app has this request yet: the client can still be told why.
+        self._count("read_timeout")
+        if not self._in_body:
+            # No app has a request yet: the client can still be told why.
             detail = (
                 f"no byte of the request arrived for {self.read_timeout_s:g} s "
                 "(SDPA_READ_TIMEOUT_S)"
             )
-            self.transport.write(problem_bytes(408, "Request Timeout", detail))
+            self._close_with(problem_bytes(408, "Request Timeout", detail))
+            return
         # Mid-body the app is reading: closing makes its next receive() a disconnect.
         self.transport.close()
+
+    def _on_head_deadline(self) -> None:
+        self._head_timer = None
+        if self.transport.is_closing() or self._head_since is None or self._in_body:
+            return
+        self._count("header_timeout")
+        detail = (
+            f"the request's headers were not complete within {self.read_timeout_s:g} s of "
+            "their first byte (SDPA_READ_TIMEOUT_S); send them at once"
+        )
+        self._close_with(problem_bytes(408, "Request Timeout", detail))
 
     # -- shutdown --------------------------------------------------------------------------
 
     def shutdown(self) -> None:
-        """uvicorn's graceful shutdown (the module docstring): an idle connection gets a grace
-        for a request that may be on its way; one mid-request closes after its response."""
+        """uvicorn's graceful shutdown (the module docstring): a connection without a request
+        in the app gets a grace for one under way; one with a request in the app closes after
+        its answer, and the pump starts no request behind it."""
         self._shutting_down = True
-        if self._request_begun:
+        if self._unanswered or self._in_body:
             if self.cycle is not None and not self.cycle.response_complete:
                 self.cycle.keep_alive = False
-            return  # on_headers_complete turns keep-alive off for a request still arriving
-        self.loop.call_later(self.shutdown_idle_grace_s, self._close_if_idle)
+            return
+        self.loop.call_later(self.shutdown_idle_grace_s, self._close_if_no_request)
 
-    def _close_if_idle(self) -> None:
-        if not self._request_begun and not self.transport.is_closing():
-            self.transport.close()
+    def _close_if_no_request(self) -> None:
+        if self.transport.is_closing() or self._unanswered or self._in_body:
+            return  # a request came: answered, then closed
+        if self._head_since is not None:
+            detail = "the server is shutting down; send the request again (elsewhere)"
+            self._close_with(problem_bytes(503, "Service Unavailable", detail, retry_after_s=1))
+            return
+        self.transport.close()
 
     # -- writing ---------------------------------------------------------------------------
 
@@ -253,9 +777,17 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
 
 def guarded_protocol(
-    *, read_timeout_s: float, send_timeout_s: float, max_connections: int
+    *,
+    read_timeout_s: float,
+    send_timeout_s: float,
+    max_connections: int,
+    max_header_bytes: int,
+    max_headers: int,
+    max_pipelined_requests: int,
+    metrics: Metrics | None,
 ) -> type[GuardedHttpToolsProtocol]:
-    """The protocol class for uvicorn.Config(http=...), with these limits."""
+    """The protocol class for uvicorn.Config(http=...), with these limits; refusals counted in
+    `metrics` (the app's)."""
     return type(
         "GuardedHttpToolsProtocol",
         (GuardedHttpToolsProtocol,),
@@ -263,5 +795,9 @@ def guarded_protocol(
             "read_timeout_s": read_timeout_s,
             "send_timeout_s": send_timeout_s,
             "max_connections": max_connections,
+            "max_header_bytes": max_header_bytes,
+            "max_headers": max_headers,
+            "max_pipelined_requests": max_pipelined_requests,
+            "metrics": metrics,
         },
     )

@@ -1,0 +1,628 @@
+"""The protocol layer in process, with an in-memory transport (no socket, no server).
+
+First the contract: what service.middleware.connections and service.server rely on in uvicorn
+0.54, httptools 0.9 (llhttp) and anyio, private attributes included. If an upgrade changes one of
+these, a test here fails before a server misbehaves (pyproject.toml pins the ranges checked).
+Then GuardedHttpToolsProtocol's own bounds, driven byte by byte: header bytes and lines, the
+pipelining bound, the body of a request waiting behind another, the header deadline and the
+connection cap.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import inspect
+import json
+import re
+import signal
+import threading
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import anyio.to_thread
+import httptools
+import pytest
+import uvicorn
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT, FlowControl
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
+from uvicorn.server import ServerState
+
+from service.metrics import Metrics
+from service.middleware.connections import (
+    ChunkedBodyEnd,
+    GuardedHttpToolsProtocol,
+    content_length,
+    guarded_protocol,
+)
+
+GET = b"GET /%d HTTP/1.1\r\nHost: t\r\n\r\n"
+
+
+class MemoryTransport(asyncio.Transport):
+    """A transport that keeps what is written and whether reading is paused; closing it tells
+    the protocol the connection is lost, as a real one does (on the next loop turn)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__()
+        self.loop = loop
+        self.written = bytearray()
+        self.closed = False
+        self.reading = True
+        self.pauses = 0
+        self.protocol: asyncio.Protocol | None = None
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        self.written += data
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            if self.protocol is not None:
+                self.loop.call_soon(self.protocol.connection_lost, None)
+
+    def abort(self) -> None:
+        self.close()
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+    def pause_reading(self) -> None:
+        self.reading = False
+        self.pauses += 1
+
+    def resume_reading(self) -> None:
+        self.reading = True
+
+    def is_reading(self) -> bool:
+        return self.reading
+
+    def get_write_buffer_size(self) -> int:
+        return 0
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return {"peername": ("127.0.0.1", 50000), "sockname": ("127.0.0.1", 8000)}.get(
+            name, default
+        )
+
+    def responses(self) -> list[bytes]:
+        """The status lines written so far."""
+        return re.findall(rb"HTTP/1\.1 \d{3} [^\r]*", self.written)
+
+
+class HeldApp:
+    """An ASGI app that reads a request's whole body, then answers 200 once released."""
+
+    def __init__(self) -> None:
+        self.requests: list[tuple[str, bytes, asyncio.Event]] = []
+        _apps.append(self)
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        body, more = b"", True
+        while more:
+            message = await receive()
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+        release = asyncio.Event()
+        self.requests.append((scope["path"], body, release))
+        await release.wait()
+        await send(
+            {"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]}
+        )
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    def release_all(self) -> None:
+        for _, _, release in self.requests:
+            release.set()
+
+
+class ParserSpy:
+    """Wraps a connection's httptools parser to count what it is fed."""
+
+    def __init__(self, parser: httptools.HttpRequestParser) -> None:
+        self.parser = parser
+        self.fed: list[int] = []
+
+    def feed_data(self, data: memoryview) -> None:
+        self.fed.append(len(data))
+        self.parser.feed_data(data)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.parser, name)
+
+
+def connect(
+    protocol_class: type[HttpToolsProtocol],
+    app: Any,
+    loop: asyncio.AbstractEventLoop,
+    state: ServerState | None = None,
+) -> tuple[Any, MemoryTransport]:
+    config = uvicorn.Config(app, http=protocol_class, ws="none", lifespan="off", log_config=None)
+    config.load()
+    protocol = protocol_class(
+        config=config, server_state=state or ServerState(), app_state={}, _loop=loop
+    )
+    transport = MemoryTransport(loop)
+    transport.protocol = protocol
+    protocol.connection_made(transport)
+    return protocol, transport
+
+
+def guarded(**limits: Any) -> type[GuardedHttpToolsProtocol]:
+    defaults: dict[str, Any] = {
+        "read_timeout_s": 15.0,
+        "send_timeout_s": 60.0,
+        "max_connections": 100,
+        "max_header_bytes": 1024,
+        "max_headers": 16,
+        "max_pipelined_requests": 4,
+        "metrics": Metrics(),
+    }
+    return guarded_protocol(**{**defaults, **limits})
+
+
+_apps: list[HeldApp] = []
+
+
+def run(scenario: Callable[[asyncio.AbstractEventLoop], Awaitable[None]]) -> None:
+    async def main() -> None:
+        try:
+            await scenario(asyncio.get_running_loop())
+        finally:  # answer what is still held, so that no task is cancelled mid-request
+            for app in _apps:
+                app.release_all()
+            _apps.clear()
+            await turns(10)
+
+    asyncio.run(main())
+
+
+async def turns(count: int = 5) -> None:
+    """Let the loop run the tasks and callbacks that are ready."""
+    for _ in range(count):
+        await asyncio.sleep(0)
+
+
+def counter(metrics: Metrics | None, name: str, **labels: str) -> float:
+    assert metrics is not None
+    value = metrics.registry.get_sample_value(name, labels)
+    return 0.0 if value is None else value
+
+
+def problem(transport: MemoryTransport) -> dict[str, Any]:
+    body = bytes(transport.written).split(b"\r\n\r\n", 1)[1]
+    parsed: dict[str, Any] = json.loads(body)
+    return parsed
+
+
+# -- the contract: httptools (llhttp) --------------------------------------------------------
+
+
+class Events:
+    """A parser protocol that records its callbacks."""
+
+    def __init__(self) -> None:
+        self.events: list[Any] = []
+
+    def on_message_begin(self) -> None:
+        self.events.append("begin")
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.events.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        self.events.append("headers")
+
+    def on_body(self, body: bytes) -> None:
+        self.events.append(bytes(body))
+
+    def on_message_complete(self) -> None:
+        self.events.append("complete")
+
+
+def test_llhttp_skips_blank_lines_before_a_request_and_completes_a_bodiless_one_at_once() -> None:
+    events = Events()
+    parser = httptools.HttpRequestParser(events)
+    parser.feed_data(memoryview(b"\r\n\r\n\r\nGET / HTTP/1.1\r\nHost: t\r\n\r\n"))
+    # In the same feed: the protocol knows the head was the whole request when feed_data returns.
+    assert events.events == ["begin", (b"Host", b"t"), "headers", "complete"]
+
+
+def test_llhttp_refuses_a_bare_lf_so_a_head_ends_at_its_first_crlf_crlf() -> None:
+    with pytest.raises(httptools.HttpParserError):
+        httptools.HttpRequestParser(Events()).feed_data(b"GET / HTTP/1.1\nHost: t\n\n")
+
+
+def test_llhttp_concatenates_a_header_value_fed_in_pieces() -> None:
+    # The `bytes +=` that made a streamed header value quadratic: the protocol feeds whole lines.
+    events = Events()
+    parser = httptools.HttpRequestParser(events)
+    for piece in (b"GET / HTTP/1.1\r\nX-A: ab", b"cd", b"ef\r\n\r\n"):
+        parser.feed_data(piece)
+    assert (b"X-A", b"abcdef") in events.events
+
+
+def test_a_raising_callback_stops_llhttp_with_a_callback_error() -> None:
+    class Refusing(Events):
+        def on_header(self, name: bytes, value: bytes) -> None:
+            raise RuntimeError("enough")
+
+    events = Refusing()
+    with pytest.raises(httptools.HttpParserCallbackError):
+        httptools.HttpRequestParser(events).feed_data(b"GET / HTTP/1.1\r\nA: b\r\nC: d\r\n\r\n")
+    assert "headers" not in events.events
+    assert issubclass(httptools.HttpParserCallbackError, httptools.HttpParserError)
+    assert not issubclass(httptools.HttpParserUpgrade, httptools.HttpParserError)
+
+
+def test_llhttp_takes_leading_zeros_in_content_length_and_so_does_content_length() -> None:
+    events = Events()
+    value = b"0" * 5000 + b"5"
+    httptools.HttpRequestParser(events).feed_data(
+        b"POST / HTTP/1.1\r\nContent-Length: " + value + b"\r\n\r\nhello"
+    )
+    assert events.events[-2:] == [b"hello", "complete"]
+    assert content_length(value) == 5
+    assert content_length(b" 7 ") == 7
+    assert content_length(b"0") == 0
+    assert content_length(b"x") is None
+
+
+@st.composite
+def chunked_bodies(draw: st.DrawFn) -> bytes:
+    chunks = draw(st.lists(st.binary(min_size=1, max_size=40), max_size=5))
+    body = b""
+    for chunk in chunks:
+        size = draw(st.sampled_from(["%x", "%X", "000%x", "0" * 40 + "%x"])) % len(chunk)
+        extension = draw(st.sampled_from(["", ";a=b", ';name="x y"', ";z"]))
+        body += size.encode() + extension.encode() + b"\r\n" + chunk + b"\r\n"
+    trailers = draw(st.lists(st.sampled_from([b"X-T: 1\r\n", b"Y: a b\r\n"]), max_size=2))
+    return body + b"0\r\n" + b"".join(trailers) + b"\r\n"
+
+
+@settings(max_examples=200, deadline=None)
+@given(body=chunked_bodies(), cuts=st.lists(st.integers(min_value=0, max_value=400), max_size=6))
+def test_the_chunked_framing_ends_where_llhttp_ends_the_message(
+    body: bytes, cuts: list[int]
+) -> None:
+    """ChunkedBodyEnd, fed the body and a pipelined request behind it in arbitrary pieces,
+    releases exactly the body: the parser completes the message on its last byte, and never
+    sees a byte of the next request."""
+    events = Events()
+    parser = httptools.HttpRequestParser(events)
+    parser.feed_data(b"POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n")
+    stream = body + GET % 2
+    framing = ChunkedBodyEnd()
+    held = b""
+    released = 0
+    for start, stop in zip([0, *sorted(cuts)], [*sorted(cuts), len(stream)], strict=True):
+        held += stream[start:stop]
+        taken = framing.take(held, 0, len(held))
+        parser.feed_data(held[:taken])
+        released += taken
+        held = held[taken:]
+        if framing.done:
+            break
+    assert framing.done
+    assert released == len(body)
+    assert events.events[-1] == "complete"
+    assert events.events.count("begin") == 1
+
+
+# -- the contract: uvicorn's protocol and server -------------------------------------------
+
+
+def test_uvicorn_protocol_attributes_the_guarded_one_uses() -> None:
+    async def scenario(loop: asyncio.AbstractEventLoop) -> None:
+        state = ServerState()
+        protocol, transport = connect(HttpToolsProtocol, HeldApp(), loop, state)
+        assert protocol.connections is state.connections
+        assert protocol in state.connections
+        assert isinstance(protocol.flow, FlowControl)
+        assert isinstance(protocol.parser, httptools.HttpRequestParser)
+        assert protocol.cycle is None
+        assert isinstance(protocol.pipeline, collections.deque)
+        assert protocol.timeout_keep_alive_task is None
+        for method in (
+            "_unset_keepalive_if_required",
+            "send_400_response",
+            "_should_upgrade",
+            "handle_websocket_upgrade",
+            "_unsupported_upgrade_warning",
+            "on_response_complete",
+            "shutdown",
+        ):
+            assert callable(getattr(protocol, method)), method
+        assert list(inspect.signature(FlowControl).parameters) == ["transport"]
+        assert isinstance(HIGH_WATER_LIMIT, int)
+        protocol.send_400_response("bad")
+        assert transport.responses() == [b"HTTP/1.1 400 Bad Request"]
+        assert transport.closed
+
+    run(scenario)
+
+
+def test_uvicorn_asks_its_flow_control_to_pause_and_resume_reading() -> None:
+    """The points where the guarded protocol's own flow control takes over: a pipelined request
+    queued (pause), a body past the high-water mark (pause), the app reading its body and an
+    answer completing (resume); and the cycle's on_response callback arms keep-alive."""
+
+    async def scenario(loop: asyncio.AbstractEventLoop) -> None:
+        app = HeldApp()
+        protocol, transport = connect(HttpToolsProtocol, app, loop)
+        protocol.data_received(GET % 1 + GET % 2)
+        assert len(protocol.pipeline) == 1  # the second waits, its cycle built
+        assert isinstance(protocol.cycle, RequestResponseCycle)
+        assert protocol.cycle.flow is protocol.flow
+        assert not transport.reading  # flow.pause_reading
+        await turns()
+        assert transport.reading  # the running request's receive(): flow.resume_reading
+        app.release_all()
+        await turns()
+        assert transport.responses() == [b"HTTP/1.1 200 OK"]  # the second starts now
+        await turns()
+        app.release_all()
+        await turns()
+        assert len(transport.responses()) == 2
+        assert protocol.timeout_keep_alive_task is not None  # on_response_complete
+        protocol._unset_keepalive_if_required()
+        assert protocol.timeout_keep_alive_task is None
+
+        protocol, transport = connect(HttpToolsProtocol, HeldApp(), loop)
+        body = b"x" * (HIGH_WATER_LIMIT + 1)
+        protocol.data_received(b"POST / HTTP/1.1\r\nContent-Length: %d\r\n\r\n" % len(body))
+        protocol.data_received(body)
+        assert isinstance(protocol.cycle.body, bytearray)
+        assert len(protocol.cycle.body) == len(body)
+        assert not transport.reading
+        transport.close()
+        await turns()
+
+    run(scenario)
+
+
+def test_uvicorn_server_shutdown_asks_each_connection_then_waits_a_bounded_time() -> None:
+    class Connection:
+        asked = False
+
+        def shutdown(self) -> None:
+            self.asked = True
+
+    class Lifespan:
+        async def shutdown(self) -> None:
+            pass
+
+    async def scenario(loop: asyncio.AbstractEventLoop) -> None:
+        server = uvicorn.Server(uvicorn.Config(HeldApp(), timeout_graceful_shutdown=0))
+        server.servers = []
+        server.lifespan = Lifespan()  # type: ignore[assignment]
+        stuck = Connection()
+        server.server_state.connections.add(stuck)  # type: ignore[arg-type]
+        # It never leaves: the shutdown still returns, after timeout_graceful_shutdown.
+        await asyncio.wait_for(server.shutdown(), timeout=10)
+        assert stuck.asked
+
+    run(scenario)
+
+
+def test_uvicorn_server_records_a_handled_signal_to_raise_it_again() -> None:
+    # Why DrainingServer.handle_exit never calls this one (service.server's docstring).
+    server = uvicorn.Server(uvicorn.Config(HeldApp()))
+    server.handle_exit(signal.SIGTERM, None)
+    assert server._captured_signals == [signal.SIGTERM]
+    assert server.should_exit
+
+
+def test_uvicorn_config_takes_the_protocol_class_and_no_websockets() -> None:
+    protocol_class = guarded()
+    config = uvicorn.Config(HeldApp(), http=protocol_class, ws="none")
+    config.load()
+    assert config.http_protocol_class is protocol_class
+    assert config.ws_protocol_class is None
+
+
+def test_a_cancelled_anyio_worker_thread_runs_on_and_the_interpreter_would_join_it() -> None:
+    """Why service.server leaves with os._exit when a thread is still busy: cancelling the task
+    that waits on anyio.to_thread ends the task, not its thread, which is not a daemon."""
+
+    async def scenario(loop: asyncio.AbstractEventLoop) -> None:
+        release = threading.Event()
+        task = asyncio.ensure_future(anyio.to_thread.run_sync(release.wait))
+        try:
+            await asyncio.sleep(0.05)
+            task.cancel()
+            await asyncio.wait([task], timeout=10)
+            assert task.cancelled()
+            workers = [t for t in threading.enumerate() if t.name == "AnyIO worker thread"]
+            assert workers
+            assert not any(worker.daemon for worker in workers)
+            assert not release.is_set()  # still waiting in its thread
+        finally:
+            release.set()
+
+    run(scenario)
+
+
+# -- the guarded protocol's bounds -----------------------------------------------------------
+
+
+def head_of(size: int) -> bytes:
+    """A GET /healthz head of exactly `size` bytes (an X-Pad header fills it)."""
+    start, end = b"GET /healthz HTTP/1.1\r\nX-Pad: ", b"\r\n\r\n"
+    return start + b"a" * (size - len(start) - len(end)) + end
+
+
+def test_a_head_of_the_budget_is_served_and_one_byte_more_gets_431_unparsed() -> None:
+    async def scenario(loop: asyncio.AbstractEventLoop) -> None:
+        app = HeldApp()
+        protocol, transport = connect(guarded(max_header_bytes=1024), app, loop)
+        protocol.data_received(head_of(1024))
+        await turns()
+        assert [path for path, _, _ in app.requests] == ["/healthz"]
+
+        protocol, transport = connect(guarded(max_header_bytes=1024), HeldApp(), loop)
+        spy = protocol.parser = ParserSpy(protocol.parser)
+        for offset in range(0, 1025, 100):  # in reads of 100 bytes
+            protocol.data_received(head_of(1025)[offset : offset + 100])
+        assert transport.responses() == [b"HTTP/1.1 431 Request Header Fields Too Large"]
+        assert "SDPA_MAX_HEADER_BYTES" in problem(transport)["detail"]
+        assert transport.closed
+        assert sum(spy.fed) <= 1024
+        assert counter(protocol.metrics, "sdpa_rejected_total", reason="header_too_large") == 1
+
+    run(scenario)
+
+
+def test_a_streamed_header_value_reaches_the_parser_in_one_piece() -> None:
+    async def scenario(loop: asyncio.AbstractEventLoop) -> None:
+        app = HeldApp()
+        protocol, _ = connect(guarded(max_header_bytes=4096), app, loop)
+        spy = protocol.parser = ParserSpy(protocol.parser)
+        request = b"GET /healthz HTTP/1.1\r\nX-Long: " + b"v" * 3000 + b"\r\nHost: t\r\n\r\n"
+        for byte in range(len(request)):
+            protocol.data_received(request[byte : byte + 1])
+        await turns()
+        assert [path for path, _, _ in app.requests] == ["/healthz"]
+        # The request line's first bytes, its rest, and one feed per header line: not one per
+        # byte, so nothing is concatenated 3,000 times.
+        assert len(spy.fed) <= 5
+        assert (b"x-long", b"v" * 3000) in protocol.headers
+
+    run(scenario)
+
+
+def test_more_header_lines_than_the_bound_get_431() -> None:
+    async def scenario(loop: asyncio.AbstractEventLoop) -> None:
+        def request(lines: int) -> bytes:
+            return b"GET /healthz HTTP/1.1\r\n" + b"X-N: v\r\n" * lines + b"\r\n"
+
+        app = HeldApp()
+        protocol, transport = connect(guarded(max_headers=16), app, loop)
+        protocol.data_received(request(16))
+        await turns()
+        assert len(app.requests) == 1
+        protocol, transport = connect(guarded(max_headers=16), app, loop)
+        protocol.data_received(request(17))
+        await turns()
+        assert transport.responses() == [b"HTTP/1.1 431 Request Header Fields Too Large"]
+        assert "SDPA_MAX_HEADERS" in problem(transport)["detail"]
+        assert len(app.requests) == 1
+
+    run(scenario)
+
+
+def test_pipelined_requests_past_the_bound_wait_unparsed_with_reading_paused() -> None:
+    async def scenario(loop: asyncio.AbstractEventLoop) -> None:
+        app = HeldApp()
+        protocol, transport = connect(guarded(max_pipelined_requests=4), app, loop)
+        protocol.data_received(b"".join(GET % i for i in range(20)))
+        await turns()
+        assert len(protocol.pipeline) == 3  # 4 parsed: one running, three queued
+        assert not transport.reading
+        assert counter(protocol.metrics, "sdpa_connection_reads_paused_total") == 1
+        for answered in range(20):  # one answer at a time
+            waiting = [r for r in app.requests if not r[2].is_set()]
+            assert len(app.requests) - answered + len(protocol.pipeline) <= 4
+            waiting[0][2].set()
+            await turns()
+        assert [path for path, _, _ in app.requests] == [f"/{i}" for i in range(20)]
+        assert len(transport.responses()) == 20
+        assert transport.reading  # all of it parsed: reading again
+
+    run(scenario)
+
+
+def test_the_body_of_a_request_waiting_behind_another_stops_at_the_high_water_mark() -> None:
+    async def scenario(loop: asyncio.AbstractEventLoop) -> None:
+        app = HeldApp()
+        protocol, transport = connect(guarded(), app, loop)
+        body = b"b" * (1 << 20)
+        stream = GET % 1 + b"POST /2 HTTP/1.1\r\nContent-Length: %d\r\n\r\n" % len(body) + body
+        read, sent = 65536, 0
+        while sent < len(stream) and transport.reading:  # a socket read at a time
+            protocol.data_received(stream[sent : sent + read])
+            sent += read
+            await turns()
+        # The first request is held by the app; the second's body stops past the mark.
+        assert len(app.requests) == 1
+        assert not transport.reading
+        assert len(protocol.cycle.body) <= HIGH_WATER_LIMIT + read
+        app.release_all()
+        for _ in range(1000):  # bounded: the stream is 17 reads
+            await turns()
+            if sent >= len(stream):
+                break
+            if transport.reading:
+                protocol.data_received(stream[sent : sent + read])
+                sent += read
+        await turns()
+        assert [(path, len(got)) for path, got, _ in app.requests] == [("/1", 0), ("/2", 1 << 20)]
+        app.release_all()
+        await turns()
+
+    run(scenario)
+
+
+def test_headers_trickled_steadily_get_408_at_the_deadline_from_their_first_byte() -> None:
+    async def scenario(loop: asyncio.AbstractEventLoop) -> None:
+        protocol, transport = connect(guarded(read_timeout_s=0.2), HeldApp(), loop)
+        started = loop.time()
+        for byte in (b"GET /healthz HTTP/1.1\r\nX-Slow: " + b"s" * 100)[:60]:
+            if transport.closed:
+                break
+            protocol.data_received(bytes([byte]))  # every 20 ms: the idle timer never fires
+            await asyncio.sleep(0.02)
+        assert transport.responses() == [b"HTTP/1.1 408 Request Timeout"]
+        assert "within 0.2 s of their first byte" in problem(transport)["detail"]
+        assert loop.time() - started < 1.0  # 60 bytes took 1.2 s: they did not all go out
+        assert counter(protocol.metrics, "sdpa_rejected_total", reason="header_timeout") == 1
+
+    run(scenario)
+
+
+def test_at_the_cap_the_connection_doing_least_is_closed_and_the_newcomer_admitted() -> None:
+    async def scenario(loop: asyncio.AbstractEventLoop) -> None:
+        protocol_class = guarded(max_connections=3)
+        state = ServerState()
+        app = HeldApp()
+        idle, idle_transport = connect(protocol_class, app, loop, state)
+        idle.data_received(GET % 0)
+        await turns()
+        app.release_all()
+        await turns()  # answered: idle between keep-alive requests
+        busy, busy_transport = connect(protocol_class, app, loop, state)
+        busy.data_received(GET % 1)  # the app holds it
+        slow, slow_transport = connect(protocol_class, app, loop, state)
+        slow.data_received(b"GET /2 HTTP/1.1\r\nHo")  # headers incomplete
+
+        # Headers incomplete go first (408), the longest-waiting of them.
+        _, first = connect(protocol_class, app, loop, state)
+        assert slow_transport.responses() == [b"HTTP/1.1 408 Request Timeout"]
+        assert "SDPA_MAX_CONNECTIONS" in problem(slow_transport)["detail"]
+        await turns()
+        # A connection that sent nothing yet counts as one whose headers are incomplete.
+        second, second_transport = connect(protocol_class, app, loop, state)
+        assert first.responses() == [b"HTTP/1.1 408 Request Timeout"]
+        await turns()
+        second.data_received(GET % 2)  # now the app holds it
+        await turns()
+        # Then the one idle longest between keep-alive requests (503: it may retry at once).
+        third, third_transport = connect(protocol_class, app, loop, state)
+        assert idle_transport.responses()[-1] == b"HTTP/1.1 503 Service Unavailable"
+        assert not busy_transport.closed
+        assert not second_transport.closed
+        assert not third_transport.closed
+        await turns()
+        third.data_received(GET % 3)
+        await turns()
+        # Every connection has a request in the app: the next one is refused.
+        _, refused = connect(protocol_class, app, loop, state)
+        assert refused.responses() == [b"HTTP/1.1 503 Service Unavailable"]
+        assert b"retry-after: 1" in refused.written
+        assert counter(protocol_class.metrics, "sdpa_rejected_total", reason="connections") == 4
+        app.release_all()
+        await turns()
+
+    run(scenario)
