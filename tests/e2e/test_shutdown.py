@@ -6,23 +6,32 @@ all are admitted (queued plus batches started). Then SIGTERM. The drain works th
 a few hundred ms. Every one of them must get its 200 (checked against a float64 reference),
 /readyz must turn 503 while the process still serves, every request sent after the signal must
 get 503 + Retry-After or find no server, and the exit code must be 0.
+
+Then SIGTERM during an attack on the protocol layer (a header streamed without end, one
+trickled a byte at a time, pipelined requests never read) and while a big JSON body decodes on
+a worker thread: exit 0 within service.server's documented worst case, whatever the client does.
 """
 
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import re
 import signal
+import socket
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 import numpy as np
 import pytest
 
+from service import server as server_module
 from tests.support.live_server import LiveServer, live_server
 
 HEADS, N, D = 8, 2048, 32  # [H, N, D]: 6 MiB per request, runs alone on the CPU (engine budget)
@@ -301,3 +310,143 @@ def test_sigterm_under_keep_alive_load_loses_no_request(tmp_path: Path) -> None:
         assert statuses.count(200) >= 200
         # The drain told each connection it used to close (none was closed under a request).
         assert sum(c.connections_closed_by_server for c in clients) >= 1
+
+
+# -- SIGTERM during an attack on the protocol layer --------------------------------------------
+
+DRAIN_TIMEOUT_S = 5.0
+# service.server's documented worst case from the signal to the exit, whatever clients do, and
+# slack for a loaded machine (start-up is not counted: the server is ready before the signal).
+GRACE_S = (
+    DRAIN_TIMEOUT_S
+    + server_module.LINGER_S
+    + 0.1
+    + server_module.RESPONSE_FLUSH_TIMEOUT_S
+    + server_module.LEFTOVER_TASKS_S
+    + server_module.THREAD_JOIN_S
+    + 5.0
+)
+HEAD = b"GET /healthz HTTP/1.1\r\nHost: t\r\n"
+
+
+def _address(server: LiveServer) -> tuple[str, int]:
+    url = urlsplit(server.url)
+    assert url.hostname is not None
+    assert url.port is not None
+    return url.hostname, url.port
+
+
+def _huge_header(server: LiveServer, stop: threading.Event) -> None:
+    """A header value streamed at full speed, again on a new connection after each 431."""
+    while not stop.is_set():
+        try:
+            with socket.create_connection(_address(server), timeout=1) as sock:
+                sock.sendall(HEAD + b"X-Big: ")
+                for _ in range(100_000):  # bounded: the 431 comes after a few sends
+                    if stop.is_set():
+                        return
+                    sock.sendall(b"a" * 65536)
+        except OSError:  # the server answered and closed, or is gone
+            stop.wait(0.05)
+
+
+def _trickled_header(server: LiveServer, stop: threading.Event) -> None:
+    """A header sent a byte every 10 ms, again on a new connection whenever the server closes."""
+    while not stop.is_set():
+        try:
+            with socket.create_connection(_address(server), timeout=1) as sock:
+                sock.sendall(HEAD + b"X-Slow: ")
+                for _ in range(100_000):  # bounded: the header deadline closes it first
+                    if stop.wait(0.01):
+                        return
+                    sock.sendall(b"s")
+        except OSError:
+            stop.wait(0.05)
+
+
+def _pipelined_flood(server: LiveServer, stop: threading.Event) -> None:
+    """GET /healthz pipelined as fast as the server reads them, answers never read."""
+    with contextlib.suppress(OSError), socket.create_connection(_address(server)) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
+        sock.settimeout(0.2)
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: t\r\n\r\n" * 256)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "attack",
+    [_huge_header, _trickled_header, _pipelined_flood],
+    ids=["huge header streaming", "header trickling", "pipelined flood never read"],
+)
+def test_sigterm_during_an_attack_exits_0_within_the_documented_grace(
+    tmp_path: Path, attack: Callable[[LiveServer, threading.Event], None]
+) -> None:
+    """Before: a streaming header kept the process alive 49 s after SIGTERM."""
+    env = {"SDPA_DRAIN_TIMEOUT_S": str(DRAIN_TIMEOUT_S)}
+    with live_server(env, tmp_path=tmp_path) as server:
+        stop = threading.Event()
+        attacker = threading.Thread(target=attack, args=(server, stop), daemon=True)
+        attacker.start()
+        try:
+            time.sleep(1.5)  # the attack under way
+            signalled = time.monotonic()
+            server.process.send_signal(signal.SIGTERM)
+            code = server.process.wait(timeout=GRACE_S + 30)
+            exited_after_s = time.monotonic() - signalled
+        finally:
+            stop.set()
+            attacker.join(timeout=10)
+    assert code == 0, server.log()[-3000:]
+    assert exited_after_s < GRACE_S, f"exit took {exited_after_s:.1f} s"
+    assert "Traceback" not in server.log()
+
+
+def _json_list_body(mib: int) -> bytes:
+    """q = k = v as [1, N, 1] nested JSON lists, about `mib` MiB: slow to decode (seconds, on
+    a worker thread)."""
+    row = b"[0.5]"
+    rows = b",".join([row] * ((mib * 2**20) // 3 // (len(row) + 1)))
+    tensor = b"[[" + rows + b"]]"
+    return b'{"q": ' + tensor + b', "k": ' + tensor + b', "v": ' + tensor + b"}"
+
+
+@pytest.mark.slow
+def test_sigterm_while_a_body_decodes_answers_503_and_exits_within_the_grace(
+    tmp_path: Path,
+) -> None:
+    """A 64 MiB JSON-list body still decoding when the shutdown ends: its request is answered
+    503 (not 500), and the exit does not wait for the decoding thread (before: 63 s)."""
+    body = _json_list_body(64)
+    env = {"SDPA_DRAIN_TIMEOUT_S": str(DRAIN_TIMEOUT_S), "SDPA_MAX_BODY_BYTES": str(2**27)}
+    outcome: dict[str, httpx.Response | BaseException] = {}
+
+    def send() -> None:
+        try:
+            outcome["answer"] = httpx.post(
+                f"{server.url}/v1/attention",
+                content=body,
+                headers={"content-type": "application/json"},
+                timeout=120,
+            )
+        except httpx.HTTPError as exc:
+            outcome["answer"] = exc
+
+    with live_server(env, tmp_path=tmp_path) as server:
+        sender = threading.Thread(target=send, daemon=True)
+        sender.start()
+        time.sleep(1.5)  # sent, and decoding
+        signalled = time.monotonic()
+        server.process.send_signal(signal.SIGTERM)
+        code = server.process.wait(timeout=GRACE_S + 60)
+        exited_after_s = time.monotonic() - signalled
+        sender.join(timeout=30)
+    assert code == 0, server.log()[-3000:]
+    assert exited_after_s < GRACE_S, f"exit took {exited_after_s:.1f} s"
+    answer = outcome.get("answer")
+    if isinstance(answer, httpx.Response):  # else it was cut by the exit: never a 500
+        assert answer.status_code in (422, 503), answer.text[:300]
+    log = server.log()
+    assert '"status":500' not in log
+    assert "Traceback" not in log

@@ -1,0 +1,323 @@
+"""The bounds below the application against a real server (loopback only), each as an attacker
+would try it: a header value streamed without end, header lines without end, headers trickled
+a byte at a time, pipelined requests whose answers are never read, and a slowloris holding the
+connection cap. Each bound answers with its status (431, 408, backpressure, a connection
+closed to make room) within the time it promises, counts in /metrics, costs the server no
+memory to speak of (peak RSS, VmHWM reset before each attack), and another client's requests
+keep being answered within a second throughout; the server logs no 500 and no traceback.
+
+SIGTERM during these attacks is in test_shutdown.py; the timeouts and the cap's first checks
+in test_connections_live.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import httpx
+import pytest
+
+from tests.support.live_server import LiveServer, live_server
+
+pytestmark = pytest.mark.slow
+
+MiB = 2**20
+READ_TIMEOUT_S = 2.0
+MAX_HEADER_BYTES = 16384
+MAX_HEADERS = 50
+MAX_PIPELINED = 4
+HEAD = b"GET /healthz HTTP/1.1\r\nHost: t\r\n"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    env = {
+        "SDPA_READ_TIMEOUT_S": str(READ_TIMEOUT_S),
+        "SDPA_MAX_HEADER_BYTES": str(MAX_HEADER_BYTES),
+        "SDPA_MAX_HEADERS": str(MAX_HEADERS),
+        "SDPA_MAX_PIPELINED_REQUESTS": str(MAX_PIPELINED),
+    }
+    with live_server(env, tmp_path=tmp_path_factory.mktemp("protocol")) as live:
+        yield live
+
+
+def connect(server: LiveServer, timeout: float = 10) -> socket.socket:
+    url = urlsplit(server.url)
+    assert url.hostname is not None
+    return socket.create_connection((url.hostname, url.port or 80), timeout=timeout)
+
+
+def memory_kb(server: LiveServer) -> dict[str, int]:
+    status = Path(f"/proc/{server.process.pid}/status").read_text()
+    return {
+        name: int(value.split()[0])
+        for name, value in (line.split(":", 1) for line in status.splitlines())
+        if name in ("VmRSS", "VmHWM")
+    }
+
+
+def reset_peak(server: LiveServer) -> int:
+    """Reset the server's VmHWM to its current RSS (Linux: clear_refs 5) -> that RSS in kB."""
+    Path(f"/proc/{server.process.pid}/clear_refs").write_text("5")
+    return memory_kb(server)["VmHWM"]
+
+
+def metric(server: LiveServer, series: str) -> float:
+    for line in httpx.get(f"{server.url}/metrics", timeout=10).text.splitlines():
+        if line.startswith(series + " "):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def assert_clean_log(server: LiveServer) -> None:
+    log = server.log()
+    assert '"status":500' not in log
+    assert "Traceback" not in log
+
+
+@dataclass
+class Bystander:
+    """Another client: GET /healthz every 0.15 s on a keep-alive connection of its own."""
+
+    server: LiveServer
+    worst_s: float = 0.0
+    statuses: list[int] = field(default_factory=list)
+    _stop: threading.Event = field(default_factory=threading.Event)
+
+    def _run(self) -> None:
+        with httpx.Client(base_url=self.server.url, timeout=10) as client:
+            while not self._stop.is_set():
+                started = time.monotonic()
+                self.statuses.append(client.get("/healthz").status_code)
+                self.worst_s = max(self.worst_s, time.monotonic() - started)
+                self._stop.wait(0.15)
+
+    def __enter__(self) -> Bystander:
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        time.sleep(0.3)  # a few probes after the attack too
+        self._stop.set()
+        self._thread.join(timeout=15)
+
+    def assert_served(self) -> None:
+        assert self.statuses
+        assert set(self.statuses) == {200}
+        assert self.worst_s < 1.0, f"a bystander's request took {self.worst_s:.2f} s"
+
+
+def stream_until_answered(
+    sock: socket.socket, piece: bytes, *, max_bytes: int, seconds: float
+) -> tuple[bytes, int]:
+    """Send `piece` over and over (64 KiB sends) until the server answers -> (its answer, the
+    bytes sent). The server closes after answering: a send then fails, the answer stays."""
+    chunk = piece * (65536 // len(piece))
+    sent = 0
+    sock.settimeout(0.5)
+    deadline = time.monotonic() + seconds
+    while sent < max_bytes and time.monotonic() < deadline:
+        try:
+            sock.sendall(chunk)
+            sent += len(chunk)
+        except OSError:
+            break  # closed by the server (or its buffers full): read what it said
+        sock.setblocking(False)
+        with contextlib.suppress(BlockingIOError):
+            if answer := sock.recv(65536):
+                return answer, sent
+        sock.setblocking(True)
+        sock.settimeout(0.5)
+    sock.settimeout(5)
+    return sock.recv(65536), sent
+
+
+def problem(answer: bytes) -> dict[str, object]:
+    parsed: dict[str, object] = json.loads(answer.split(b"\r\n\r\n", 1)[1])
+    return parsed
+
+
+@pytest.mark.parametrize(
+    ("piece", "names"),
+    [(b"a", "SDPA_MAX_HEADER_BYTES"), (b"X-N: v\r\n", "SDPA_MAX_HEADERS")],
+    ids=["one huge value", "endless header lines"],
+)
+def test_a_header_streamed_without_end_gets_431_and_costs_no_memory(
+    server: LiveServer, piece: bytes, names: str
+) -> None:
+    """Before this bound, a 64 MB header value took 3.1 s of event-loop time and 3 GB of header
+    lines grew the server by 6.6 GB."""
+    refused = metric(server, 'sdpa_rejected_total{reason="header_too_large"}')
+    baseline_kb = reset_peak(server)
+    with Bystander(server) as bystander, connect(server) as sock:
+        sock.sendall(HEAD + (b"X-Big: " if piece == b"a" else b""))
+        started = time.monotonic()
+        answer, sent = stream_until_answered(sock, piece, max_bytes=64 * MiB, seconds=20)
+        answered_s = time.monotonic() - started
+    assert answer.startswith(b"HTTP/1.1 431 Request Header Fields Too Large\r\n")
+    assert b"application/problem+json" in answer
+    assert names in str(problem(answer)["detail"])
+    # Refused at the budget: what was sent past it sat in socket buffers (a few MB on loopback).
+    assert sent < 16 * MiB
+    assert answered_s < 5.0
+    assert (memory_kb(server)["VmHWM"] - baseline_kb) / 1024 < 32
+    assert metric(server, 'sdpa_rejected_total{reason="header_too_large"}') == refused + 1
+    bystander.assert_served()
+    assert_clean_log(server)
+
+
+def test_headers_trickled_steadily_get_408_at_their_deadline(server: LiveServer) -> None:
+    """One byte every 0.3 s never lets the idle timer fire: the deadline from the first byte
+    does (before it, 20 such clients held a cap of 20 for as long as they liked)."""
+    timed_out = metric(server, 'sdpa_rejected_total{reason="header_timeout"}')
+    request = HEAD + b"X-Slow: " + b"s" * 100
+    with Bystander(server) as bystander, connect(server) as sock:
+        started = time.monotonic()
+        answer = b""
+        for byte in request:  # bounded: the deadline comes after about 7 bytes
+            sock.sendall(bytes([byte]))
+            sock.settimeout(0.3)
+            with contextlib.suppress(TimeoutError):
+                answer = sock.recv(65536)
+            if answer or time.monotonic() - started > 3 * READ_TIMEOUT_S:
+                break
+        answered_s = time.monotonic() - started
+    assert answer.startswith(b"HTTP/1.1 408 Request Timeout\r\n")
+    assert "of their first byte (SDPA_READ_TIMEOUT_S)" in str(problem(answer)["detail"])
+    assert READ_TIMEOUT_S - 0.1 <= answered_s <= READ_TIMEOUT_S + 1.0
+    assert metric(server, 'sdpa_rejected_total{reason="header_timeout"}') == timed_out + 1
+    bystander.assert_served()
+    assert_clean_log(server)
+
+
+def test_pipelined_requests_never_read_stop_the_reading_not_the_server(
+    server: LiveServer,
+) -> None:
+    """GET /healthz pipelined for 10 s on one connection whose answers are never read (before
+    this bound: 2.0 M requests and 4.96 GB in 60 s). The server stops reading it, its memory
+    stays put, and once the client reads, every answer it got is a 200, in order."""
+    paused = metric(server, "sdpa_connection_reads_paused_total")
+    baseline_kb = reset_peak(server)
+    request = b"GET /healthz HTTP/1.1\r\nHost: t\r\n\r\n"
+    sent = 0
+    with Bystander(server) as bystander, connect(server) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
+        sock.settimeout(0.5)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                sock.sendall(request * 256)
+                sent += 256
+            except TimeoutError:
+                pass  # the server stopped reading: keep pushing until the time is up
+        peak_growth_mb = (memory_kb(server)["VmHWM"] - baseline_kb) / 1024
+        # Now read (the first MiB of answers): reading resumes, and nothing was lost.
+        sock.settimeout(5)
+        answers = b""
+        with contextlib.suppress(TimeoutError):
+            while len(answers) < MiB and (chunk := sock.recv(1 << 16)):
+                answers += chunk
+    statuses = [line for line in answers.split(b"\r\n") if b"HTTP/1.1 " in line]
+    assert len(statuses) > 1000
+    assert all(line.endswith(b"HTTP/1.1 200 OK") for line in statuses)
+    assert metric(server, "sdpa_connection_reads_paused_total") > paused
+    assert peak_growth_mb < 64, f"peak RSS grew {peak_growth_mb:.0f} MB"
+    bystander.assert_served()
+    assert_clean_log(server)
+
+
+# -- the connection cap under a slowloris ----------------------------------------------------
+
+CAP = 20
+
+
+@pytest.fixture(scope="module")
+def capped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    env = {"SDPA_MAX_CONNECTIONS": str(CAP), "SDPA_READ_TIMEOUT_S": "5"}
+    with live_server(env, tmp_path=tmp_path_factory.mktemp("capped")) as live:
+        yield live
+
+
+def trickle(server: LiveServer, stop: threading.Event, answers: list[bytes]) -> None:
+    """A byte of a request's headers every 1.5 s; a new connection whenever the server closes."""
+    while not stop.is_set():
+        try:
+            with connect(server, timeout=1) as sock:
+                for byte in HEAD * 10:  # bounded: closed by the server long before
+                    sock.sendall(bytes([byte]))
+                    sock.settimeout(0.01)
+                    with contextlib.suppress(TimeoutError):
+                        answers.append(sock.recv(65536))
+                        break
+                    if stop.wait(1.5):
+                        return
+        except OSError:  # reset while sending: closed by the server
+            stop.wait(0.1)
+
+
+def test_a_slowloris_at_the_cap_is_closed_to_admit_others(capped: LiveServer) -> None:
+    """Twenty clients trickling headers hold all twenty connections and reconnect whenever
+    closed: each newcomer closes the one whose headers waited longest (408), so a bystander
+    keeps being served within a second."""
+    made_room = metric(capped, 'sdpa_rejected_total{reason="connections"}')
+    stop = threading.Event()
+    answers: list[bytes] = []
+    threads = [
+        threading.Thread(target=trickle, args=(capped, stop, answers), daemon=True)
+        for _ in range(CAP)
+    ]
+    for thread in threads:
+        thread.start()
+    try:
+        time.sleep(1.0)  # every trickler connected: the cap is reached
+        with Bystander(capped) as bystander:
+            time.sleep(8.0)
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(timeout=10)
+    bystander.assert_served()
+    assert answers
+    assert all(answer.startswith(b"HTTP/1.1 408 Request Timeout") for answer in answers)
+    assert any(b"SDPA_MAX_CONNECTIONS" in answer for answer in answers)
+    assert metric(capped, 'sdpa_rejected_total{reason="connections"}') > made_room
+    assert_clean_log(capped)
+
+
+def test_only_when_every_connection_has_a_request_in_the_app_is_a_newcomer_refused(
+    capped: LiveServer,
+) -> None:
+    body_start = b'{"q": [[1.0'
+    request = (
+        b"POST /v1/attention HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+        b"Content-Length: 1000\r\n\r\n" + body_start
+    )
+    refused = metric(capped, 'sdpa_rejected_total{reason="connections"}')
+    busy = [connect(capped) for _ in range(CAP)]
+    try:
+        for sock in busy:
+            sock.sendall(request)  # the app reads a body that does not come
+        time.sleep(0.5)
+        with connect(capped) as newcomer:
+            answer = newcomer.recv(65536)
+        assert answer.startswith(b"HTTP/1.1 503 Service Unavailable\r\n")
+        assert b"retry-after: 1" in answer.lower()
+        assert "SDPA_MAX_CONNECTIONS" in str(problem(answer)["detail"])
+        for sock in busy:  # none of them was closed for it
+            sock.setblocking(False)
+            with pytest.raises(BlockingIOError):
+                sock.recv(1)
+    finally:
+        for sock in busy:
+            sock.close()
+    time.sleep(0.5)  # the server saw them close: room for the metrics request
+    assert metric(capped, 'sdpa_rejected_total{reason="connections"}') == refused + 1
