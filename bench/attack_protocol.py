@@ -1,0 +1,432 @@
+"""Attacks below the application (the HTTP/1.1 protocol layer) against a real server, measured:
+how each bound answers, what the server's memory does, whether another client is still served,
+and how long the server takes to exit when SIGTERM comes in the middle of the attack.
+
+    .venv/bin/python bench/attack_protocol.py huge-header    # ~15 s: one header value streamed
+    .venv/bin/python bench/attack_protocol.py many-headers   # ~15 s: header lines streamed
+    .venv/bin/python bench/attack_protocol.py trickle        # ~25 s: 20 clients, a byte / 1.5 s
+    .venv/bin/python bench/attack_protocol.py pipeline       # ~15 s: GET /healthz never read
+    .venv/bin/python bench/attack_protocol.py sigterm        # ~90 s: SIGTERM during each attack
+    .venv/bin/python bench/attack_protocol.py all
+
+For every attack a bystander (its own keep-alive connection, a fresh one whenever the server
+closed it) sends GET /healthz every 0.15 s; printed: the status of the bound's answer and when it
+came, the server's peak RSS growth (VmHWM, reset before the attack), the bystander's p50 / p99 /
+max and failures, the 500s and tracebacks in the server's log; with SIGTERM, the exit code and
+the seconds from the signal to the exit.
+
+huge-header: `X-Big: aaaa...` streamed at full speed (64 KiB sends) for at most 64 MiB or 10 s.
+many-headers: `X-N: v` lines streamed the same way, for at most 256 MiB or 10 s.
+trickle: SDPA_MAX_CONNECTIONS=20 and SDPA_READ_TIMEOUT_S=5; 20 clients each send one byte of a
+request's headers every 1.5 s, and reconnect whenever the server closes them, for 20 s.
+pipeline: one connection sends pipelined `GET /healthz` as fast as the server reads them and
+never reads an answer, for 10 s (SDPA_SEND_TIMEOUT_S=60, the default, outlasts it).
+sigterm: SIGTERM 2 s into each of the above (the trickle with its default read timeout) and 0.5 s
+after a 128 MiB JSON-list body was sent (its decoding runs on a worker thread for seconds).
+
+Every loop is bounded in time and count; the server listens on 127.0.0.1. Importable: each
+attack is a function that starts its own server (bench/attacks.py runs them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:  # run as a script: make `bench` importable
+    sys.path.insert(0, str(REPO_ROOT))
+
+from bench.support import BenchServer, live_server  # noqa: E402
+
+MiB = 2**20
+HEAD = b"GET /healthz HTTP/1.1\r\nHost: bench\r\n"
+PIPELINED = b"GET /healthz HTTP/1.1\r\nHost: bench\r\n\r\n"
+
+
+def memory_kb(server: BenchServer) -> dict[str, int]:
+    fields = {}
+    for line in Path(f"/proc/{server.process.pid}/status").read_text().splitlines():
+        if line.startswith(("VmRSS", "VmHWM")):
+            name, value = line.split(":")
+            fields[name] = int(value.split()[0])
+    return fields
+
+
+def reset_peak(server: BenchServer) -> int:
+    """Reset the server's VmHWM to its current RSS (Linux: clear_refs 5) -> that RSS in kB."""
+    Path(f"/proc/{server.process.pid}/clear_refs").write_text("5")
+    return memory_kb(server)["VmHWM"]
+
+
+def server_log(tmp: Path) -> str:
+    return "".join(p.read_text(errors="replace") for p in sorted(tmp.glob("server-*.log")))
+
+
+def metric(server: BenchServer, prefix: str) -> float:
+    """The sum of the /metrics samples whose line starts with `prefix`."""
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(prefix))
+
+
+def address(server: BenchServer) -> tuple[str, int]:
+    host, port = server.url.removeprefix("http://").split(":")
+    return host, int(port)
+
+
+@dataclass
+class Bystander:
+    """GET /healthz every `period_s` on a keep-alive connection of its own, in a thread."""
+
+    server: BenchServer
+    period_s: float = 0.15
+    latencies_ms: list[float] = field(default_factory=list)
+    statuses: collections.Counter[int | str] = field(default_factory=collections.Counter)
+    _stop: threading.Event = field(default_factory=threading.Event)
+
+    def _run(self) -> None:
+        with httpx.Client(base_url=self.server.url, timeout=10) as client:
+            while not self._stop.is_set():
+                started = time.perf_counter()
+                try:
+                    self.statuses[client.get("/healthz").status_code] += 1
+                except httpx.HTTPError as exc:
+                    self.statuses[type(exc).__name__] += 1
+                self.latencies_ms.append((time.perf_counter() - started) * 1e3)
+                self._stop.wait(self.period_s)
+
+    def __enter__(self) -> Bystander:
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=15)
+
+    def summary(self) -> str:
+        ms = sorted(self.latencies_ms) or [float("nan")]
+        p99 = ms[min(len(ms) - 1, int(0.99 * len(ms)))]
+        return (
+            f"bystander: {len(ms)} probes, p50 {ms[len(ms) // 2]:.0f} ms, p99 {p99:.0f} ms, "
+            f"max {ms[-1]:.0f} ms, {dict(self.statuses)}"
+        )
+
+
+def log_summary(log: str) -> str:
+    answers_500 = log.count('"status":500') + log.count('"status": 500')
+    return f"log: {answers_500} answers 500, {log.count('Traceback')} tracebacks"
+
+
+def read_answer(sock: socket.socket) -> bytes:
+    """What the server has sent so far (b"" once it closed), without blocking."""
+    sock.setblocking(False)
+    try:
+        return sock.recv(65536)
+    except BlockingIOError:
+        return b"?"  # nothing yet
+    except OSError:
+        return b""
+    finally:
+        sock.setblocking(True)
+
+
+@dataclass
+class StreamResult:
+    answer: bytes = b""  # the first bytes the server sent back
+    answered_after_s: float | None = None
+    sent_bytes: int = 0
+
+
+def stream_header(
+    server: BenchServer,
+    piece: bytes,
+    *,
+    max_bytes: int,
+    seconds: float,
+    stop: threading.Event | None = None,
+) -> StreamResult:
+    """Send HEAD, then `piece` over and over (64 KiB sends) until the server answers or closes,
+    `max_bytes` went out, `seconds` passed, or `stop` is set."""
+    result = StreamResult()
+    chunk = piece * max(1, 65536 // len(piece))
+    started = time.monotonic()
+    with socket.create_connection(address(server), timeout=1) as sock:
+        sock.sendall(HEAD)
+        result.sent_bytes = len(HEAD)
+        while result.sent_bytes < max_bytes and time.monotonic() - started < seconds:
+            if stop is not None and stop.is_set():
+                break
+            try:
+                sock.sendall(chunk)
+                result.sent_bytes += len(chunk)
+            except TimeoutError:
+                pass  # the server stopped reading: see whether it answered
+            except OSError:
+                pass  # reset: it answered and closed
+            reply = read_answer(sock)
+            if reply != b"?":
+                result.answer = reply
+                result.answered_after_s = time.monotonic() - started
+                break
+        if result.answered_after_s is None:  # give it a moment to answer what was sent
+            sock.settimeout(2)
+            with contextlib.suppress(OSError):
+                result.answer = sock.recv(65536)
+                result.answered_after_s = time.monotonic() - started
+    return result
+
+
+def status_of(answer: bytes) -> str:
+    if not answer:
+        return "closed without an answer"
+    first = answer.split(b"\r\n", 1)[0].decode(errors="replace")
+    return first[:60]
+
+
+@contextlib.contextmanager
+def attacked_server(env: dict[str, str]) -> Iterator[tuple[BenchServer, Path]]:
+    with tempfile.TemporaryDirectory() as tmp, live_server(env, tmp_path=Path(tmp)) as server:
+        yield server, Path(tmp)
+
+
+def header_attack(name: str, piece: bytes, max_bytes: int) -> None:
+    with attacked_server({}) as (server, tmp):
+        info = httpx.get(f"{server.url}/v1/info").json()["limits"]
+        bounds = {key: info.get(key) for key in ("max_header_bytes", "max_headers")}
+        print(f"== {name}: limits {bounds}")
+        refused_before = metric(server, 'sdpa_rejected_total{reason="header_too_large"}')
+        baseline = reset_peak(server)
+        with Bystander(server) as bystander:
+            result = stream_header(server, piece, max_bytes=max_bytes, seconds=10)
+            time.sleep(0.5)
+        growth = (memory_kb(server)["VmHWM"] - baseline) / 1024
+        refused = metric(server, 'sdpa_rejected_total{reason="header_too_large"}')
+        when = "never" if result.answered_after_s is None else f"{result.answered_after_s:.2f} s"
+        sent = result.sent_bytes / MiB
+        print(
+            f"answer: {status_of(result.answer)} after {when}, {sent:.1f} MiB sent; "
+            f"counted {refused - refused_before:g}"
+        )
+        print(f"peak RSS growth: {growth:.0f} MiB")
+        print(bystander.summary())
+        print(log_summary(server_log(tmp)))
+
+
+def huge_header() -> None:
+    header_attack("huge header value", b"a", 64 * MiB)
+
+
+def many_headers() -> None:
+    header_attack("many header lines", b"X-N: v\r\n", 256 * MiB)
+
+
+def trickler(
+    server: BenchServer,
+    stop: threading.Event,
+    answers: collections.Counter[str],
+    period_s: float = 1.5,
+) -> None:
+    """Send one byte of HEAD every period_s; reconnect whenever the server closes."""
+    while not stop.is_set():
+        try:
+            sock = socket.create_connection(address(server), timeout=1)
+        except OSError:
+            answers["connect failed"] += 1
+            stop.wait(0.1)
+            continue
+        with sock:
+            for byte in HEAD * 1000:  # bounded: the loop ends on stop or a close long before
+                if stop.is_set():
+                    return
+                try:
+                    sock.sendall(bytes([byte]))
+                except OSError:
+                    answers["reset"] += 1
+                    break
+                reply = read_answer(sock)
+                if reply != b"?":
+                    answers[status_of(reply)[:32]] += 1
+                    break
+                stop.wait(period_s)
+
+
+def trickle(read_timeout_s: float = 5.0, seconds: float = 20.0) -> None:
+    env = {"SDPA_MAX_CONNECTIONS": "20", "SDPA_READ_TIMEOUT_S": str(read_timeout_s)}
+    with attacked_server(env) as (server, tmp):
+        print(
+            f"== 20 trickling clients, SDPA_MAX_CONNECTIONS=20, SDPA_READ_TIMEOUT_S="
+            f"{read_timeout_s:g}, {seconds:g} s"
+        )
+        stop = threading.Event()
+        answers: collections.Counter[str] = collections.Counter()
+        threads = [
+            threading.Thread(target=trickler, args=(server, stop, answers)) for _ in range(20)
+        ]
+        baseline = reset_peak(server)
+        for thread in threads:
+            thread.start()
+        time.sleep(0.5)  # every trickler connected
+        with Bystander(server) as bystander:
+            time.sleep(seconds)
+        stop.set()
+        for thread in threads:
+            thread.join(timeout=10)
+        growth = (memory_kb(server)["VmHWM"] - baseline) / 1024
+        rejected = {
+            reason: metric(server, f'sdpa_rejected_total{{reason="{reason}"}}')
+            for reason in ("header_timeout", "read_timeout", "connections")
+        }
+        print("the tricklers were answered:", dict(answers))
+        print("refusals counted:", rejected)
+        print(f"peak RSS growth: {growth:.0f} MiB")
+        print(bystander.summary())
+        print(log_summary(server_log(tmp)))
+
+
+def flood_pipeline(
+    server: BenchServer, seconds: float, stop: threading.Event | None = None
+) -> tuple[int, float | None]:
+    """Pipelined GET /healthz on one connection for `seconds`, never reading an answer ->
+    (requests sent, seconds until the server first stopped reading)."""
+    batch = PIPELINED * 256
+    sent = 0
+    first_stall: float | None = None
+    started = time.monotonic()
+    with socket.create_connection(address(server), timeout=0.5) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
+        while time.monotonic() - started < seconds and not (stop and stop.is_set()):
+            try:
+                sock.sendall(batch)
+                sent += 256
+            except TimeoutError:
+                if first_stall is None:
+                    first_stall = time.monotonic() - started
+            except OSError:
+                break
+    return sent, first_stall
+
+
+def pipeline(seconds: float = 10.0) -> None:
+    with attacked_server({}) as (server, tmp):
+        print(f"== pipelined GET /healthz, never read, {seconds:g} s")
+        paused_before = metric(server, "sdpa_connection_reads_paused_total")
+        baseline = reset_peak(server)
+        with Bystander(server) as bystander:
+            sent, stalled = flood_pipeline(server, seconds)
+        growth = (memory_kb(server)["VmHWM"] - baseline) / 1024
+        paused = metric(server, "sdpa_connection_reads_paused_total") - paused_before
+        stall = "never" if stalled is None else f"after {stalled:.2f} s"
+        print(
+            f"sent {sent} requests ({sent * len(PIPELINED) / MiB:.1f} MiB); the server stopped "
+            f"reading {stall}; reads paused {paused:g} times"
+        )
+        print(f"peak RSS growth: {growth:.0f} MiB")
+        print(bystander.summary())
+        print(log_summary(server_log(tmp)))
+
+
+def json_list_body(mib: int = 128) -> bytes:
+    """A v1 attention body whose q, k and v are [1, N, 1] nested JSON lists, about `mib` MiB in
+    all: single-element rows are the slowest shape to decode (about 20 s for 128 MiB here)."""
+    row = b"[0.123456789]"
+    rows = (mib * MiB) // 3 // (len(row) + 1)
+    tensor = b"[[" + b",".join([row] * rows) + b"]]"
+    return b'{"q": ' + tensor + b', "k": ' + tensor + b', "v": ' + tensor + b"}"
+
+
+def sigterm_during(
+    name: str,
+    attack: Callable[[BenchServer, threading.Event], object],
+    env: dict[str, str],
+    after_s: float = 2.0,
+) -> None:
+    with attacked_server(env) as (server, tmp):
+        stop = threading.Event()
+        thread = threading.Thread(target=attack, args=(server, stop), daemon=True)
+        thread.start()
+        with Bystander(server) as bystander:
+            time.sleep(after_s)
+            signalled = time.monotonic()
+            server.process.send_signal(signal.SIGTERM)
+            try:
+                code: int | str = server.process.wait(timeout=120)
+            except subprocess.TimeoutExpired:  # reported; live_server kills it
+                code = "still running after 120 s"
+            exited_s = time.monotonic() - signalled
+        stop.set()
+        thread.join(timeout=10)
+        log = server_log(tmp)
+        print(
+            f"== SIGTERM during {name}: exit {code} after {exited_s:.1f} s; "
+            f"{bystander.summary()}; {log_summary(log)}"
+        )
+
+
+def sigterm() -> None:
+    def huge(server: BenchServer, stop: threading.Event) -> None:
+        stream_header(server, b"a", max_bytes=2**40, seconds=120, stop=stop)
+
+    def trickling(server: BenchServer, stop: threading.Event) -> None:
+        trickler(server, stop, collections.Counter(), period_s=0.5)
+
+    def flood(server: BenchServer, stop: threading.Event) -> None:
+        flood_pipeline(server, 120, stop)
+
+    body = json_list_body()
+
+    def json_body(server: BenchServer, stop: threading.Event) -> None:
+        with contextlib.suppress(httpx.HTTPError):
+            httpx.post(
+                f"{server.url}/v1/attention",
+                content=body,
+                headers={"content-type": "application/json"},
+                timeout=120,
+            )
+
+    sigterm_during("a huge header streaming", huge, {})
+    sigterm_during("a header trickling (a byte / 0.5 s)", trickling, {})
+    sigterm_during("a pipelined flood never read", flood, {})
+    print(f"(the JSON-list body: {len(body) / MiB:.0f} MiB)")
+    sigterm_during(
+        "a 128 MiB JSON-list body decoding",
+        json_body,
+        {"SDPA_MAX_BODY_BYTES": str(256 * MiB)},
+        after_s=3.0,
+    )
+
+
+ATTACKS: dict[str, Callable[[], None]] = {
+    "huge-header": huge_header,
+    "many-headers": many_headers,
+    "trickle": trickle,
+    "pipeline": pipeline,
+    "sigterm": sigterm,
+}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("attack", choices=[*ATTACKS, "all"])
+    args = parser.parse_args()
+    for name, attack in ATTACKS.items():
+        if args.attack in (name, "all"):
+            attack()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
