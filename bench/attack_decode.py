@@ -129,7 +129,7 @@ async def _decode_beside_a_timer(shape: Shape) -> tuple[bool, float, float, str]
     """Decode `shape` as the pipeline does -> (inline, seconds, the loop's longest gap, result)."""
     from service.errors import ServiceError
     from service.runtime.policy import CostModel
-    from service.serving.offload import decode_inline, off_loop_if, without_gc
+    from service.serving.offload import decode_inline, run_decoding
     from service.serving.prepare import prepare_attention
     from service.serving.prepare_v2 import prepare_infer
     from service.settings import Settings
@@ -157,11 +157,9 @@ async def _decode_beside_a_timer(shape: Shape) -> tuple[bool, float, float, str]
     started = time.perf_counter()
     try:
         if shape.path == V2:
-            await off_loop_if(
-                not inline, without_gc, prepare_infer, shape.body, length, settings, cost
-            )
+            await run_decoding(inline, prepare_infer, shape.body, length, settings, cost)
         else:
-            await off_loop_if(not inline, without_gc, prepare_attention, shape.body, settings, cost)
+            await run_decoding(inline, prepare_attention, shape.body, settings, cost)
         result = "decoded"
     except ServiceError as exc:
         result = f"{exc.status}: {exc.detail[:70]}"

@@ -18,26 +18,26 @@ from __future__ import annotations
 
 import gc
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 _lock = threading.Lock()
 _decoding = 0
 _was_enabled = False
 
 
-@contextmanager
-def gc_paused() -> Iterator[None]:
-    """No cyclic garbage collection while the block runs (reference counting goes on)."""
-    global _decoding, _was_enabled
-    with _lock:
-        if _decoding == 0:
-            _was_enabled = gc.isenabled()
-            gc.disable()
-        _decoding += 1
-    try:
-        yield
-    finally:
+class gc_paused:  # noqa: N801 - used as a function: `with gc_paused():`
+    """No cyclic garbage collection while the block runs (reference counting goes on). A class,
+    not @contextmanager: a generator-based one costs 2 µs a use."""
+
+    def __enter__(self) -> None:
+        global _decoding, _was_enabled
+        with _lock:
+            if _decoding == 0:
+                _was_enabled = gc.isenabled()
+                gc.disable()
+            _decoding += 1
+
+    def __exit__(self, *exc: object) -> None:
+        global _decoding
         with _lock:
             _decoding -= 1
             if _decoding == 0 and _was_enabled:

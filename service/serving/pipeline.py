@@ -4,8 +4,8 @@ The api layer reads the body and answers; this module does everything in between
 knowing about HTTP frameworks: it receives a `Call` (settings, the request id, when reading
 started and ended, and how to submit a job to the runtime's queue) and returns a `Reply`.
 Bodies whose decoding, and results whose encoding, would take more than a few milliseconds
-run on a worker thread (service.serving.offload says which), with the cyclic collector paused
-while a body decodes (service.serving.gc_pause).
+run on a worker thread (service.serving.offload says which), a body's decoding there with the
+cyclic collector paused (service.serving.gc_pause).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from service.serving.encode import (
     server_timing,
 )
 from service.serving.health import HealthMonitor
-from service.serving.offload import decode_inline, encode_inline, off_loop_if, without_gc
+from service.serving.offload import decode_inline, encode_inline, off_loop_if, run_decoding
 from service.serving.prepare import PreparedRequest, prepare_analyze, prepare_attention
 from service.settings import Settings
 
@@ -142,9 +142,8 @@ async def attention(body: bytes, call: Call) -> Reply:
     """POST /v1/attention: body -> output, weights and diagnostics, with their timing."""
     request = await counting_nonfinite(
         call,
-        off_loop_if(
-            not decode_inline(body),
-            without_gc,
+        run_decoding(
+            decode_inline(body),
             prepare_attention,
             body,
             call.settings,
@@ -174,7 +173,7 @@ async def analyze(body: bytes, call: Call) -> Reply:
     """POST /v1/analyze: body -> the scaling report, with its timing."""
     # Always off the loop: synthetic inputs are generated here, and analysis is not a hot path.
     request = await counting_nonfinite(
-        call, off_loop_if(True, without_gc, prepare_analyze, body, call.settings, call.cost_model)
+        call, run_decoding(False, prepare_analyze, body, call.settings, call.cost_model)
     )
     decoded = time.monotonic()
     outcome, batch, meta = await run_prepared(request, call, AnalyzeOutcome)

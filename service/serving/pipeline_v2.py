@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from service.runtime.jobs import AttentionOutcome
 from service.serving.encode_v2 import InferAnswer, encode_infer, json_output_numbers
-from service.serving.offload import decode_inline, encode_inline, off_loop_if, without_gc
+from service.serving.offload import decode_inline, encode_inline, off_loop_if, run_decoding
 from service.serving.pipeline import Call, answered, counting_nonfinite, run_prepared
 from service.serving.prepare_v2 import prepare_infer
 from service.wire.lengths import parse_length
@@ -38,9 +38,8 @@ async def infer(body: bytes, header_length: str | None, call: Call) -> InferRepl
     )
     prepared = await counting_nonfinite(
         call,
-        off_loop_if(
-            not inline,
-            without_gc,
+        run_decoding(
+            inline,
             prepare_infer,
             body,
             header_length,

@@ -29,6 +29,7 @@ from service.errors import (
 from service.wire.models import (
     MAX_DIM,
     MAX_RANK,
+    MAX_UNKNOWN_FIELDS,
     Causal,
     DiagnosticsLevel,
     few_unknown_fields,
@@ -70,7 +71,9 @@ class _V2(BaseModel):
     @classmethod
     def _few_unknown_fields(cls, data: Any) -> Any:
         # As v1's: many unknown keys are refused in one error, before pydantic walks them.
-        return few_unknown_fields(data, cls.model_fields)
+        if isinstance(data, dict) and len(data) > MAX_UNKNOWN_FIELDS:
+            few_unknown_fields(data, cls.model_fields)
+        return data
 
 
 class InputParameters(_V2):

@@ -26,6 +26,7 @@ from service.serving.offload import (
     decode_ns,
     encode_inline,
     off_loop_if,
+    run_decoding,
 )
 
 
@@ -116,6 +117,23 @@ def test_off_loop_if_runs_on_a_worker_thread_only_when_heavy() -> None:
     assert (text_a, text_b) == ("a!", "b?")
     assert thread_a == loop_thread
     assert thread_b != loop_thread
+
+
+def test_a_heavy_decode_runs_on_a_worker_thread_with_the_collector_paused() -> None:
+    def observe(tag: str) -> tuple[str, int, bool]:
+        return tag, threading.get_ident(), gc.isenabled()
+
+    async def both() -> tuple[tuple[str, int, bool], tuple[str, int, bool], int]:
+        inline = await run_decoding(True, observe, "inline")
+        heavy = await run_decoding(False, observe, tag="heavy")
+        return inline, heavy, threading.get_ident()
+
+    inline, heavy, loop_thread = asyncio.run(both())
+    assert inline == ("inline", loop_thread, True)
+    assert heavy[0] == "heavy"
+    assert heavy[1] != loop_thread
+    assert heavy[2] is False
+    assert gc.isenabled()
 
 
 def test_decoding_pauses_the_collector_and_restores_it() -> None:
