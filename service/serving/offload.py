@@ -18,16 +18,17 @@ torch on one thread, as the server's loop and workers run it):
 So the estimate is DECODE_NS_PER_BYTE a byte, DECODE_NS_PER_LIST a "[", and
 DECODE_NS_PER_ITEM a "," (an element, a key, a list), each near the top of its range; finding
 both characters takes 10 µs in the small preset's 262 KB body (service.wire.codec.occurrences;
-numpy's count takes 57). A body whose
-estimate is under INLINE_BUDGET_NS (a few milliseconds) decodes on the loop, where the thread
-hop would cost more than it saves; so does a body under TINY_BYTES, without counting. A body
-over INLINE_MAX_BYTES is not even counted: it always leaves the loop (the worst bytes, big
-integers, cost 14 ns each, 5.5 ms at that size).
+numpy's count takes 57). A body whose estimate is under INLINE_BUDGET_NS (a few milliseconds)
+decodes on the loop, where the thread hop would cost more than it saves; so does a body under
+TINY_BYTES, without counting. A body over INLINE_MAX_BYTES is not even counted: it always
+leaves the loop (the worst bytes, big integers, cost 14 ns each, 5.5 ms at that size).
 
 A worker thread frees the loop only from the work that lets the GIL go: numpy's and torch's
 numerical kernels and base64 do, but the JSON parser and numpy reading nested lists hold it
-from start to end (a 2.7 MB body of single-element lists held it 0.12 s with the collector
-paused, service.serving.gc_pause). Those pauses grow with the body, wherever it decodes.
+from start to end. With the collector paused (service.serving.gc_pause), 1 MiB of
+single-element lists decoding on a worker stalled the loop 45-65 ms at worst, 16 MiB of them
+0.8-0.95 s (bench/attack_decode.py decode-costs): those pauses grow with the body, wherever
+it decodes, until lists of numbers are parsed without a Python object per number.
 """
 
 from __future__ import annotations
