@@ -91,6 +91,13 @@ class ShuttingDown(Unavailable):
     title = "Shutting down"
 
 
+class DeadlineUnreachable(Unavailable):
+    """503: a long request the device could finish by its deadline alone, but not beside the
+    long requests admitted before it (service.runtime.batcher: Deadlines of long items)."""
+
+    title = "Deadline unreachable"
+
+
 class MemoryBusy(Unavailable):
     """503: the bodies being read and the results not yet sent fill SDPA_MAX_INFLIGHT_BYTES."""
 

@@ -30,17 +30,17 @@ alignment, scale, mask kinds, outputs asked for) plus a *length bucket* of N_q a
 
 Answers
 -------
-An item refused at submit (QueueFull or ShuttingDown: the queue is full, the batcher drains,
-or a long item that would not finish by its deadline; DeadlineExceeded: its deadline
-already passed) never enters the queue. Every accepted item gets exactly one answer: its
-result, its own exception, DeadlineExceeded (its deadline passed while it was queued: never
-computed; or while a long item ran), ShuttingDown (still queued, or a long item running, when
-a drain timed out), or nothing at all when its awaiting task was cancelled (the client went
-away; it is dropped before compute if still queued, at its next tile if long). An item's
-state moves QUEUED -> TAKEN -> DONE or QUEUED -> DROPPED, and only the side that moves it out
-of QUEUED may answer it (for a long item running, the deadline timer too, which the worker
-then sees between tiles), and whoever answers marks it DONE first, so no two sides ever answer
-one item.
+An item refused at submit (503: QueueFull, the queue is full; ShuttingDown, the batcher
+drains; DeadlineUnreachable, a long item that would not finish by its deadline; 504:
+DeadlineExceeded, its deadline already passed) never enters the queue. Every accepted item
+gets exactly one answer: its result, its own exception, DeadlineExceeded (its deadline passed
+while it was queued: never computed; or while a long item ran), ShuttingDown (still queued,
+or a long item running, when a drain timed out), or nothing at all when its awaiting task was
+cancelled (the client went away; it is dropped before compute if still queued, at its next
+tile if long). An item's state moves QUEUED -> TAKEN -> DONE or QUEUED -> DROPPED, and only
+the side that moves it out of QUEUED may answer it (for a long item running, the deadline
+timer too, which the worker then sees between tiles), and whoever answers marks it DONE
+first, so no two sides ever answer one item.
 
 Long requests run in slices
 ---------------------------
@@ -84,7 +84,7 @@ are admitted by deadline:
   any order could). Earliest deadline first throughout would not do: with the default
   deadline, 30 s from each request's start, it is first come first served, and a few slices
   would wait for the hundreds again.
-- At submit, a long item is refused, QueueFull (503) counted as
+- At submit, a long item is refused, DeadlineUnreachable (503) counted as
   sdpa_rejected_total{reason="deadline_unreachable"}, if a projection of the running and
   queued long items by earliest deadline first (after the short work queued) says it would
   miss a deadline it could meet alone on an idle device, or make an admitted long item miss a
@@ -135,7 +135,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
-from service.errors import DeadlineExceeded, QueueFull, ShuttingDown
+from service.errors import DeadlineExceeded, DeadlineUnreachable, QueueFull, ShuttingDown
 from service.metrics import Metrics
 
 T = TypeVar("T")
@@ -568,10 +568,10 @@ class DynamicBatcher(Generic[T, R]):
         """Queue `item` and wait for its answer. `deadline` is an instant of the batcher's
         clock (time.monotonic unless another was given).
 
-        Raises QueueFull or ShuttingDown (503; QueueFull too for a long item that would not
-        finish by its deadline: module docstring), DeadlineExceeded (504: never computed), or
-        the item's own exception. Cancelling the awaiting task drops a queued item before
-        compute.
+        Raises QueueFull, ShuttingDown or DeadlineUnreachable (503; the last for a long item
+        that would not finish by its deadline: module docstring), DeadlineExceeded (504: never
+        computed), or the item's own exception. Cancelling the awaiting task drops a queued
+        item before compute.
         """
         if self._draining or not self.running or self._arrival is None:
             self._reject("shutting_down")
@@ -600,7 +600,7 @@ class DynamicBatcher(Generic[T, R]):
         )  # fmt: skip
         if pending.tiles and (refusal := self._refusal(pending, now)) is not None:
             self._reject("deadline_unreachable")
-            raise QueueFull(refusal.detail, retry_after_s=refusal.retry_after_s)
+            raise DeadlineUnreachable(refusal.detail, retry_after_s=refusal.retry_after_s)
         self._enqueue(pending)
         # The deadline bounds the queue wait and a long item's compute: a timer fails the item
         # while it is queued, or while a long one runs (dropped at its next tile); a short

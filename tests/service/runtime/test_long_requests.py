@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from service.errors import DeadlineExceeded, QueueFull, ShuttingDown
+from service.errors import DeadlineExceeded, DeadlineUnreachable, ShuttingDown
 from service.metrics import Metrics
 from service.runtime import batcher as batcher_module
 from service.runtime.batcher import FEW_SLICES, MAX_RUNNING_LONG, BatchResult, DynamicBatcher
@@ -687,7 +687,7 @@ def test_eight_long_items_sharing_a_deadline_three_could_meet_in_order() -> None
     assert device.finished == {"L0": START + 8, "L1": START + 16, "L2": START + 24}
     for i in range(3, 8):
         refused = answers[f"L{i}:8"]
-        assert isinstance(refused, QueueFull), refused
+        assert isinstance(refused, DeadlineUnreachable), refused
         assert refused.status == 503
         assert refused.headers == {"Retry-After": "2"}
         assert "deadline" in refused.detail
@@ -745,7 +745,7 @@ def test_an_admitted_item_is_never_made_to_miss_its_deadline_by_a_later_one() ->
 
     answers = run(main())
     refused = answers["Lb:3"]
-    assert isinstance(refused, QueueFull), refused
+    assert isinstance(refused, DeadlineUnreachable), refused
     assert refused.retry_after_s == 8
     assert isinstance(answers["La:10"], BatchResult)
     assert isinstance(answers["Lc:2"], BatchResult)
@@ -768,7 +768,7 @@ def test_retry_after_of_a_deadline_refusal_is_at_most_a_minute() -> None:
         return answers["Lb:3"]
 
     refused = run(main())
-    assert isinstance(refused, QueueFull)
+    assert isinstance(refused, DeadlineUnreachable)
     assert refused.retry_after_s == 60
 
 
@@ -839,7 +839,7 @@ def test_retry_after_of_a_deadline_refusal_is_the_first_second_it_would_fit() ->
 
     answers = run(main())
     refused = answers.pop("Lx:2")
-    assert isinstance(refused, QueueFull), refused
+    assert isinstance(refused, DeadlineUnreachable), refused
     assert refused.retry_after_s == 8
     assert all(isinstance(answer, BatchResult) for answer in answers.values()), answers
     assert max(device.finished.values()) == START + 12
@@ -890,10 +890,10 @@ def test_a_refusal_among_many_long_items_projects_them_only_twice(
         return refused, per_submit["Lx:2"]
 
     many, projected = refusal_of_x(batcher_module._SEARCHED_LONGS + 1)
-    assert isinstance(many, QueueFull), many
+    assert isinstance(many, DeadlineUnreachable), many
     assert many.retry_after_s == 60  # 130 s of admitted work, told as at most 60
     assert projected == 2
     few, searched = refusal_of_x(6)
-    assert isinstance(few, QueueFull), few
+    assert isinstance(few, DeadlineUnreachable), few
     assert few.retry_after_s == 8  # test_..._the_first_second_it_would_fit
     assert searched > 2
