@@ -24,12 +24,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from service.api.errors import service_error_response
 from service.errors import FieldError, PayloadTooLarge, ServiceError, UnsupportedMediaType
 from service.metrics import Metrics
+from service.wire.lengths import parse_length
 
 _BODY_METHODS: Final = frozenset({"POST", "PUT", "PATCH"})
-# A header's number of more digits than this is larger than any limit of the service (every
-# size setting is below 10**18 bytes): it reads as BEYOND_ANY_LIMIT, whatever its digits.
-MAX_HEADER_DIGITS: Final = 18
-BEYOND_ANY_LIMIT: Final = 10**MAX_HEADER_DIGITS
 
 
 class BodyTooLarge(PayloadTooLarge):
@@ -40,30 +37,11 @@ class BodyTooLarge(PayloadTooLarge):
     """
 
 
-def header_number(value: bytes) -> int | None:
-    """A header's decimal number (Content-Length, Inference-Header-Content-Length), read with a
-    length cap: ASCII digits only, else None; leading zeros do not count, and a number of more
-    than MAX_HEADER_DIGITS digits reads as BEYOND_ANY_LIMIT.
-
-    int() alone is no parser for a client's header: since Python 3.11 (CVE-2020-10735) it raises
-    ValueError for a string of more than 4,300 digits, so 5,000 leading zeros in Content-Length
-    were a 500 (checked on 3.11.7). llhttp passes such a header on: leading zeros never
-    overflow its 64-bit count.
-    """
-    text = value.strip()
-    if not text.isdigit():  # bytes.isdigit: ASCII digits only ("²" is not one)
-        return None
-    significant = text.lstrip(b"0")
-    if len(significant) > MAX_HEADER_DIGITS:
-        return BEYOND_ANY_LIMIT
-    return int(significant or b"0")
-
-
 def declared_length(scope: Scope) -> int | None:
     """The request's Content-Length when it is a plain number of ASCII digits, else None."""
     for name, value in scope.get("headers", ()):
         if name == b"content-length":
-            return header_number(value)
+            return parse_length(value)
     return None
 
 

@@ -40,9 +40,10 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from service.api.errors import service_error_response
 from service.errors import FieldError, InvalidRequest, MemoryBusy, PayloadTooLarge, ServiceError
 from service.metrics import Metrics
-from service.middleware.body_limit import declared_length, header_number
+from service.middleware.body_limit import declared_length
 from service.middleware.connections import unsent_bytes
 from service.wire.codec import occurrences
+from service.wire.lengths import parse_length
 
 MB: Final = 1e6
 # The probes of both protocols (orchestrators and KServe probe v2's) and the metrics.
@@ -121,7 +122,7 @@ def json_prefix(scope: Scope) -> int | None:
         return None
     for name, value in scope["headers"]:
         if name == V2_HEADER_LENGTH:
-            return header_number(value)
+            return parse_length(value)
     return None
 
 

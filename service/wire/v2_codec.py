@@ -29,7 +29,7 @@ import torch
 
 from service.errors import MAX_LOC_TEXT, FieldError, InvalidRequest, clip
 from service.wire.codec import nulls_as_minus_inf, refuse_booleans_among_numbers, to_numpy
-from service.wire.lengths import MAX_LENGTH_DIGITS, parse_length
+from service.wire.lengths import parse_length
 from service.wire.v2_models import (
     FLOAT_DATATYPES,
     INPUT_DATATYPES,
@@ -81,8 +81,7 @@ def split_header(body: bytes, header_length: str | None) -> tuple[bytes, int]:
     if size is None or not 0 < size <= len(body):
         raise _invalid(
             f"header Inference-Header-Content-Length: {header_length[:32]!r} is not the length "
-            f"of a JSON header within the body's {len(body)} bytes (ASCII digits, at most "
-            f"{MAX_LENGTH_DIGITS} once leading zeros are stripped)",
+            f"of a JSON header within the body's {len(body)} bytes (in ASCII digits)",
             "header",
             kind="header_length",
         )

@@ -18,8 +18,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from starlette.types import Receive, Scope, Send
 
 from service.app import create_app
-from service.middleware.body_limit import BEYOND_ANY_LIMIT, header_number
 from service.middleware.inflight import InflightBytesMiddleware, parse_estimate
+from service.wire.lengths import BEYOND_ANY_LIMIT, parse_length
 from tests.support.app import asgi_scope, in_process_client, small_settings
 from tests.support.wire import to_wire
 
@@ -522,7 +522,7 @@ def test_separators_are_counted_wherever_they_sit_in_a_chunk() -> None:
     ],
 )
 def test_numbers_in_headers_are_read_with_a_length_cap(value: bytes, number: int | None) -> None:
-    assert header_number(value) == number
+    assert parse_length(value) == number
 
 
 def test_a_refusal_that_escapes_the_app_still_reaches_the_client() -> None:
