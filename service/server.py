@@ -14,17 +14,19 @@ Shutdown sequence on the first SIGTERM or SIGINT:
    at that moment would be reset with its request unanswered.
 3. Then uvicorn is told to exit (should_exit): it closes the listening socket and asks every
    connection to shut down (GuardedHttpToolsProtocol.shutdown): one without a request in the
-   app gets SHUTDOWN_IDLE_GRACE_S (0.5 s) for a request's headers to complete and then closes,
+   app gets shutdown_idle_grace_s (0.5 s) for a request's headers to complete and then closes,
    however slowly a client sends them; one with a request in the app closes after its answer,
-   and nothing pipelined behind it is read. Open responses get RESPONSE_FLUSH_TIMEOUT_S, after
-   which uvicorn cancels their tasks; then it runs the lifespan shutdown.
-4. Tasks still running then are cancelled and get LEFTOVER_TASKS_S to end. A task that waits on
-   a worker thread cannot end before the thread does (anyio's to_thread keeps a cancelled task
-   waiting for its thread: a 128 MiB JSON body decoding kept the exit waiting 63 s), and
-   asyncio.run would wait for it without bound: the process exits at once instead
-   (os._exit(0), logs flushed). So it does when, once the loop is closed, a thread of ours is
-   still busy (a decoding worker; the device thread with a batch the drain timed out on,
-   without bound if a kernel hangs): the interpreter would join it.
+   and nothing pipelined behind it is read. Connections and responses get
+   RESPONSE_FLUSH_TIMEOUT_S in all, after which uvicorn cancels the requests' tasks; then it
+   runs the lifespan shutdown.
+4. The tasks still running are cancelled and get LEFTOVER_TASKS_S to end; asyncio.run would
+   wait for one that ignores its cancellation without bound, so the process exits at once
+   (os._exit(0), logs flushed) if one is left. So it does when, once the loop is closed, a
+   thread of ours is still busy: the interpreter would join it. A request's task cancelled
+   while a worker thread decodes its body ends, but the thread runs on (anyio 4's to_thread; its
+   threads are not daemons): a 128 MiB JSON body still decoding kept the exit waiting 63 s. The
+   device thread with a batch the drain timed out on would keep it waiting without bound if a
+   kernel hangs.
 A second signal exits at once (exit code 128 + signal number), without waiting for anything.
 
 Worst case from the first signal to the exit, whatever clients do: drain_timeout_s + LINGER_S

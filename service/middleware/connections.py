@@ -19,9 +19,9 @@ what the parser may have:
   header value reaches it in one piece: nothing is concatenated); a head that cannot end within
   the budget gets a 431 problem+json and the connection closes, before the parser saw more than
   the budget. A chunked body's trailer section has the same budget (past it the connection
-  closes: the app already holds that request).
-- header lines (SDPA_MAX_HEADERS, default 100): counted as the parser reports them; past the
-  bound, 431 and the connection closes.
+  closes: the app already holds that request, and sees it close).
+- header lines (SDPA_MAX_HEADERS, default 100): counted before they reach the parser; past
+  the bound, 431 and the connection closes. A chunked body's trailer lines count the same.
 - header deadline (SDPA_READ_TIMEOUT_S, default 15 s): a request's headers must be complete
   within it of their first byte, however steadily they trickle; else a 408 problem+json and the
   connection closes.
@@ -46,7 +46,7 @@ what the parser may have:
   longest (a connection that sent nothing yet counts from its start) gets a 408, else the one
   idle the longest between keep-alive requests gets a 503 with Retry-After. A connection whose
   request the app holds (its body being read, computed, answered) is never closed for it. Only
-  when every connection is busy so does the newcomer get a 503 with Retry-After, before any
+  when every connection is busy does the newcomer get a 503 with Retry-After, before any
   request is read. A slowloris client thus holds its connections only until others need them.
 - shutdown: when uvicorn shuts down (after the drain), a connection with no request in the app
   is not closed at once, since its client may be sending a request right then, which would be
@@ -70,6 +70,7 @@ by tests/service/test_protocol_contract.py; pyproject.toml pins the versions it 
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import logging
 import re
@@ -79,7 +80,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Final
 
 import httptools
 from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT, FlowControl
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
 from service.errors import PROBLEM_JSON, problem_payload
 
@@ -156,7 +157,7 @@ class ChunkedBodyEnd:
     Only the framing is read (size lines, data lengths, the trailer section); the parser
     validates everything. On input it refuses, the parser's error closes the connection before
     this count matters. Trailer lines are released whole (a value arrives in one piece) and
-    their bytes counted (`trailer_bytes`) so that the protocol bounds them like a head.
+    counted, in bytes and lines, so that the protocol bounds them like a head's.
     """
 
     _SIZE_LINE, _DATA, _TRAILERS = range(3)
@@ -167,6 +168,7 @@ class ChunkedBodyEnd:
         self._digits = bytearray()  # the size line's hex digits, leading zeros left out
         self._in_digits = True  # no other byte of the size line seen yet
         self.trailer_bytes = 0
+        self.trailer_lines = 0
         self.done = False
 
     def take(self, buf: bytes | bytearray, start: int, end: int) -> int:
@@ -189,6 +191,7 @@ class ChunkedBodyEnd:
                 self.trailer_bytes += line
                 pos = newline + 1
                 self.done = line == 2  # the empty line (CRLF) that ends the section
+                self.trailer_lines += not self.done
                 continue
             line_end = end if newline < 0 else newline + 1
             if self._in_digits:  # what follows them (an extension) is the parser's alone
@@ -225,10 +228,6 @@ def content_length(value: bytes) -> int | None:
 def is_chunked(transfer_encoding: bytes) -> bool:
     """Whether a request with this Transfer-Encoding has a chunked body (its last coding)."""
     return transfer_encoding.rsplit(b",", 1)[-1].strip().lower() == b"chunked"
-
-
-class _TooManyHeaders(Exception):
-    """Raised from on_header to stop the parser at once (it becomes HttpParserCallbackError)."""
 
 
 class _ProtocolFlow(FlowControl):
@@ -284,13 +283,15 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._head_fed = 0  # of which fed to the parser
         self._head_tail = b""  # the last (up to 3) bytes fed: "\r\n\r\n" may span two reads
         self._head_scanned = 0  # held bytes of the head known to hold no line end
-        self._header_lines = 0
-        self._content_length: bytes | None = None
-        self._transfer_encoding: bytes | None = None
-        self._body_left = 0  # bytes of a Content-Length body the parser may still have
+        self._head_lines = 0  # line ends fed: the request line's, then one per header line
+        # How the current request's body ends, read from its headers when it has one: the
+        # bytes of a Content-Length body the parser may still have, or a chunked framing.
+        self._framed = False
+        self._body_left = 0
         self._chunked: ChunkedBodyEnd | None = None
         # Requests parsed and not yet answered (the pipelining bound), and idleness (the cap).
-        self._unanswered = 0
+        # Oldest first: the one the app answers now, then those waiting behind it.
+        self._unanswered: collections.deque[RequestResponseCycle] = collections.deque()
         self._answered_any = False
         self._idle_since = time.monotonic()
 
@@ -376,6 +377,13 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         _backed_up.discard(self)
         self._settle_delivery(not self._lost_undelivered)
         super().connection_lost(exc)
+        # uvicorn 0.54 tells only the latest request parsed (self.cycle) that its client left:
+        # one answered before it, behind which it was pipelined, would write on to the closed
+        # transport, which uvloop 0.23 refuses with a RuntimeError (a traceback in the log).
+        for cycle in self._unanswered:
+            if not cycle.response_complete:
+                cycle.disconnected = True
+                cycle.message_event.set()
 
     # -- reading: what the parser may have ---------------------------------------------------
 
@@ -430,7 +438,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     def _may_start_request(self) -> bool:
         if self._head_since is not None:
             return True  # under way: the bounds were checked when it began
-        if self._unanswered >= self.max_pipelined_requests:
+        if len(self._unanswered) >= self.max_pipelined_requests:
             return False
         return not (self._shutting_down and self._unanswered)
 
@@ -457,13 +465,13 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             if self._head_bytes + (head_end - pos) > self.max_header_bytes:
                 self._refuse_header_bytes()
                 return end - start
-            self._feed_head(buf, pos, head_end)
+            self._feed_head(buf, pos, head_end, complete=True)
             return head_end - start
         last_line = buf.rfind(b"\n", scan, end)
         if self._head_bytes + (end - pos) >= self.max_header_bytes:
             # It cannot end within the budget. Its whole lines go to the parser first, so that
             # what is not HTTP at all gets the parser's 400 instead.
-            if last_line < 0 or self._feed_head(buf, pos, last_line + 1):
+            if last_line < 0 or self._feed_head(buf, pos, last_line + 1, complete=False):
                 self._refuse_header_bytes()
             return end - start
         if last_line >= 0:
@@ -473,7 +481,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         else:
             self._head_scanned = end - pos
             return pos - start  # the rest of a line: wait for its end
-        self._feed_head(buf, pos, stop)
+        self._feed_head(buf, pos, stop, complete=False)
         self._head_scanned = end - stop  # no line end after `stop`
         return stop - start
 
@@ -488,7 +496,14 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         found = buf.find(_HEAD_END, max(pos, scan - 3), end)
         return None if found < 0 else found + 4
 
-    def _feed_head(self, buf: bytes | bytearray, pos: int, stop: int) -> bool:
+    def _feed_head(self, buf: bytes | bytearray, pos: int, stop: int, *, complete: bool) -> bool:
+        """Feed whole lines of the head (or the first bytes of its request line): counted
+        first, so that past SDPA_MAX_HEADERS the parser gets none of them."""
+        self._head_lines += buf.count(b"\n", pos, stop)
+        # Neither the request line nor the empty line that ends a complete head is a header.
+        if self._head_lines - 1 - complete > self.max_headers:
+            self._refuse_header_lines()
+            return False
         self._head_scanned = 0
         self._head_bytes += stop - pos
         self._head_fed += stop - pos
@@ -497,11 +512,15 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def _body_step(self, buf: bytes | bytearray, pos: int, end: int) -> int:
         """Feed the parser the current request's body from buf[pos:end], up to its end."""
+        if not self._framed:
+            self._frame_body()
         chunked = self._chunked
         if chunked is not None:
             taken = chunked.take(buf, pos, end)
-            if chunked.trailer_bytes > self.max_header_bytes or (
-                not taken and chunked.trailer_bytes + end - pos >= self.max_header_bytes
+            if (
+                chunked.trailer_bytes > self.max_header_bytes
+                or chunked.trailer_lines > self.max_headers
+                or (not taken and chunked.trailer_bytes + end - pos >= self.max_header_bytes)
             ):
                 # The app holds this request already: it sees the connection close.
                 self._count("header_too_large")
@@ -525,24 +544,19 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     def _feed(self, buf: bytes | bytearray, pos: int, stop: int) -> bool:
         """Feed buf[pos:stop] to the parser (uvicorn's data_received, a slice at a time);
         False once the connection is closing."""
-        view = memoryview(buf)[pos:stop]
+        whole = pos == 0 and stop == len(buf) and isinstance(buf, bytes)
+        data = buf if whole else memoryview(buf)[pos:stop]
         try:
-            self.parser.feed_data(view)
-        except httptools.HttpParserCallbackError:
-            if self._header_lines > self.max_headers:
-                self._refuse_header_lines()
-            else:
-                self._parser_error()
+            self.parser.feed_data(data)
         except httptools.HttpParserError:
             self._parser_error()
         except httptools.HttpParserUpgrade:
-            if self._should_upgrade():
-                self.handle_websocket_upgrade()  # the transport has another protocol now
-                self._held = bytearray()
-                return False
-            self._unsupported_upgrade_warning()
+            # An Upgrade (h2c, websocket) or CONNECT request: the service speaks HTTP/1.1 only
+            # (serve() runs uvicorn with ws="none"), so it is answered as a plain request.
+            pass
         finally:
-            view.release()
+            if isinstance(data, memoryview):
+                data.release()  # a bytearray cannot grow while a view of it lives
         return not self.transport.is_closing()
 
     def _parser_error(self) -> None:
@@ -559,7 +573,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         if blocked and self._reading:
             self._reading = False
             self.transport.pause_reading()
-            if not self._in_body and self._unanswered >= self.max_pipelined_requests:
+            if not self._in_body and len(self._unanswered) >= self.max_pipelined_requests:
                 self._count_pause()
         elif not blocked and not self._reading:
             self._reading = True
@@ -586,48 +600,42 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         # uvicorn types extensions' values as dicts; ASGI lets a server put any object there.
         extensions: dict[str, Any] = self.scope.setdefault("extensions", {})
         extensions[DELIVERY_EXTENSION] = self.delivered
-        self._header_lines = 0
-        self._content_length = self._transfer_encoding = None
         _touch()
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        self._header_lines += 1
-        if self._header_lines > self.max_headers:
-            raise _TooManyHeaders
-        lowered = name.lower()
-        if lowered == b"content-length":
-            self._content_length = value
-        elif lowered == b"transfer-encoding":
-            self._transfer_encoding = value
-        super().on_header(name, value)
 
     def on_headers_complete(self) -> None:
         self._cancel_head_timer()
         previous = self.cycle
         super().on_headers_complete()
         if self.cycle is not previous:
-            self._unanswered += 1
+            self._unanswered.append(self.cycle)
         self._in_body = True  # until on_message_complete, in this very call when bodiless
-        self._chunked = None
-        self._body_left = 0
-        if self._transfer_encoding is not None and is_chunked(self._transfer_encoding):
-            self._chunked = ChunkedBodyEnd()
-        elif self._content_length is not None:
-            self._body_left = content_length(self._content_length) or 0
+        self._framed = False
         if self._shutting_down and self.cycle is not None:
             self.cycle.keep_alive = False  # answered, then closed
+
+    def _frame_body(self) -> None:
+        """Read how the current request's body ends from its headers (uvicorn's list, names in
+        lower case): once per request that has a body."""
+        self._framed = True
+        self._chunked, self._body_left = None, 0
+        for name, value in self.headers:
+            if name == b"transfer-encoding" and is_chunked(value):
+                self._chunked = ChunkedBodyEnd()
+            elif name == b"content-length":
+                self._body_left = content_length(value) or 0
 
     def on_message_complete(self) -> None:
         super().on_message_complete()
         self._in_body = False
         self._head_since = None
-        self._head_bytes = self._head_fed = self._head_scanned = 0
+        self._head_bytes = self._head_fed = self._head_scanned = self._head_lines = 0
         self._head_tail = b""
         self._cancel_read_timer()  # the whole request is in: the client owes nothing now
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
-        self._unanswered -= 1
+        if self._unanswered:
+            self._unanswered.popleft()
         self._answered_any = True
         if not self._unanswered:
             self._idle_since = time.monotonic()

@@ -43,7 +43,8 @@ GET = b"GET /%d HTTP/1.1\r\nHost: t\r\n\r\n"
 
 class MemoryTransport(asyncio.Transport):
     """A transport that keeps what is written and whether reading is paused; closing it tells
-    the protocol the connection is lost, as a real one does (on the next loop turn)."""
+    the protocol the connection is lost, as a real one does (on the next loop turn). Once that
+    happened, a write raises, as uvloop 0.23's does (asyncio's would drop it)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         super().__init__()
@@ -53,15 +54,22 @@ class MemoryTransport(asyncio.Transport):
         self.reading = True
         self.pauses = 0
         self.protocol: asyncio.Protocol | None = None
+        self.lost = False
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
+        if self.lost:
+            raise RuntimeError("unable to perform operation on a closed transport")
         self.written += data
 
     def close(self) -> None:
         if not self.closed:
             self.closed = True
-            if self.protocol is not None:
-                self.loop.call_soon(self.protocol.connection_lost, None)
+            self.loop.call_soon(self._lose)
+
+    def _lose(self) -> None:
+        self.lost = True
+        if self.protocol is not None:
+            self.protocol.connection_lost(None)
 
     def abort(self) -> None:
         self.close()
@@ -244,16 +252,16 @@ def test_llhttp_concatenates_a_header_value_fed_in_pieces() -> None:
     assert (b"X-A", b"abcdef") in events.events
 
 
-def test_a_raising_callback_stops_llhttp_with_a_callback_error() -> None:
-    class Refusing(Events):
-        def on_header(self, name: bytes, value: bytes) -> None:
-            raise RuntimeError("enough")
-
-    events = Refusing()
-    with pytest.raises(httptools.HttpParserCallbackError):
-        httptools.HttpRequestParser(events).feed_data(b"GET / HTTP/1.1\r\nA: b\r\nC: d\r\n\r\n")
-    assert "headers" not in events.events
-    assert issubclass(httptools.HttpParserCallbackError, httptools.HttpParserError)
+def test_llhttp_reports_an_upgrade_apart_from_its_errors_and_parses_on() -> None:
+    events = Events()
+    parser = httptools.HttpRequestParser(events)
+    with pytest.raises(httptools.HttpParserUpgrade):
+        parser.feed_data(b"GET / HTTP/1.1\r\nConnection: Upgrade\r\nUpgrade: h2c\r\n\r\n")
+    assert events.events[-1] == "complete"
+    # The protocol answers it as a plain request, and the next one on the connection is parsed.
+    parser.feed_data(b"GET /2 HTTP/1.1\r\n\r\n")
+    assert events.events[-3:] == ["begin", "headers", "complete"]
+    # The protocol catches HttpParserError (a 400) and HttpParserUpgrade apart.
     assert not issubclass(httptools.HttpParserUpgrade, httptools.HttpParserError)
 
 
@@ -328,9 +336,6 @@ def test_uvicorn_protocol_attributes_the_guarded_one_uses() -> None:
         for method in (
             "_unset_keepalive_if_required",
             "send_400_response",
-            "_should_upgrade",
-            "handle_websocket_upgrade",
-            "_unsupported_upgrade_warning",
             "on_response_complete",
             "shutdown",
         ):
@@ -513,6 +518,22 @@ def test_more_header_lines_than_the_bound_get_431() -> None:
     run(scenario)
 
 
+def test_a_chunked_body_s_trailers_are_bounded_like_a_head() -> None:
+    async def scenario(loop: asyncio.AbstractEventLoop) -> None:
+        app = HeldApp()
+        protocol, transport = connect(guarded(max_headers=16), app, loop)
+        protocol.data_received(
+            b"POST /t HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\n"
+        )
+        for _ in range(17):
+            protocol.data_received(b"X-Trailer: t\r\n")
+        assert transport.closed  # the app holds the request: it sees the connection close
+        assert counter(protocol.metrics, "sdpa_rejected_total", reason="header_too_large") == 1
+        assert app.requests == []
+
+    run(scenario)
+
+
 def test_pipelined_requests_past_the_bound_wait_unparsed_with_reading_paused() -> None:
     async def scenario(loop: asyncio.AbstractEventLoop) -> None:
         app = HeldApp()
@@ -532,6 +553,28 @@ def test_pipelined_requests_past_the_bound_wait_unparsed_with_reading_paused() -
         assert transport.reading  # all of it parsed: reading again
 
     run(scenario)
+
+
+def test_a_client_that_leaves_mid_pipeline_is_not_written_to(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """uvicorn tells only the latest request parsed that its client left; the guarded protocol
+    tells the one answered before it too, which would otherwise write to the closed transport
+    (a RuntimeError from uvloop, a traceback in the log)."""
+
+    async def scenario(loop: asyncio.AbstractEventLoop) -> None:
+        app = HeldApp()
+        protocol, transport = connect(guarded(), app, loop)
+        protocol.data_received(GET % 1 + GET % 2)
+        await turns()
+        transport.close()  # the client reset the connection
+        await turns()
+        app.release_all()
+        await turns()
+        assert transport.responses() == []
+
+    run(scenario)
+    assert "Exception in ASGI application" not in caplog.text
 
 
 def test_the_body_of_a_request_waiting_behind_another_stops_at_the_high_water_mark() -> None:
