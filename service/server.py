@@ -29,12 +29,12 @@ Shutdown sequence on the first SIGTERM or SIGINT:
    kernel hangs.
 A second signal exits at once (exit code 128 + signal number), without waiting for anything.
 
-Worst case from the first signal to the exit, whatever clients do: drain_timeout_s + LINGER_S
-+ 0.1 s (uvicorn's pause after asking connections to shut down) + RESPONSE_FLUSH_TIMEOUT_S +
-the lifespan shutdown (its drain returns at once the second time) + LEFTOVER_TASKS_S +
-THREAD_JOIN_S, plus a little: 39.6 s and a little with the default 30 s drain timeout.
-Orchestrator grace periods (docker stop -t, compose stop_grace_period, Kubernetes
-terminationGracePeriodSeconds minus the preStop sleep) must exceed it.
+Worst case from the first signal to the exit, whatever clients do (worst_case_exit_s):
+drain_timeout_s + LINGER_S + 0.1 s (uvicorn's pause after asking connections to shut down) +
+RESPONSE_FLUSH_TIMEOUT_S + LEFTOVER_TASKS_S + THREAD_JOIN_S, plus the lifespan shutdown (its
+drain returns at once the second time) and a little: 38.85 s and a little with the default 30 s
+drain timeout. Orchestrator grace periods (docker stop -t, compose stop_grace_period,
+Kubernetes terminationGracePeriodSeconds minus the preStop sleep) must exceed it.
 
 How uvicorn 0.54 handles signals (checked in its server.py): Server.serve() wraps the run in
 `capture_signals()`, which installs `Server.handle_exit` with signal.signal() for SIGINT and
@@ -76,8 +76,23 @@ QUIET_S = 0.25
 LINGER_S = 3.0
 # After uvicorn's shutdown: how long the tasks still running get to end once cancelled, and
 # how long threads of ours still running get to end, before the process leaves without them.
-LEFTOVER_TASKS_S = 1.0
-THREAD_JOIN_S = 0.5
+LEFTOVER_TASKS_S = 0.5
+THREAD_JOIN_S = 0.25
+# uvicorn 0.54's Server.shutdown sleeps this long after asking each connection to shut down.
+UVICORN_SHUTDOWN_PAUSE_S = 0.1
+
+
+def worst_case_exit_s(drain_timeout_s: float) -> float:
+    """Seconds from the first SIGTERM to the exit at most, whatever clients do, less the lifespan
+    shutdown and the process's own exit (module docstring)."""
+    return (
+        drain_timeout_s
+        + LINGER_S
+        + UVICORN_SHUTDOWN_PAUSE_S
+        + RESPONSE_FLUSH_TIMEOUT_S
+        + LEFTOVER_TASKS_S
+        + THREAD_JOIN_S
+    )
 
 
 class JsonFormatter(logging.Formatter):

@@ -317,15 +317,7 @@ def test_sigterm_under_keep_alive_load_loses_no_request(tmp_path: Path) -> None:
 DRAIN_TIMEOUT_S = 5.0
 # service.server's documented worst case from the signal to the exit, whatever clients do, and
 # slack for a loaded machine (start-up is not counted: the server is ready before the signal).
-GRACE_S = (
-    DRAIN_TIMEOUT_S
-    + server_module.LINGER_S
-    + 0.1
-    + server_module.RESPONSE_FLUSH_TIMEOUT_S
-    + server_module.LEFTOVER_TASKS_S
-    + server_module.THREAD_JOIN_S
-    + 5.0
-)
+GRACE_S = server_module.worst_case_exit_s(DRAIN_TIMEOUT_S) + 5.0
 HEAD = b"GET /healthz HTTP/1.1\r\nHost: t\r\n"
 
 

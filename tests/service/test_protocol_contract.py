@@ -37,6 +37,7 @@ from service.middleware.connections import (
     content_length,
     guarded_protocol,
 )
+from service.server import UVICORN_SHUTDOWN_PAUSE_S
 
 GET = b"GET /%d HTTP/1.1\r\nHost: t\r\n\r\n"
 
@@ -408,6 +409,9 @@ def test_uvicorn_server_shutdown_asks_each_connection_then_waits_a_bounded_time(
         # It never leaves: the shutdown still returns, after timeout_graceful_shutdown.
         await asyncio.wait_for(server.shutdown(), timeout=10)
         assert stuck.asked
+        # The pause after asking the connections, counted in service.server's worst case.
+        pause = f"await asyncio.sleep({UVICORN_SHUTDOWN_PAUSE_S})"
+        assert pause in inspect.getsource(uvicorn.Server.shutdown)
 
     run(scenario)
 
