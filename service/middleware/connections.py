@@ -63,6 +63,12 @@ Refusals count in sdpa_rejected_total by reason: header_too_large (431), header_
 the header deadline), read_timeout (the idle timer), connections (the cap: a connection closed
 to make room, or a newcomer refused).
 
+Why this layer and not uvicorn's h11 protocol with its limit (h11_max_incomplete_event_size):
+h11 bounds a head's bytes (a 400, no metric) and parses one request at a time, but counts no
+header lines, has no header deadline, no read or send timeout and no cap, which would all have
+to be added to it as they are here; and its pure-Python parsing served small requests about 7%
+slower than this layer in the same run (bench/attack_protocol.py's figures, issue 23's note).
+
 The uvicorn and httptools behaviour this relies on, private attributes included, is exercised
 by tests/service/test_protocol_contract.py; pyproject.toml pins the versions it was checked on.
 """
