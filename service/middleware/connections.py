@@ -89,6 +89,7 @@ from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT, FlowControl
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
 from service.errors import PROBLEM_JSON, problem_payload
+from service.wire.lengths import parse_length
 
 if TYPE_CHECKING:
     from service.metrics import Metrics
@@ -218,17 +219,6 @@ class ChunkedBodyEnd:
                 else:
                     self._state = self._TRAILERS
         return pos - start
-
-
-def content_length(value: bytes) -> int | None:
-    """A Content-Length the parser accepted, as an int; None if it is not one. The parser takes
-    any number of leading zeros (up to an unsigned 64-bit value): int() of the raw text would
-    refuse more than 4,300 digits."""
-    stripped = value.strip()
-    if not stripped.isdigit():
-        return None
-    digits = stripped.lstrip(b"0")
-    return int(digits or b"0") if len(digits) <= 20 else None
 
 
 def is_chunked(transfer_encoding: bytes) -> bool:
@@ -628,7 +618,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             if name == b"transfer-encoding" and is_chunked(value):
                 self._chunked = ChunkedBodyEnd()
             elif name == b"content-length":
-                self._body_left = content_length(value) or 0
+                # Past 18 digits it reads as 10**18 bytes: a body that no stream ends either.
+                self._body_left = parse_length(value) or 0
 
     def on_message_complete(self) -> None:
         super().on_message_complete()
