@@ -5,7 +5,7 @@
 #   docker build -t localhost/sdpa-service:latest .                    # CPU (or: make image)
 #   docker build -t localhost/sdpa-service:latest-cuda --build-arg TORCH_VARIANT=cu128 .
 #   docker run --rm -p 127.0.0.1:8000:8000 --read-only --tmpfs /tmp localhost/sdpa-service
-#   docker stop -t 40 <container>      # the grace period must exceed SDPA_DRAIN_TIMEOUT_S (30)
+#   docker stop -t 45 <container>      # the grace must exceed SDPA_DRAIN_TIMEOUT_S (30) + 9 s
 #
 # Where torch comes from (the build stage installs it first, alone):
 # - TORCH_INDEX_URL (build arg): a pip index that serves torch. Default: the PyTorch index for
@@ -25,9 +25,11 @@
 # (NVIDIA Container Toolkit, `docker run --gpus all`, or the compose `gpu` profile).
 #
 # Shutdown: on SIGTERM the server stops admitting work (readiness 503, new requests 503), finishes
-# queued and in-flight requests within SDPA_DRAIN_TIMEOUT_S, lets responses flush (<= 5 s) and
-# exits 0. `docker stop`'s default 10 s would SIGKILL a long drain: pass `-t 40` (or set
-# stop_grace_period, as docker-compose.yml does, or terminationGracePeriodSeconds on Kubernetes).
+# queued and in-flight requests within SDPA_DRAIN_TIMEOUT_S, lets responses flush and exits 0,
+# at most SDPA_DRAIN_TIMEOUT_S + 8.85 s after the signal whatever clients do
+# (service.server.worst_case_exit_s). `docker stop`'s default 10 s would SIGKILL a long drain:
+# pass `-t 45` (or set stop_grace_period, as docker-compose.yml does, or
+# terminationGracePeriodSeconds on Kubernetes).
 #
 # tests/deploy/test_container.py builds this file and runs the image (README: Operations).
 

@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from service.healthcheck import default_url
-from service.server import LINGER_S, RESPONSE_FLUSH_TIMEOUT_S
+from service.server import worst_case_exit_s
 from service.settings import Settings
 from tests.deploy.dockerfile_parser import (
     REPO_ROOT,
@@ -133,17 +133,14 @@ def test_probes_hit_health_and_readiness() -> None:
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 60
 
 
-def test_grace_period_covers_prestop_drain_and_flush() -> None:
+def test_grace_period_covers_prestop_and_the_worst_case_exit() -> None:
     docs = _base_resources()
     deployment = _by_kind(docs, "Deployment")
     pod = deployment["spec"]["template"]["spec"]
     drain = float(_by_kind(docs, "ConfigMap")["data"]["SDPA_DRAIN_TIMEOUT_S"])
     pre_stop = _container(deployment)["lifecycle"]["preStop"]["sleep"]["seconds"]
     assert pre_stop > 0  # endpoints deregister before the drain starts
-    assert (
-        pod["terminationGracePeriodSeconds"]
-        > pre_stop + drain + LINGER_S + RESPONSE_FLUSH_TIMEOUT_S
-    )
+    assert pod["terminationGracePeriodSeconds"] > pre_stop + worst_case_exit_s(drain)
     # The image's default agrees with the ConfigMap, so a pod without it behaves the same.
     assert float(final_stage().env()["SDPA_DRAIN_TIMEOUT_S"]) == drain
 
