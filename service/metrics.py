@@ -105,8 +105,11 @@ class Metrics:
         )
         self.rejected_total = Counter(
             "sdpa_rejected_total",
-            "Requests refused or dropped before compute, by reason "
-            "(queue_full, deadline, disconnected, shutting_down, too_large, unauthorized).",
+            "Requests refused or dropped before compute, by reason: queue_full, "
+            "deadline_unreachable (a long request that would miss its deadline beside those "
+            "admitted), deadline, disconnected, shutting_down, too_large, inflight_bytes, "
+            "unauthorized; below the application: header_too_large (431), header_timeout "
+            "(408), read_timeout, connections (the connection cap).",
             ["reason"],
             registry=reg,
         )

@@ -57,20 +57,22 @@ class Settings(BaseSettings):
     max_compute_s: float = Field(default=10.0, gt=0.0, le=3600.0)
     # The response's size in the encoding it would be sent in, estimated before compute.
     max_response_bytes: int = Field(default=256 * MiB, ge=1024, le=64 * 1024 * MiB)
-    # A client that sends no byte of its request for this long is dropped (408 before its
-    # headers are complete); one that reads none of its response for send_timeout_s is dropped
-    # and its result freed; connections beyond max_connections get 503 at once.
     # Bodies being read plus answers not yet sent, all requests together; None = a quarter of
     # the memory the process may use (its cgroup's limit, else the machine's).
     max_inflight_bytes: int | None = Field(default=None, ge=1024)
+    # A client that sends no byte of its request for read_timeout_s is dropped (408 before its
+    # headers are complete), and its headers must be complete within read_timeout_s of their
+    # first byte; one that reads none of its response for send_timeout_s is dropped and its
+    # result freed; a connection beyond max_connections closes the one doing least (the
+    # longest with incomplete headers, else the longest idle), or gets 503 when all are busy
+    # (service.middleware.connections).
     read_timeout_s: float = Field(default=15.0, gt=0.0, le=3600.0)
     send_timeout_s: float = Field(default=60.0, gt=0.0, le=3600.0)
     max_connections: int = Field(default=2048, ge=1, le=1_000_000)
     # Below the application (service.middleware.connections): a request's line and header
     # lines together (431 past it), how many header lines (431), and how many requests one
     # connection may have waiting unanswered before the server stops reading it (pipelining:
-    # backpressure, never a 4xx). A request's headers must also be complete within
-    # read_timeout_s of their first byte, however steadily they trickle (408).
+    # backpressure, never a 4xx).
     max_header_bytes: int = Field(default=32 * 1024, ge=1024, le=1024 * 1024)
     max_headers: int = Field(default=100, ge=8, le=10_000)
     max_pipelined_requests: int = Field(default=8, ge=1, le=1024)
