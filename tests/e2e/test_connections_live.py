@@ -21,6 +21,7 @@ import httpx
 import numpy as np
 import pytest
 
+from tests.support.attack import connect
 from tests.support.live_server import LiveServer, live_server
 
 # Long enough that a loaded CI machine opens all the trickling connections before the first
@@ -50,12 +51,6 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
     with live_server(env, tmp_path=tmp_path_factory.mktemp("connections")) as live:
         yield live
     resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
-
-
-def connect(server: LiveServer) -> socket.socket:
-    url = urlsplit(server.url)
-    assert url.hostname is not None
-    return socket.create_connection((url.hostname, url.port or 80), timeout=10)
 
 
 def open_fds(server: LiveServer) -> int:

@@ -13,24 +13,20 @@ from __future__ import annotations
 
 import collections
 import gzip
-import multiprocessing
 import threading
 import time
 from collections.abc import Iterator
-from multiprocessing.queues import Queue
-from multiprocessing.synchronize import Event as EventType
-from pathlib import Path
 
 import httpx
 import pytest
 
+from tests.support.attack import Bystander, memory_kb, reset_peak
 from tests.support.live_server import LiveServer, live_server
 
 pytestmark = pytest.mark.slow
 
 MB = 2**20
 BOUND = 128 * MB
-SMALL = {"q": [[1.0, 0.0]], "k": [[1.0, 0.0]], "v": [[1.0, 2.0]]}
 JSON = {"content-type": "application/json"}
 
 
@@ -41,66 +37,11 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
         yield live
 
 
-def peak_kb(server: LiveServer) -> int:
-    for line in Path(f"/proc/{server.process.pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1])
-    raise AssertionError("no VmHWM in /proc/PID/status")
-
-
-def reset_peak(server: LiveServer) -> int:
-    """Reset the server's VmHWM to its current RSS (Linux: clear_refs 5) -> that RSS in kB."""
-    Path(f"/proc/{server.process.pid}/clear_refs").write_text("5")
-    return peak_kb(server)
-
-
 def json_list_body(rows: int) -> bytes:
     """q, k, v [1, 1, rows, 64] as JSON lists of 0.5: 322 bytes a row, 5 bytes a number."""
     row = "[" + ", ".join(["0.5"] * 64) + "]"
     tensor = "[[[" + ", ".join([row] * rows) + "]]]"
     return f'{{"q": {tensor}, "k": {tensor}, "v": {tensor}}}'.encode()
-
-
-def probe(url: str, stop: EventType, results: Queue[tuple[float, dict[int, int]]]) -> None:
-    """/healthz and a small JSON-list request every 0.15 s until `stop` -> (the longest any one
-    of them took, their statuses)."""
-    worst_s = 0.0
-    statuses: collections.Counter[int] = collections.Counter()
-    with httpx.Client(base_url=url, timeout=10) as client:
-        while not stop.is_set():
-            for method, path in (("GET", "/healthz"), ("POST", "/v1/attention")):
-                started = time.monotonic()
-                small = SMALL if method == "POST" else None
-                statuses[client.request(method, path, json=small).status_code] += 1
-                worst_s = max(worst_s, time.monotonic() - started)
-            stop.wait(0.15)
-    results.put((worst_s, dict(statuses)))
-
-
-class Bystander:
-    """Another client, in a process of its own: in a thread of this one it would take turns
-    with the attacking threads for the GIL, and its latencies would be theirs."""
-
-    def __init__(self, url: str) -> None:
-        context = multiprocessing.get_context("spawn")
-        self._stop = context.Event()
-        self._results: Queue[tuple[float, dict[int, int]]] = context.Queue()
-        self._process = context.Process(
-            target=probe, args=(url, self._stop, self._results), daemon=True
-        )
-        self.worst_s = 0.0
-        self.statuses: dict[int, int] = {}
-
-    def __enter__(self) -> Bystander:
-        self._process.start()
-        time.sleep(1.0)  # the spawned interpreter imports httpx before it probes
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        time.sleep(0.3)  # a few probes after the attack too
-        self._stop.set()
-        self.worst_s, self.statuses = self._results.get(timeout=60)
-        self._process.join(timeout=30)
 
 
 def test_json_list_and_gzip_bodies_are_refused_before_they_are_parsed(
@@ -124,21 +65,20 @@ def test_json_list_and_gzip_bodies_are_refused_before_they_are_parsed(
                 details.append(response.text[:300])
 
     log_before = server.log()
-    with Bystander(server.url) as bystander:
+    with Bystander(server) as bystander:
         baseline_kb = reset_peak(server)
         threads = [threading.Thread(target=client, args=(i,)) for i in range(6)]
         for thread in threads:
             thread.start()
         for thread in threads:
             thread.join(timeout=120)
-        growth = (peak_kb(server) - baseline_kb) * 1024
+        growth = (memory_kb(server)["VmHWM"] - baseline_kb) * 1024
     assert statuses
     assert set(statuses) <= {422, 503}, collections.Counter(statuses)
     assert 503 in statuses  # refused because the others held the room, not only alone
     assert all("SDPA_MAX_INFLIGHT_BYTES" in said for said in details)
     assert growth < 2 * BOUND, f"peak RSS grew {growth / MB:.0f} MiB"
-    assert set(bystander.statuses) == {200}
-    assert bystander.worst_s < 1.0
+    bystander.assert_served()
     log = server.log()[len(log_before) :]
     assert '"status": 500' not in log
     assert '"status":500' not in log

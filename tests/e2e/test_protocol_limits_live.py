@@ -18,13 +18,17 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
-from pathlib import Path
-from urllib.parse import urlsplit
 
-import httpx
 import pytest
 
+from tests.support.attack import (
+    Bystander,
+    assert_clean_log,
+    connect,
+    memory_kb,
+    metric,
+    reset_peak,
+)
 from tests.support.live_server import LiveServer, live_server
 
 pytestmark = pytest.mark.slow
@@ -47,73 +51,6 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
     }
     with live_server(env, tmp_path=tmp_path_factory.mktemp("protocol")) as live:
         yield live
-
-
-def connect(server: LiveServer, timeout: float = 10) -> socket.socket:
-    url = urlsplit(server.url)
-    assert url.hostname is not None
-    return socket.create_connection((url.hostname, url.port or 80), timeout=timeout)
-
-
-def memory_kb(server: LiveServer) -> dict[str, int]:
-    status = Path(f"/proc/{server.process.pid}/status").read_text()
-    return {
-        name: int(value.split()[0])
-        for name, value in (line.split(":", 1) for line in status.splitlines())
-        if name in ("VmRSS", "VmHWM")
-    }
-
-
-def reset_peak(server: LiveServer) -> int:
-    """Reset the server's VmHWM to its current RSS (Linux: clear_refs 5) -> that RSS in kB."""
-    Path(f"/proc/{server.process.pid}/clear_refs").write_text("5")
-    return memory_kb(server)["VmHWM"]
-
-
-def metric(server: LiveServer, series: str) -> float:
-    for line in httpx.get(f"{server.url}/metrics", timeout=10).text.splitlines():
-        if line.startswith(series + " "):
-            return float(line.split()[-1])
-    return 0.0
-
-
-def assert_clean_log(server: LiveServer) -> None:
-    log = server.log()
-    assert '"status":500' not in log
-    assert "Traceback" not in log
-
-
-@dataclass
-class Bystander:
-    """Another client: GET /healthz every 0.15 s on a keep-alive connection of its own."""
-
-    server: LiveServer
-    worst_s: float = 0.0
-    statuses: list[int] = field(default_factory=list)
-    _stop: threading.Event = field(default_factory=threading.Event)
-
-    def _run(self) -> None:
-        with httpx.Client(base_url=self.server.url, timeout=10) as client:
-            while not self._stop.is_set():
-                started = time.monotonic()
-                self.statuses.append(client.get("/healthz").status_code)
-                self.worst_s = max(self.worst_s, time.monotonic() - started)
-                self._stop.wait(0.15)
-
-    def __enter__(self) -> Bystander:
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        time.sleep(0.3)  # a few probes after the attack too
-        self._stop.set()
-        self._thread.join(timeout=15)
-
-    def assert_served(self) -> None:
-        assert self.statuses
-        assert set(self.statuses) == {200}
-        assert self.worst_s < 1.0, f"a bystander's request took {self.worst_s:.2f} s"
 
 
 def stream_until_answered(
@@ -158,7 +95,7 @@ def test_a_header_streamed_without_end_gets_431_and_costs_no_memory(
     lines grew the server by 6.6 GB."""
     refused = metric(server, 'sdpa_rejected_total{reason="header_too_large"}')
     baseline_kb = reset_peak(server)
-    with Bystander(server) as bystander, connect(server) as sock:
+    with Bystander(server, small=False, every_s=0.15) as bystander, connect(server) as sock:
         sock.sendall(HEAD + (b"X-Big: " if piece == b"a" else b""))
         started = time.monotonic()
         answer, sent = stream_until_answered(sock, piece, max_bytes=64 * MiB, seconds=20)
@@ -180,7 +117,7 @@ def test_headers_trickled_steadily_get_408_at_their_deadline(server: LiveServer)
     does (before it, 20 such clients held a cap of 20 for as long as they liked)."""
     timed_out = metric(server, 'sdpa_rejected_total{reason="header_timeout"}')
     request = HEAD + b"X-Slow: " + b"s" * 100
-    with Bystander(server) as bystander, connect(server) as sock:
+    with Bystander(server, small=False, every_s=0.15) as bystander, connect(server) as sock:
         started = time.monotonic()
         answer = b""
         for byte in request:  # bounded: the deadline comes after about 7 bytes
@@ -209,7 +146,7 @@ def test_pipelined_requests_never_read_stop_the_reading_not_the_server(
     baseline_kb = reset_peak(server)
     request = b"GET /healthz HTTP/1.1\r\nHost: t\r\n\r\n"
     sent = 0
-    with Bystander(server) as bystander, connect(server) as sock:
+    with Bystander(server, small=False, every_s=0.15) as bystander, connect(server) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
         sock.settimeout(0.5)
         deadline = time.monotonic() + 10
@@ -279,7 +216,7 @@ def test_a_slowloris_at_the_cap_is_closed_to_admit_others(capped: LiveServer) ->
         thread.start()
     try:
         time.sleep(1.0)  # every trickler connected: the cap is reached
-        with Bystander(capped) as bystander:
+        with Bystander(capped, small=False, every_s=0.15) as bystander:
             time.sleep(8.0)
     finally:
         stop.set()
