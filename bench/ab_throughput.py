@@ -30,21 +30,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:  # run as a script: make `bench` importable
     sys.path.insert(0, str(REPO_ROOT))
 
-from bench.support import free_port, wait_until_ready  # noqa: E402
-
-
-def serve(tree: Path, log: Path) -> tuple[str, subprocess.Popen[bytes]]:
-    """The service of `tree` on a free loopback port -> (its URL, its process)."""
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SDPA_")}
-    env.update({"SDPA_DEVICE": "cpu", "PYTHONPATH": str(tree)})
-    command = [sys.executable, "-m", "service.cli", "serve", "--host", "127.0.0.1",
-               "--port", str(port)]  # fmt: skip
-    with log.open("wb") as out:
-        process = subprocess.Popen(command, cwd=tree, env=env, stdout=out, stderr=out)
-    url = f"http://127.0.0.1:{port}"
-    wait_until_ready(url, process, timeout=90.0)
-    return url, process
+from bench.support import live_server  # noqa: E402
 
 
 def load(
@@ -82,18 +68,14 @@ def main() -> None:
         for round_ in range(args.rounds):
             order = ("old", "new") if round_ % 2 == 0 else ("new", "old")
             for side in order:
-                url, process = serve(trees[side], Path(tmp) / f"{side}-{round_}.log")
-                try:
+                with live_server({}, tmp_path=Path(tmp), tree=trees[side]) as server:
                     result = load(
-                        url,
+                        server.url,
                         seconds=args.seconds,
                         concurrency=args.concurrency,
                         protocol=args.protocol,
                         out=Path(tmp) / f"{side}-{round_}.json",
                     )
-                finally:
-                    process.terminate()
-                    process.wait(timeout=60)
                 runs[side].append(result)
                 print(
                     f"round {round_} {side}: {result['throughput']:.0f} req/s, p50 "

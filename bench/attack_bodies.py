@@ -3,10 +3,10 @@ body holds, the largest JSON-list bodies alone and six at once, compressed bodie
 and codings in headers. Each attack runs beside a bystander that probes /healthz and sends a
 small request every 0.15 s.
 
-    .venv/bin/python bench/attack_bodies.py parse-peak       # ~1 min, no server
-    .venv/bin/python bench/attack_bodies.py json-body        # ~1 min
-    .venv/bin/python bench/attack_bodies.py bodies-flood     # ~1 min
-    .venv/bin/python bench/attack_bodies.py header-numbers   # ~30 s
+    .venv/bin/python bench/attacks.py parse-peak       # ~1 min, no server
+    .venv/bin/python bench/attacks.py json-body        # ~1 min
+    .venv/bin/python bench/attacks.py bodies-flood     # ~1 min
+    .venv/bin/python bench/attacks.py header-numbers   # ~30 s
 
 parse-peak: no server; q, k, v bodies prepared as the service prepares them, each in a fresh
 process, with the growth of its peak RSS (VmHWM after clear_refs) per JSON separator, beside
@@ -27,10 +27,8 @@ header-numbers: Content-Length and Inference-Header-Content-Length of 5,000 lead
 4,301 digits (int() refuses strings past 4,300 digits), multi-member gzip, two Content-Encoding
 headers, three codings: each status and time on a raw socket, then the log's 500s.
 
-To compare with an older server, run this file from a checkout of that commit (it takes
-bench/support.py from the tree it sits in):
-    git archive COMMIT | tar -x -C /tmp/old && cp bench/attack_bodies.py /tmp/old/bench/
-    cd /tmp/old && /path/to/.venv/bin/python bench/attack_bodies.py json-body
+To compare with an older server: `git worktree add /tmp/old COMMIT`, then
+`.venv/bin/python bench/attacks.py --tree /tmp/old json-body`.
 
 Every loop is bounded in time and count; the server listens on 127.0.0.1. Figures on a shared
 machine are noisy: rerun on a quiet one.
@@ -38,23 +36,16 @@ machine are noisy: rerun on a quiet one.
 
 from __future__ import annotations
 
-import argparse
 import collections
 import gzip
 import json
-import multiprocessing
-import re
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import zlib
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from multiprocessing.queues import Queue
-from multiprocessing.synchronize import Event as EventType
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -63,11 +54,17 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:  # run as a script: make `bench` importable
     sys.path.insert(0, str(REPO_ROOT))
 
-from bench.support import BenchServer, live_server  # noqa: E402
+from bench.support import (  # noqa: E402
+    SMALL,
+    Bystander,
+    attacked_server,
+    log_summary,
+    memory_mb,
+    reset_peak,
+)
 
 MB = 2**20
 BOUND = 512 * MB  # the issue's SDPA_MAX_INFLIGHT_BYTES for these attacks
-SMALL = {"q": [[1.0, 0.0]], "k": [[1.0, 0.0]], "v": [[1.0, 2.0]]}
 JSON = {"content-type": "application/json"}
 # q, k, v [1, 1, N, 64] of "0.5": 322 bytes a row, so N = 138,000 makes a body just under the
 # default SDPA_MAX_BODY_BYTES (128 MiB) of 5-byte numbers, each parsed into a Python float.
@@ -76,98 +73,6 @@ SEPARATORS = (b",", b"[", b"{", b":")
 
 
 # ---- the server and its bystander ------------------------------------------------------------
-
-
-def memory_mb(server: BenchServer) -> dict[str, float]:
-    fields = {}
-    for line in Path(f"/proc/{server.process.pid}/status").read_text().splitlines():
-        if line.startswith(("VmRSS", "VmHWM")):
-            name, value = line.split(":")
-            fields[name] = int(value.split()[0]) / 1024
-    return fields
-
-
-def reset_peak(server: BenchServer) -> float:
-    """Reset the server's VmHWM to its RSS now (Linux: clear_refs 5) -> that RSS in MB."""
-    Path(f"/proc/{server.process.pid}/clear_refs").write_text("5")
-    return memory_mb(server)["VmHWM"]
-
-
-def log_path(server: BenchServer, tmp: Path) -> Path:
-    """bench.support.live_server writes the server's output to tmp/server-PORT.log."""
-    return tmp / f"server-{server.url.rsplit(':', 1)[1]}.log"
-
-
-def log_errors(path: Path) -> str:
-    """The 500s in the access log and the tracebacks in the server's output."""
-    text = path.read_text(encoding="utf-8", errors="replace")
-    five_hundreds = len(re.findall(r'"status": ?500\b', text))
-    return f"500s in the log: {five_hundreds}, tracebacks: {text.count('Traceback')}"
-
-
-# What a bystander saw: its latencies (ms), its statuses, the requests that got no answer.
-Probed = tuple[list[float], dict[int, int], int]
-
-
-def probe(url: str, every_s: float, stop: EventType, results: Queue[Probed]) -> None:
-    """GET /healthz and a small POST /v1/attention every `every_s` seconds until `stop`."""
-    latencies_ms: list[float] = []
-    statuses: collections.Counter[int] = collections.Counter()
-    failures = 0
-    with httpx.Client(base_url=url, timeout=10) as client:
-        while not stop.is_set():
-            for method, path in (("GET", "/healthz"), ("POST", "/v1/attention")):
-                started = time.perf_counter()
-                try:
-                    small = SMALL if method == "POST" else None
-                    statuses[client.request(method, path, json=small).status_code] += 1
-                except httpx.HTTPError:
-                    failures += 1
-                latencies_ms.append((time.perf_counter() - started) * 1e3)
-            stop.wait(every_s)
-    results.put((latencies_ms, dict(statuses), failures))
-
-
-class Bystander:
-    """Another client, in a process of its own (the attack's client threads would otherwise
-    take turns with it for this process's GIL, and its latencies would be theirs)."""
-
-    def __init__(self, url: str, every_s: float = 0.15) -> None:
-        context = multiprocessing.get_context("spawn")
-        self._stop = context.Event()
-        self._results: Queue[Probed] = context.Queue()
-        self._process = context.Process(
-            target=probe, args=(url, every_s, self._stop, self._results), daemon=True
-        )
-        self.latencies_ms: list[float] = []
-        self.statuses: dict[int, int] = {}
-        self.failures = 0
-
-    def __enter__(self) -> Bystander:
-        self._process.start()
-        time.sleep(1.0)  # the spawned interpreter imports httpx before it probes
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        time.sleep(0.5)  # a few probes after the attack too
-        self._stop.set()
-        self.latencies_ms, self.statuses, self.failures = self._results.get(timeout=60)
-        self._process.join(timeout=30)
-
-    def summary(self) -> str:
-        ms = sorted(self.latencies_ms) or [0.0]
-        p99 = ms[min(len(ms) - 1, int(0.99 * len(ms)))]
-        return (
-            f"bystander: {len(self.latencies_ms)} requests, p50 {ms[len(ms) // 2]:.0f} ms, "
-            f"p99 {p99:.0f} ms, max {ms[-1]:.0f} ms, statuses {self.statuses}, "
-            f"no answer {self.failures}"
-        )
-
-
-@contextmanager
-def attacked_server(env: dict[str, str]) -> Iterator[tuple[BenchServer, Path]]:
-    with tempfile.TemporaryDirectory() as tmp, live_server(env, tmp_path=Path(tmp)) as server:
-        yield server, Path(tmp)
 
 
 # ---- bodies ----------------------------------------------------------------------------------
@@ -302,7 +207,7 @@ def json_body() -> None:
     print(f"body: {len(body) / MB:.1f} MiB, separators {separators(body)}")
     for bound in (BOUND, None):
         env = {} if bound is None else {"SDPA_MAX_INFLIGHT_BYTES": str(bound)}
-        with attacked_server(env) as (server, tmp):
+        with attacked_server(env) as server:
             named = "the default" if bound is None else f"{bound // MB} MiB"
             with Bystander(server.url) as bystander, httpx.Client(timeout=300) as client:
                 baseline = reset_peak(server)
@@ -311,7 +216,7 @@ def json_body() -> None:
             print(f"SDPA_MAX_INFLIGHT_BYTES {named}: {said}")
             print(f"  peak RSS growth {growth:.0f} MB ({growth * MB / len(body):.1f}x the body)")
             print(f"  {bystander.summary()}")
-            print(f"  {log_errors(log_path(server, tmp))}")
+            print(f"  {log_summary(server.log())}")
 
 
 # ---- bodies-flood ----------------------------------------------------------------------------
@@ -323,7 +228,7 @@ def bodies_flood(seconds: float = 20.0, clients: int = 6, max_each: int = 40) ->
     print(f"bodies: JSON lists {len(body) / MB:.1f} MiB, gzip {len(packed) / MB:.2f} MiB")
     kinds = [("json", body, JSON), ("gzip", packed, {**JSON, "content-encoding": "gzip"})]
     env = {"SDPA_MAX_INFLIGHT_BYTES": str(BOUND)}
-    with attacked_server(env) as (server, tmp):
+    with attacked_server(env) as server:
         statuses: dict[str, collections.Counter[int | str]] = {
             name: collections.Counter() for name, _, _ in kinds
         }
@@ -363,7 +268,7 @@ def bodies_flood(seconds: float = 20.0, clients: int = 6, max_each: int = 40) ->
         print(bystander.summary())
         metrics = httpx.get(f"{server.url}/metrics").text.splitlines()
         print("refused:", [m for m in metrics if m.startswith("sdpa_rejected_total")])
-        print(log_errors(log_path(server, tmp)))
+        print(log_summary(server.log()))
 
 
 # ---- header-numbers --------------------------------------------------------------------------
@@ -419,12 +324,12 @@ def header_numbers() -> None:
          ["/v1/attention", "Content-Type: application/json", "Content-Encoding: gzip, gzip, gzip"],
          gzip.compress(gzip.compress(gzip.compress(small)))),
     ]  # fmt: skip
-    with attacked_server({}) as (server, tmp), Bystander(server.url) as bystander:
+    with attacked_server({}) as server, Bystander(server.url) as bystander:
         for name, head, body in cases:
             if not any(line.startswith("Content-Length") for line in head[1:]):
                 head = [*head, f"Content-Length: {len(body)}"]
             print(f"{name}: {raw_request(server.url, head, body)}")
-        print(log_errors(log_path(server, tmp)))
+        print(log_summary(server.log()))
     print(bystander.summary())
 
 
@@ -434,15 +339,3 @@ ATTACKS: dict[str, Callable[[], None]] = {
     "bodies-flood": bodies_flood,
     "header-numbers": header_numbers,
 }
-
-
-def main() -> int:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n", 1)[0])
-    parser.add_argument("attack", choices=list(ATTACKS))
-    args = parser.parse_args()
-    ATTACKS[args.attack]()
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -2,12 +2,12 @@
 how each bound answers, what the server's memory does, whether another client is still served,
 and how long the server takes to exit when SIGTERM comes in the middle of the attack.
 
-    .venv/bin/python bench/attack_protocol.py huge-header    # ~15 s: one header value streamed
-    .venv/bin/python bench/attack_protocol.py many-headers   # ~15 s: header lines streamed
-    .venv/bin/python bench/attack_protocol.py trickle        # ~25 s: 20 clients, a byte / 1.5 s
-    .venv/bin/python bench/attack_protocol.py pipeline       # ~15 s: GET /healthz never read
-    .venv/bin/python bench/attack_protocol.py sigterm        # ~90 s: SIGTERM during each attack
-    .venv/bin/python bench/attack_protocol.py all
+    .venv/bin/python bench/attacks.py huge-header    # ~15 s: one header value streamed
+    .venv/bin/python bench/attacks.py many-headers   # ~15 s: header lines streamed
+    .venv/bin/python bench/attacks.py trickle        # ~25 s: 20 clients, a byte / 1.5 s
+    .venv/bin/python bench/attacks.py pipeline       # ~15 s: GET /healthz never read
+    .venv/bin/python bench/attacks.py sigterm        # ~90 s: SIGTERM during each attack
+    .venv/bin/python bench/attacks.py all
 
 For every attack a bystander (its own keep-alive connection, a fresh one whenever the server
 closed it) sends GET /healthz every 0.15 s; printed: the status of the bound's answer and when it
@@ -30,18 +30,16 @@ attack is a function that starts its own server (bench/attacks.py runs them).
 
 from __future__ import annotations
 
-import argparse
 import collections
 import contextlib
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -50,85 +48,24 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:  # run as a script: make `bench` importable
     sys.path.insert(0, str(REPO_ROOT))
 
-from bench.support import BenchServer, live_server  # noqa: E402
+from bench.support import (  # noqa: E402
+    BenchServer,
+    Bystander,
+    attacked_server,
+    log_summary,
+    memory_mb,
+    metric,
+    reset_peak,
+)
 
 MiB = 2**20
 HEAD = b"GET /healthz HTTP/1.1\r\nHost: bench\r\n"
 PIPELINED = b"GET /healthz HTTP/1.1\r\nHost: bench\r\n\r\n"
 
 
-def memory_kb(server: BenchServer) -> dict[str, int]:
-    fields = {}
-    for line in Path(f"/proc/{server.process.pid}/status").read_text().splitlines():
-        if line.startswith(("VmRSS", "VmHWM")):
-            name, value = line.split(":")
-            fields[name] = int(value.split()[0])
-    return fields
-
-
-def reset_peak(server: BenchServer) -> int:
-    """Reset the server's VmHWM to its current RSS (Linux: clear_refs 5) -> that RSS in kB."""
-    Path(f"/proc/{server.process.pid}/clear_refs").write_text("5")
-    return memory_kb(server)["VmHWM"]
-
-
-def server_log(tmp: Path) -> str:
-    return "".join(p.read_text(errors="replace") for p in sorted(tmp.glob("server-*.log")))
-
-
-def metric(server: BenchServer, prefix: str) -> float:
-    """The sum of the /metrics samples whose line starts with `prefix`."""
-    text = httpx.get(f"{server.url}/metrics", timeout=10).text
-    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(prefix))
-
-
 def address(server: BenchServer) -> tuple[str, int]:
     host, port = server.url.removeprefix("http://").split(":")
     return host, int(port)
-
-
-@dataclass
-class Bystander:
-    """GET /healthz every `period_s` on a keep-alive connection of its own, in a thread."""
-
-    server: BenchServer
-    period_s: float = 0.15
-    latencies_ms: list[float] = field(default_factory=list)
-    statuses: collections.Counter[int | str] = field(default_factory=collections.Counter)
-    _stop: threading.Event = field(default_factory=threading.Event)
-
-    def _run(self) -> None:
-        with httpx.Client(base_url=self.server.url, timeout=10) as client:
-            while not self._stop.is_set():
-                started = time.perf_counter()
-                try:
-                    self.statuses[client.get("/healthz").status_code] += 1
-                except httpx.HTTPError as exc:
-                    self.statuses[type(exc).__name__] += 1
-                self.latencies_ms.append((time.perf_counter() - started) * 1e3)
-                self._stop.wait(self.period_s)
-
-    def __enter__(self) -> Bystander:
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(timeout=15)
-
-    def summary(self) -> str:
-        ms = sorted(self.latencies_ms) or [float("nan")]
-        p99 = ms[min(len(ms) - 1, int(0.99 * len(ms)))]
-        return (
-            f"bystander: {len(ms)} probes, p50 {ms[len(ms) // 2]:.0f} ms, p99 {p99:.0f} ms, "
-            f"max {ms[-1]:.0f} ms, {dict(self.statuses)}"
-        )
-
-
-def log_summary(log: str) -> str:
-    answers_500 = log.count('"status":500') + log.count('"status": 500')
-    return f"log: {answers_500} answers 500, {log.count('Traceback')} tracebacks"
 
 
 def read_answer(sock: socket.socket) -> bytes:
@@ -197,23 +134,17 @@ def status_of(answer: bytes) -> str:
     return first[:60]
 
 
-@contextlib.contextmanager
-def attacked_server(env: dict[str, str]) -> Iterator[tuple[BenchServer, Path]]:
-    with tempfile.TemporaryDirectory() as tmp, live_server(env, tmp_path=Path(tmp)) as server:
-        yield server, Path(tmp)
-
-
 def header_attack(name: str, piece: bytes, max_bytes: int) -> None:
-    with attacked_server({}) as (server, tmp):
+    with attacked_server({}) as server:
         info = httpx.get(f"{server.url}/v1/info").json()["limits"]
         bounds = {key: info.get(key) for key in ("max_header_bytes", "max_headers")}
         print(f"== {name}: limits {bounds}")
         refused_before = metric(server, 'sdpa_rejected_total{reason="header_too_large"}')
         baseline = reset_peak(server)
-        with Bystander(server) as bystander:
+        with Bystander(server.url, small=False) as bystander:
             result = stream_header(server, piece, max_bytes=max_bytes, seconds=10)
             time.sleep(0.5)
-        growth = (memory_kb(server)["VmHWM"] - baseline) / 1024
+        growth = memory_mb(server)["VmHWM"] - baseline
         refused = metric(server, 'sdpa_rejected_total{reason="header_too_large"}')
         when = "never" if result.answered_after_s is None else f"{result.answered_after_s:.2f} s"
         sent = result.sent_bytes / MiB
@@ -223,7 +154,7 @@ def header_attack(name: str, piece: bytes, max_bytes: int) -> None:
         )
         print(f"peak RSS growth: {growth:.0f} MiB")
         print(bystander.summary())
-        print(log_summary(server_log(tmp)))
+        print(log_summary(server.log()))
 
 
 def huge_header() -> None:
@@ -266,7 +197,7 @@ def trickler(
 
 def trickle(read_timeout_s: float = 5.0, seconds: float = 20.0) -> None:
     env = {"SDPA_MAX_CONNECTIONS": "20", "SDPA_READ_TIMEOUT_S": str(read_timeout_s)}
-    with attacked_server(env) as (server, tmp):
+    with attacked_server(env) as server:
         print(
             f"== 20 trickling clients, SDPA_MAX_CONNECTIONS=20, SDPA_READ_TIMEOUT_S="
             f"{read_timeout_s:g}, {seconds:g} s"
@@ -280,12 +211,12 @@ def trickle(read_timeout_s: float = 5.0, seconds: float = 20.0) -> None:
         for thread in threads:
             thread.start()
         time.sleep(0.5)  # every trickler connected
-        with Bystander(server) as bystander:
+        with Bystander(server.url, small=False) as bystander:
             time.sleep(seconds)
         stop.set()
         for thread in threads:
             thread.join(timeout=10)
-        growth = (memory_kb(server)["VmHWM"] - baseline) / 1024
+        growth = memory_mb(server)["VmHWM"] - baseline
         rejected = {
             reason: metric(server, f'sdpa_rejected_total{{reason="{reason}"}}')
             for reason in ("header_timeout", "read_timeout", "connections")
@@ -294,7 +225,7 @@ def trickle(read_timeout_s: float = 5.0, seconds: float = 20.0) -> None:
         print("refusals counted:", rejected)
         print(f"peak RSS growth: {growth:.0f} MiB")
         print(bystander.summary())
-        print(log_summary(server_log(tmp)))
+        print(log_summary(server.log()))
 
 
 def flood_pipeline(
@@ -321,13 +252,13 @@ def flood_pipeline(
 
 
 def pipeline(seconds: float = 10.0) -> None:
-    with attacked_server({}) as (server, tmp):
+    with attacked_server({}) as server:
         print(f"== pipelined GET /healthz, never read, {seconds:g} s")
         paused_before = metric(server, "sdpa_connection_reads_paused_total")
         baseline = reset_peak(server)
-        with Bystander(server) as bystander:
+        with Bystander(server.url, small=False) as bystander:
             sent, stalled = flood_pipeline(server, seconds)
-        growth = (memory_kb(server)["VmHWM"] - baseline) / 1024
+        growth = memory_mb(server)["VmHWM"] - baseline
         paused = metric(server, "sdpa_connection_reads_paused_total") - paused_before
         stall = "never" if stalled is None else f"after {stalled:.2f} s"
         print(
@@ -336,7 +267,7 @@ def pipeline(seconds: float = 10.0) -> None:
         )
         print(f"peak RSS growth: {growth:.0f} MiB")
         print(bystander.summary())
-        print(log_summary(server_log(tmp)))
+        print(log_summary(server.log()))
 
 
 def json_list_body(mib: int = 128) -> bytes:
@@ -354,11 +285,11 @@ def sigterm_during(
     env: dict[str, str],
     after_s: float = 2.0,
 ) -> None:
-    with attacked_server(env) as (server, tmp):
+    with attacked_server(env) as server:
         stop = threading.Event()
         thread = threading.Thread(target=attack, args=(server, stop), daemon=True)
         thread.start()
-        with Bystander(server) as bystander:
+        with Bystander(server.url, small=False) as bystander:
             time.sleep(after_s)
             signalled = time.monotonic()
             server.process.send_signal(signal.SIGTERM)
@@ -369,7 +300,7 @@ def sigterm_during(
             exited_s = time.monotonic() - signalled
         stop.set()
         thread.join(timeout=10)
-        log = server_log(tmp)
+        log = server.log()
         print(
             f"== SIGTERM during {name}: exit {code} after {exited_s:.1f} s; "
             f"{bystander.summary()}; {log_summary(log)}"
@@ -416,17 +347,3 @@ ATTACKS: dict[str, Callable[[], None]] = {
     "pipeline": pipeline,
     "sigterm": sigterm,
 }
-
-
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    parser.add_argument("attack", choices=[*ATTACKS, "all"])
-    args = parser.parse_args()
-    for name, attack in ATTACKS.items():
-        if args.attack in (name, "all"):
-            attack()
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

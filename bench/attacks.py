@@ -1,9 +1,22 @@
-"""Resource attacks against a real server, measured: what the largest requests and the
-clients that never read cost, and whether /healthz keeps answering.
+"""Attacks against a real server, measured: what each costs the server (status and time of the
+bound's answer, peak RSS growth) and whether another client is still served beside it.
 
-    .venv/bin/python bench/attacks.py near-limit   # ~1 min: the work limit's edge
-    .venv/bin/python bench/attacks.py never-read   # ~30 s: 12 clients leave 89 MB unread
-    .venv/bin/python bench/attacks.py long-flood   # ~40 s: 16 clients loop long requests
+    .venv/bin/python bench/attacks.py ATTACK [ATTACK ...]     # or: all
+    .venv/bin/python bench/attacks.py --tree /tmp/old ATTACK  # the same against older code
+
+--tree serves another checkout (a `git worktree add /tmp/old COMMIT`) with this .venv: the
+attacks are this tree's, the server that one's (before-and-after figures).
+
+The resources issue (here):
+    near-limit      ~1 min: requests around the work limit (10 s of device time)
+    never-read      ~30 s: 12 clients leave 89 MB answers unread
+    long-flood      ~40 s: 16 clients loop long requests beside a small one
+The hardening issue (23):
+    huge-header, many-headers, trickle, pipeline, sigterm   bench/attack_protocol.py
+    parse-peak, json-body, bodies-flood, header-numbers    bench/attack_bodies.py
+    decode-costs, slow-bodies                              bench/attack_decode.py
+    wrong-answers   ~30 s: the misleading answers (here)
+    long requests sharing a deadline: bench/long_deadlines.py (old vs new batcher)
 
 near-limit: q = k = v of [1, 1, N, D] around the default work limit (10 s of device time),
 fused and chunked, each sent while /healthz is probed every 0.2 s; prints the status, the time,
@@ -16,9 +29,13 @@ the worst /healthz latency.
 
 long-flood: the largest legal synthetic /v1/analyze (8192 x 8192 scores, the weights-element
 limit) and the next size up; then, for 25 s, 16 clients each looping long requests (half the
-synthetic analyze, half a 16 MB summary attention: long requests take turns in tiles, at most
-2 x MAX_RUNNING_LONG at once) beside a small client every 20 ms; prints the long requests'
-statuses, the small client's p50 / p99 / max, and the server's peak RSS.
+synthetic analyze, half a 16 MB summary attention: at most 2 x MAX_RUNNING_LONG long requests
+run at once) beside a small client every 20 ms; prints the long requests' statuses, the small
+client's p50 / p99 / max, and the server's peak RSS.
+
+wrong-answers (SDPA_API_KEYS set): a scale infinite in float32 with diagnostics "none"; 90 API
+keys in one request; 2,000 distinct tags from one client; booleans among v2 FP32 numbers; a
+refusal's route label. Prints each status and what /metrics says of it.
 
 Every loop is bounded in time; the server listens on 127.0.0.1.
 """
@@ -29,11 +46,13 @@ import argparse
 import base64
 import collections
 import json
+import re
 import socket
 import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -43,23 +62,21 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:  # run as a script: make `bench` importable
     sys.path.insert(0, str(REPO_ROOT))
 
+from bench import attack_bodies, attack_decode, attack_protocol  # noqa: E402
 from bench.support import (  # noqa: E402
     LONG_ANALYZE,
-    BenchServer,
+    SMALL,
+    Bystander,
+    attacked_server,
     live_server,
+    log_summary,
     long_attention_body,
+    memory_mb,
+    metric,
+    serve_from,
 )
 
 MB = 2**20
-
-
-def memory_mb(server: BenchServer) -> dict[str, int]:
-    fields = {}
-    for line in Path(f"/proc/{server.process.pid}/status").read_text().splitlines():
-        if line.startswith(("VmRSS", "VmHWM")):
-            name, value = line.split(":")
-            fields[name] = int(value.split()[0]) // 1024
-    return fields
 
 
 def tensor_body(n: int, d: int, **options: object) -> bytes:
@@ -196,14 +213,75 @@ def long_flood(seconds: float = 25.0, clients: int = 16) -> None:
         print("peak MB:", memory_mb(server))
 
 
-ATTACKS = {"near-limit": near_limit, "never-read": never_read, "long-flood": long_flood}
+def wrong_answers() -> None:
+    key = "bench-key"
+    auth = {"X-API-Key": key}
+    with (
+        attacked_server({"SDPA_API_KEYS": key}) as server,
+        Bystander(server.url, headers=auth) as bystander,
+    ):
+        with httpx.Client(base_url=server.url, timeout=30, headers=auth) as client:
+            x = [[1.0, 0.0], [2.0, 0.0]]  # every q.k > 0: -1e308 made every score -inf
+            body = {"q": x, "k": x, "v": x, "scale": -1e308, "diagnostics": "none"}
+            answer = client.post("/v1/attention", json=body)
+            print(f"scale -1e308, diagnostics none: {answer.status_code} {answer.text[:120]}")
+            # 90: the request's other header lines stay under SDPA_MAX_HEADERS (100).
+            guesses = [("X-API-Key", f"guess-{i}") for i in range(89)] + [("X-API-Key", key)]
+            answer = httpx.post(f"{server.url}/v1/attention", json=SMALL, headers=guesses)
+            print(f"90 API keys in one request: {answer.status_code} {answer.text[:120]}")
+            started = time.monotonic()
+            small = {**SMALL, "diagnostics": "summary"}
+            statuses = collections.Counter(
+                client.post("/v1/attention", json={**small, "tag": f"t{i}"}).status_code
+                for i in range(2000)
+            )
+            print(f"2,000 distinct tags in {time.monotonic() - started:.1f} s: {dict(statuses)}")
+            inputs = [
+                {"name": n, "datatype": "FP32", "shape": [1, 2], "data": [1.0, True]}
+                for n in ("q", "k", "v")
+            ]
+            answer = client.post("/v2/models/attention/infer", json={"inputs": inputs})
+            print(f"v2 FP32 data with a boolean: {answer.status_code} {answer.text[:120]}")
+            metrics = client.get("/metrics").text
+        tags = set(
+            re.findall(r'^sdpa_health_observations_total\{[^}]*tag="([^"]+)"', metrics, re.M)
+        )
+        print(f"tags with series of their own: {len(tags - {'other'})} (+ other)")
+        for series in (
+            'sdpa_rejected_total{reason="unauthorized"}',
+            'sdpa_requests_total{route="/v1/attention",status="401"}',
+            "sdpa_health_tags_evicted_total",
+        ):
+            print(f"{series} {metric(server, series, headers=auth)}")
+        print(log_summary(server.log()))
+    print(bystander.summary())
+
+
+ATTACKS: dict[str, Callable[[], None]] = {
+    "near-limit": near_limit,
+    "never-read": never_read,
+    "long-flood": long_flood,
+    **attack_protocol.ATTACKS,
+    **attack_bodies.ATTACKS,
+    **attack_decode.ATTACKS,
+    "wrong-answers": wrong_answers,
+}
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    parser.add_argument("attack", choices=list(ATTACKS))
+    parser = argparse.ArgumentParser(
+        description=" ".join(__doc__.split("\n\n", 1)[0].split()),
+        epilog="attacks: " + ", ".join(ATTACKS),
+    )
+    parser.add_argument("attacks", nargs="+", choices=[*ATTACKS, "all"], metavar="ATTACK")
+    parser.add_argument("--tree", type=Path, help="serve this checkout instead (older code)")
     args = parser.parse_args()
-    ATTACKS[args.attack]()
+    if args.tree is not None:
+        serve_from(args.tree)
+    for name, attack in ATTACKS.items():
+        if name in args.attacks or "all" in args.attacks:
+            print(f"== {name}", flush=True)
+            attack()
     return 0
 
 

@@ -36,8 +36,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -48,7 +47,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:  # run as a script: make `bench` importable
     sys.path.insert(0, str(REPO_ROOT))
 
-from bench.support import BenchServer, free_port, wait_until_ready  # noqa: E402
+from bench.support import live_server  # noqa: E402
 
 RESULTS = REPO_ROOT / "bench" / "results"
 ANALYZE = {"synthetic": {"n_q": 3072, "n_k": 3072, "d_k": 64, "std": 1.0, "seed": 0}}
@@ -81,30 +80,6 @@ def old_tree(baseline: str, into: Path) -> Path:
         )
     (into / BATCHER).write_text(git("show", f"{baseline}:{BATCHER}"))
     return into
-
-
-@contextmanager
-def serve(tree: Path, log_dir: Path) -> Iterator[BenchServer]:
-    """`python -m service.cli serve` run from `tree` (its packages come first on sys.path),
-    default settings on the CPU, on a free loopback port; stopped with SIGTERM."""
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SDPA_")}
-    env["SDPA_DEVICE"] = "cpu"
-    command = [sys.executable, "-m", "service.cli", "serve", "--host", "127.0.0.1",
-               "--port", str(port)]  # fmt: skip
-    with (log_dir / f"server-{port}.log").open("wb") as log:
-        process = subprocess.Popen(command, cwd=tree, env=env, stdout=log, stderr=log)
-    server = BenchServer(url=f"http://127.0.0.1:{port}", process=process)
-    try:
-        wait_until_ready(server.url, process, timeout=90.0)
-        yield server
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout=10)
 
 
 def compute_seconds(url: str) -> float:
@@ -216,7 +191,10 @@ def main() -> int:
     started = time.monotonic()
     with tempfile.TemporaryDirectory() as tmp, ExitStack() as stack:
         trees = {"new": REPO_ROOT, "old": old_tree(baseline, Path(tmp) / "old")}
-        servers = {name: stack.enter_context(serve(trees[name], Path(tmp))) for name in names}
+        servers = {
+            name: stack.enter_context(live_server({}, tmp_path=Path(tmp), tree=trees[name]))
+            for name in names
+        }
         for number in range(1, args.rounds + 1):
             for name in names:  # alternated, so a change in the machine's load hits both
                 if time.monotonic() - started > args.max_seconds:
