@@ -30,6 +30,7 @@ from service.serving.health import HealthMonitor
 from service.serving.offload import decode_inline, encode_inline, off_loop_if, run_decoding
 from service.serving.prepare import PreparedRequest, prepare_analyze, prepare_attention
 from service.settings import Settings
+from service.wire.json_arrays import PIECES
 
 T = TypeVar("T")
 OutcomeT = TypeVar("OutcomeT", AttentionOutcome, AnalyzeOutcome)
@@ -140,14 +141,18 @@ def answered(
 
 async def attention(body: bytes, call: Call) -> Reply:
     """POST /v1/attention: body -> output, weights and diagnostics, with their timing."""
+    inline = decode_inline(body)
     request = await counting_nonfinite(
         call,
         run_decoding(
-            decode_inline(body),
+            inline,
             prepare_attention,
             body,
             call.settings,
             call.cost_model,
+            # Off the loop, big lists of numbers are parsed in pieces: the parser and numpy
+            # hold the GIL, and so the loop, only a piece at a time.
+            pieces=None if inline else PIECES,
         ),
     )
     decoded = time.monotonic()
@@ -173,7 +178,15 @@ async def analyze(body: bytes, call: Call) -> Reply:
     """POST /v1/analyze: body -> the scaling report, with its timing."""
     # Always off the loop: synthetic inputs are generated here, and analysis is not a hot path.
     request = await counting_nonfinite(
-        call, run_decoding(False, prepare_analyze, body, call.settings, call.cost_model)
+        call,
+        run_decoding(
+            False,
+            prepare_analyze,
+            body,
+            call.settings,
+            call.cost_model,
+            pieces=None if decode_inline(body) else PIECES,
+        ),
     )
     decoded = time.monotonic()
     outcome, batch, meta = await run_prepared(request, call, AnalyzeOutcome)

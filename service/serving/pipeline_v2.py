@@ -15,6 +15,7 @@ from service.serving.encode_v2 import InferAnswer, encode_infer, json_output_num
 from service.serving.offload import decode_inline, encode_inline, off_loop_if, run_decoding
 from service.serving.pipeline import Call, answered, counting_nonfinite, run_prepared
 from service.serving.prepare_v2 import prepare_infer
+from service.wire.json_arrays import PIECES
 from service.wire.lengths import parse_length
 
 
@@ -45,6 +46,7 @@ async def infer(body: bytes, header_length: str | None, call: Call) -> InferRepl
             header_length,
             call.settings,
             call.cost_model,
+            pieces=None if inline else PIECES,  # as v1's (service.serving.pipeline)
         ),
     )
     request = prepared.request

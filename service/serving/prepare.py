@@ -30,13 +30,20 @@ from service.serving.limits import (
 )
 from service.settings import Settings
 from service.wire.codec import EncodingName, decode_int_list, decode_tensor, loads_request
+from service.wire.json_arrays import Pieces, SlotOf
 from service.wire.models import (
     AnalyzeRequest,
     AttentionRequest,
     CustomStrategy,
     Synthetic,
+    array_slots,
     validate_request,
 )
+from service.wire.number_lists import NumberArray
+
+# Where each endpoint's model reads a list (service.wire.json_arrays).
+_ATTENTION_SLOTS: Final = array_slots(AttentionRequest)
+_ANALYZE_SLOTS: Final = array_slots(AnalyzeRequest)
 
 _TORCH_DTYPES: Final = {
     "float16": torch.float16,
@@ -68,7 +75,7 @@ class _Masks:
 
 
 def _decode_masks(
-    key_lengths: list[Any] | int | None,
+    key_lengths: list[Any] | NumberArray | int | None,
     key_padding_mask: Any,
     attn_mask: Any,
     *,
@@ -95,10 +102,13 @@ def _decode_masks(
     )
 
 
-def prepare_attention(body: bytes, settings: Settings, cost: CostModel) -> PreparedRequest:
+def prepare_attention(
+    body: bytes, settings: Settings, cost: CostModel, *, pieces: Pieces | None = None
+) -> PreparedRequest:
     """Body bytes -> a validated attention job within every limit. Raises InvalidRequest /
-    SdpaError (422)."""
-    req = validate_request(loads_request(body), AttentionRequest)
+    SdpaError (422). With `pieces`, its big lists of numbers are parsed in pieces (a body that
+    decodes off the event loop: service.wire.json_arrays); the answer is the same."""
+    req = validate_request(_loads(body, _ATTENTION_SLOTS, pieces), AttentionRequest)
     limit = settings.max_elements
     q = decode_tensor(req.q, loc=("body", "q"), role="float", max_elements=limit)
     k = decode_tensor(req.k, loc=("body", "k"), role="float", max_elements=limit)
@@ -127,6 +137,12 @@ def prepare_attention(body: bytes, settings: Settings, cost: CostModel) -> Prepa
         cost=cost,
         tag=req.tag,
     )
+
+
+def _loads(body: bytes, slots: SlotOf, pieces: Pieces | None) -> Any:
+    if pieces is None:
+        return loads_request(body)
+    return loads_request(body, slot_of=slots, pieces=pieces)
 
 
 def temperature_scale(temperature: float, q: torch.Tensor) -> float | None:
@@ -241,10 +257,12 @@ def _synthetic(
     return q, k
 
 
-def prepare_analyze(body: bytes, settings: Settings, cost: CostModel) -> PreparedRequest:
+def prepare_analyze(
+    body: bytes, settings: Settings, cost: CostModel, *, pieces: Pieces | None = None
+) -> PreparedRequest:
     """Body bytes -> a validated analysis job within every limit. Raises InvalidRequest /
-    SdpaError (422)."""
-    req = validate_request(loads_request(body), AnalyzeRequest)
+    SdpaError (422). `pieces` as for prepare_attention."""
+    req = validate_request(_loads(body, _ANALYZE_SLOTS, pieces), AnalyzeRequest)
     limit = settings.max_elements
     strategies = (
         None

@@ -21,8 +21,9 @@ from service.runtime.policy import CostModel
 from service.serving.prepare import PreparedRequest, prepare_attention_job, temperature_scale
 from service.settings import Settings
 from service.wire.codec import loads_request
+from service.wire.json_arrays import Pieces
 from service.wire.v2_codec import decode_inputs, split_header
-from service.wire.v2_models import InferRequest, RequestParameters, parse_infer_request
+from service.wire.v2_models import InferRequest, RequestParameters, array_slot, parse_infer_request
 
 # The per-row statistics a request may name as outputs (diagnostics "full"), then all outputs.
 PER_ROW_OUTPUTS: Final = PER_ROW_FIELDS
@@ -67,12 +68,22 @@ def _outputs(req: InferRequest, params: RequestParameters) -> tuple[tuple[str, b
 
 
 def prepare_infer(
-    body: bytes, header_length: str | None, settings: Settings, cost: CostModel
+    body: bytes,
+    header_length: str | None,
+    settings: Settings,
+    cost: CostModel,
+    *,
+    pieces: Pieces | None = None,
 ) -> PreparedInfer:
     """A v2 infer body (and its Inference-Header-Content-Length) -> a prepared request within
-    every limit. Raises InvalidRequest / SdpaError (a 400 on v2)."""
+    every limit. Raises InvalidRequest / SdpaError (a 400 on v2). With `pieces`, the JSON's big
+    lists of numbers are parsed in pieces (service.wire.json_arrays); the answer is the same."""
     header, offset = split_header(body, header_length)
-    req = parse_infer_request(loads_request(header, allow_inf_nan=True))
+    if pieces is None:
+        payload = loads_request(header, allow_inf_nan=True)
+    else:
+        payload = loads_request(header, allow_inf_nan=True, slot_of=array_slot, pieces=pieces)
+    req = parse_infer_request(payload)
     params = req.parameters or RequestParameters()
     if params.scale is not None and params.temperature is not None:
         raise _invalid(

@@ -4,6 +4,8 @@ Nothing here loops in Python over a tensor's elements:
 - request bodies are parsed by pydantic_core.from_json (jiter): it materializes a multi-megabyte
   base64 string at memory speed, 15-20x faster than orjson or json on such bodies;
 - nested lists go through one np.asarray call (numpy finds the shape, and refuses ragged lists);
+  in a body too costly to decode on the event loop, big lists of numbers are parsed in pieces
+  straight into numpy (NumberArray: service.wire.json_arrays) and read by the same rules;
 - base64 goes through pybase64 (SIMD; binascii when it is missing, about 50x slower) and
   np.frombuffer, little-endian as the wire format says;
 - JSON lists in responses are numpy arrays serialized by orjson (OPT_SERIALIZE_NUMPY), which
@@ -22,19 +24,21 @@ import base64
 import binascii
 import json
 import math
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from itertools import chain, islice
+from itertools import chain
 from typing import Any, Final, Literal
 
 import numpy as np
 import numpy.typing as npt
 import torch
-from pydantic_core import from_json
 
 from sdpa_core import SUPPORTED_DTYPES
 from service.errors import FieldError, InvalidRequest
+from service.wire.bytecount import occurrences as occurrences
+from service.wire.json_arrays import PIECES, Pieces, SlotOf, loads_in_pieces, parse_whole
 from service.wire.models import MAX_RANK, WireTensor
+from service.wire.number_lists import NumberArray, leaf_types, minus_inf_of
 
 try:  # orjson writes numpy arrays directly, several times faster than tolist() + json.
     import orjson
@@ -73,9 +77,6 @@ _BY_TORCH: Final[dict[torch.dtype, _DType]] = {d.torch: d for d in _DTYPES.value
 FLOAT_DTYPE_NAMES: Final = tuple(_BY_TORCH[dtype].name for dtype in SUPPORTED_DTYPES)
 _FLOAT_NAMES: Final = frozenset(FLOAT_DTYPE_NAMES)
 _INT64_MAX: Final = np.iinfo(np.int64).max
-# Leaves whose types are read in one C call (set(map(type, ...))): about 2 ms each, so that a
-# worker thread reading millions of them gives the GIL back to the event loop between chunks.
-_TYPE_CHUNK: Final = 1 << 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,14 +116,15 @@ def _check_role(name: str, *, role: Role, loc: Loc) -> None:
 
 
 def decode_tensor(
-    value: WireTensor | list[Any], *, loc: Loc, role: Role, max_elements: int
+    value: WireTensor | list[Any] | NumberArray, *, loc: Loc, role: Role, max_elements: int
 ) -> Decoded:
     """A wire tensor (object or bare nested list) as a CPU torch tensor.
 
     role "float": q, k, v (float dtypes); "bool_mask": key_padding_mask; "mask": attn_mask
-    (bool, or float for an additive bias).
+    (bool, or float for an additive bias). A nested list parsed in pieces (a NumberArray:
+    service.wire.json_arrays) is read as the list itself would be.
     """
-    if isinstance(value, list):
+    if isinstance(value, list | NumberArray):
         return Decoded(_from_list(value, None, None, loc=loc, role=role, max_elements=max_elements),
                        "json")  # fmt: skip
     if value.b64 is not None:
@@ -141,25 +143,16 @@ def decode_tensor(
 
 def _as_array(data: Any, *, loc: Loc) -> npt.NDArray[Any]:
     try:
-        arr = np.asarray(data)
+        arr = data.as_array() if isinstance(data, NumberArray) else np.asarray(data)
     except ValueError:
-        # numpy refuses inhomogeneous nested sequences with ValueError; nothing else in a parsed
-        # JSON value can make asarray raise it.
+        # numpy refuses inhomogeneous nested sequences with ValueError (and so does a
+        # NumberArray read from one); nothing else in a parsed JSON value can make it raise it.
         raise _invalid(
             loc, "ragged nested list: every row must have the same length", "ragged"
         ) from None
     if arr.ndim > MAX_RANK:
         raise _invalid(loc, f"rank {arr.ndim} exceeds the maximum of {MAX_RANK}", "rank")
     return arr
-
-
-def leaf_types(leaves: Iterable[Any]) -> set[type]:
-    """The Python types among `leaves`, read a chunk at a time (no Python step per leaf)."""
-    types: set[type] = set()
-    it = iter(leaves)
-    while chunk := tuple(islice(it, _TYPE_CHUNK)):
-        types.update(map(type, chunk))
-    return types
 
 
 def _leaves(data: list[Any], ndim: int) -> Iterator[Any]:
@@ -176,9 +169,17 @@ def refuse_booleans_among_numbers(
     """Raise error() when the nested list `data`, which numpy read as the numbers `arr`, holds a
     boolean. numpy reads [1.0, true] as [1.0, 1.0] (and [1, true] as [1, 1]), but JSON's true
     is no number: v1 and v2 both refuse it in numeric data, as they refuse a list of booleans
-    alone. Costs a look at each leaf's type; only numeric arrays read from lists pay it."""
-    numbers_from_list = arr.size and arr.dtype.kind in "iuf" and isinstance(data, list)
-    if numbers_from_list and bool in leaf_types(_leaves(data, arr.ndim)):
+    alone. Costs a look at each leaf's type; only numeric arrays read from lists pay it (a
+    NumberArray knows whether it holds one)."""
+    if not (arr.size and arr.dtype.kind in "iuf"):
+        return
+    if isinstance(data, NumberArray):
+        booleans = data.booleans
+    elif isinstance(data, list):
+        booleans = bool in leaf_types(_leaves(data, arr.ndim))
+    else:
+        return
+    if booleans:
         raise error()
 
 
@@ -202,7 +203,7 @@ def _from_list(
         dtype = "bool" if bool_leaves else "float32"
         _check_role(dtype, role=role, loc=loc)
     if role == "mask" and dtype != "bool" and kind == "O":
-        arr = nulls_as_minus_inf(arr, loc=data_loc)
+        arr = nulls_as_minus_inf(data, arr, loc=data_loc)
         kind = arr.dtype.kind
     if arr.size and dtype == "bool" and kind != "b":
         raise _invalid(data_loc, "a bool tensor's data must hold only true/false", "type")
@@ -228,20 +229,18 @@ def _from_list(
     return torch.from_numpy(arr.astype(_DTYPES[dtype].wire.newbyteorder("="), copy=False))
 
 
-def nulls_as_minus_inf(arr: npt.NDArray[Any], *, loc: Loc) -> npt.NDArray[Any]:
+def nulls_as_minus_inf(data: Any, arr: npt.NDArray[Any], *, loc: Loc) -> npt.NDArray[Any]:
     """A float attn_mask's null entries as -inf (JSON has no infinity; responses write -inf as
-    null too). Only numbers may sit beside them: anything else is refused as such."""
-    nulls = np.equal(arr, np.array(None, dtype=object))
-    others = arr[~nulls]
-    # Per element, but only on this path: a JSON-list mask that holds nulls at all.
-    if not leaf_types(others.flat) <= {int, float}:
+    null too): `arr` is np.asarray(data), an object array. Only numbers may sit beside them:
+    anything else is refused as such."""
+    values = data.minus_inf() if isinstance(data, NumberArray) else minus_inf_of(arr)
+    if isinstance(values, str) and values == "types":
         raise _invalid(
             loc, "a float mask's data holds numbers, and null for -inf (not visible)", "type"
         )
-    try:
-        return np.where(nulls, -np.inf, arr).astype(np.float64)
-    except OverflowError:  # an integer beyond float64's range
-        raise _invalid(loc, "a number in the mask is beyond the float64 range", "type") from None
+    if isinstance(values, str):  # an integer beyond float64's range
+        raise _invalid(loc, "a number in the mask is beyond the float64 range", "type")
+    return values
 
 
 def _from_b64(
@@ -294,7 +293,9 @@ def _b64encode(buffer: memoryview) -> str:
     return base64.b64encode(buffer).decode("ascii")
 
 
-def decode_int_list(value: list[Any] | int, *, loc: Loc, max_elements: int) -> torch.Tensor:
+def decode_int_list(
+    value: list[Any] | NumberArray | int, *, loc: Loc, max_elements: int
+) -> torch.Tensor:
     """key_lengths: a nested list of integers (or one integer) as int64."""
     arr = _as_array(value, loc=loc)
     _check_elements(arr.size, loc=loc, max_elements=max_elements)
@@ -358,44 +359,28 @@ def finite_or_none(value: float) -> float | None:
 # estimate counts their ",".)
 MAX_KEYS: Final = 4096
 _KEY: Final = ord(":")
-# Rare characters are found one by one (bytes.find, at memchr's speed); past this many, counted
-# with numpy, a window at a time (bytes.count runs at 1.4 GB/s on CPython 3.11, numpy at about
-# 5, and lets the GIL go inside each window).
-_FIND_ONE_BY_ONE: Final = 32
-_COUNT_WINDOW: Final = 1 << 20
 
 
-def occurrences(text: bytes, char: int, *, end: int | None = None, past: int | None = None) -> int:
-    """How many times the byte `char` occurs in text[:end]. With `past`, counting stops once
-    the count is above it (the caller asks only whether it is)."""
-    end = len(text) if end is None else end
-    found = 0
-    at = text.find(char, 0, end)
-    while at >= 0:
-        found += 1
-        if found == _FIND_ONE_BY_ONE:
-            break
-        at = text.find(char, at + 1, end)
-    else:
-        return found
-    start = at + 1
-    while start < end and (past is None or found <= past):
-        stop = min(end, start + _COUNT_WINDOW)
-        window = np.frombuffer(text, dtype=np.uint8, count=stop - start, offset=start)
-        found += int(np.count_nonzero(window == char))
-        start = stop
-    return found
-
-
-def loads_request(body: bytes, *, allow_inf_nan: bool = False) -> Any:
+def loads_request(
+    body: bytes,
+    *,
+    allow_inf_nan: bool = False,
+    slot_of: SlotOf | None = None,
+    pieces: Pieces = PIECES,
+) -> Any:
     """loads() for a request body (or v2's JSON header), refused before parsing when it holds
-    more than MAX_KEYS ':' (InvalidRequest, loc ["body"])."""
+    more than MAX_KEYS ':' (InvalidRequest, loc ["body"]). With `slot_of` (a body too costly to
+    decode on the event loop: service.serving.offload), its big arrays of numbers are parsed in
+    pieces, as NumberArrays where `slot_of` says a tensor stands (service.wire.json_arrays):
+    the same answers, without holding the GIL for long."""
     if occurrences(body, _KEY, past=MAX_KEYS) > MAX_KEYS:
         msg = (
             f"request body holds more than {MAX_KEYS:,} ':' (its keys, or text in its strings), "
             "more than any request of this API: it carries fields that no endpoint takes"
         )
         raise InvalidRequest(msg, errors=[FieldError(loc=("body",), msg=msg, type="too_many_keys")])
+    if slot_of is not None:
+        return loads_in_pieces(body, slot_of=slot_of, allow_inf_nan=allow_inf_nan, pieces=pieces)
     return loads(body, allow_inf_nan=allow_inf_nan)
 
 
@@ -407,15 +392,7 @@ def loads(body: bytes, *, allow_inf_nan: bool = False) -> Any:
     Either way a non-finite number (1e999 parses as inf) is refused later where its field
     forbids it: in q, k and v as NaN/Inf, in a mask as anything but -inf.
     """
-    try:
-        return from_json(body, allow_inf_nan=allow_inf_nan)
-    except ValueError as exc:
-        # from_json reports malformed JSON (and bad UTF-8) as a plain ValueError; nothing else
-        # runs inside this try, so no bug of ours can be turned into a 422 here.
-        msg = f"request body is not valid JSON: {exc}"
-        raise InvalidRequest(
-            msg, errors=[FieldError(loc=("body",), msg=msg, type="json_invalid")]
-        ) from None
+    return parse_whole(body, allow_inf_nan=allow_inf_nan)
 
 
 def dumps(obj: Any) -> bytes:

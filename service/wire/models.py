@@ -25,12 +25,14 @@ from pydantic import (
     ConfigDict,
     Discriminator,
     Field,
+    GetPydanticSchema,
     Tag,
     ValidationError,
+    ValidatorFunctionWrapHandler,
     WithJsonSchema,
     model_validator,
 )
-from pydantic_core import PydanticCustomError
+from pydantic_core import PydanticCustomError, core_schema
 
 from service.errors import (
     MAX_LISTED_ERRORS,
@@ -40,6 +42,8 @@ from service.errors import (
     and_more,
     clip,
 )
+from service.wire.json_arrays import Path, Slot, SlotOf
+from service.wire.number_lists import NumberArray
 
 # Highest tensor rank on the wire: [B1, B2, B3, H, N, D], three leading batch dimensions, more than
 # any use we know of. It keeps the documented schema finite, and small enough that schema-driven
@@ -88,9 +92,26 @@ NESTED_OUTPUT_SCHEMA: Final = nested_list_schema(_NUMBER_OR_NULL)
 # key_lengths are per sequence or per head: at most q's rank minus 2.
 NESTED_INT_SCHEMA: Final = nested_list_schema(_INTEGER, depth=MAX_RANK - 2)
 
-NestedFloat = Annotated[list[Any], WithJsonSchema(NESTED_FLOAT_SCHEMA)]
-NestedMask = Annotated[list[Any], WithJsonSchema(NESTED_MASK_SCHEMA)]
-NestedBool = Annotated[list[Any], WithJsonSchema(NESTED_BOOL_SCHEMA)]
+
+def _as_parsed(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+    # A nested list parsed in pieces (service.wire.json_arrays) stands where the list was and
+    # is taken as it; anything else is validated as a list, with a list's own errors.
+    return value if isinstance(value, NumberArray) else handler(value)
+
+
+# A tensor's data: a nested list, or a NumberArray in a body parsed in pieces. Validated (and
+# documented) as list[Any].
+DataList = Annotated[
+    list[Any] | NumberArray,
+    GetPydanticSchema(
+        lambda _source, handler: core_schema.no_info_wrap_validator_function(
+            _as_parsed, handler.generate_schema(list[Any])
+        )
+    ),
+]
+NestedFloat = Annotated[DataList, WithJsonSchema(NESTED_FLOAT_SCHEMA)]
+NestedMask = Annotated[DataList, WithJsonSchema(NESTED_MASK_SCHEMA)]
+NestedBool = Annotated[DataList, WithJsonSchema(NESTED_BOOL_SCHEMA)]
 NestedOutput = Annotated[list[Any], WithJsonSchema(NESTED_OUTPUT_SCHEMA)]
 # Per-head statistics of a 2-D request (one head, no head dim) are scalars.
 ScalarOrNested = Annotated[Any, WithJsonSchema({"anyOf": [_NUMBER_OR_NULL, NESTED_OUTPUT_SCHEMA]})]
@@ -145,7 +166,7 @@ def _nested_list_data(value: Any) -> Any:
     # No tensor on the wire is 0-d (q, k and v have rank >= 2, masks rank >= 1: a scalar mask
     # would carry nothing per key), so `data` is always a list, as the schema says: a bare 0 or
     # true is refused here rather than decoded into a 0-d tensor that broadcasts.
-    if value is None or isinstance(value, list):
+    if value is None or isinstance(value, list | NumberArray):
         return value
     raise PydanticCustomError(
         "tensor_data",
@@ -286,7 +307,7 @@ class MaskTensor(WireTensor):
 def _tensor_kind(value: Any) -> str | None:
     if isinstance(value, dict | WireTensor):
         return _TAG_TENSOR_OBJECT
-    if isinstance(value, list):
+    if isinstance(value, list | NumberArray):
         return _TAG_NESTED_LIST
     return None
 
@@ -348,7 +369,9 @@ Causal = Annotated[
 
 def _list_or_integer(value: Any) -> Any:
     # One error at the field itself rather than one per union member.
-    if isinstance(value, list) or (isinstance(value, int) and not isinstance(value, bool)):
+    if isinstance(value, list | NumberArray) or (
+        isinstance(value, int) and not isinstance(value, bool)
+    ):
         return value
     raise PydanticCustomError(
         "key_lengths_type", "expected an integer or a nested list of integers"
@@ -688,6 +711,51 @@ RESPONSE_MODELS: Final[tuple[type[BaseModel], ...]] = (
     InfoOut,
     Problem,
 )
+
+# ---- where a request's lists are read (service.wire.json_arrays) ----------------------------
+
+# The fields that hold a tensor: a nested list, or an object whose `data` is one.
+TENSOR_FIELDS: Final = frozenset({"q", "k", "v", "key_padding_mask", "attn_mask"})
+# A tensor object's field whose list is read for its items (each an integer).
+_LIST_FIELDS_OF_TENSORS: Final = frozenset({"shape"})
+
+
+def _all_indices(path: Path) -> bool:
+    return all(isinstance(part, int) for part in path)
+
+
+def array_slots(model: type[BaseModel]) -> SlotOf:
+    """What reads a list at each place of a v1 request to `model`: the codec where a tensor's
+    data stands (bare, or as a tensor object's `data`; key_lengths), numpy inside such a list,
+    the model's list fields (strategies, a tensor object's shape) by their length and items;
+    elsewhere (unknown fields, the places of numbers, strings and objects) the models refuse a
+    list whatever it holds."""
+    fields = frozenset(model.model_fields)
+
+    def slot_of(path: Path) -> Slot:
+        if not path or path[0] not in fields:
+            return Slot.ANY
+        key, rest = path[0], path[1:]
+        if key == "strategies":
+            return Slot.LIST if not rest else Slot.ANY
+        if key != "key_lengths" and key not in TENSOR_FIELDS:
+            return Slot.ANY
+        if not rest:
+            return Slot.TENSOR
+        if _all_indices(rest):
+            return Slot.IN_TENSOR
+        if key == "key_lengths" or isinstance(rest[0], int):
+            return Slot.ANY  # an object where numbers go: np.asarray reads it as one object
+        if rest[0] == "data":
+            if len(rest) == 1:
+                return Slot.TENSOR
+            return Slot.IN_TENSOR if _all_indices(rest[1:]) else Slot.ANY
+        if rest[0] in _LIST_FIELDS_OF_TENSORS and len(rest) == 1:
+            return Slot.LIST
+        return Slot.ANY
+
+    return slot_of
+
 
 # ---- parsing requests ----------------------------------------------------------------------
 

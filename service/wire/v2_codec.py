@@ -10,8 +10,9 @@ of that copy. Binary outputs are written from the result
 tensors' own buffers (memoryviews), never joined into one string.
 
 Without binary data, tensors are JSON lists (flat or nested, row-major), decoded by one
-np.asarray call each. BF16 travels only as binary data, as in Triton (numpy has no bfloat16: its
-raw 2-byte values are read as int16 and viewed as bfloat16 by torch).
+np.asarray call each (or, in a body parsed in pieces, read as NumberArrays:
+service.wire.json_arrays). BF16 travels only as binary data, as in Triton (numpy has no
+bfloat16: its raw 2-byte values are read as int16 and viewed as bfloat16 by torch).
 
 Every client mistake raises InvalidRequest (a 400 on v2) whose message names the input.
 """
@@ -30,6 +31,7 @@ import torch
 from service.errors import MAX_LOC_TEXT, FieldError, InvalidRequest, clip
 from service.wire.codec import nulls_as_minus_inf, refuse_booleans_among_numbers, to_numpy
 from service.wire.lengths import parse_length
+from service.wire.number_lists import NumberArray
 from service.wire.v2_models import (
     FLOAT_DATATYPES,
     INPUT_DATATYPES,
@@ -132,7 +134,8 @@ def decode_inputs(
     for plan in plans:
         inp = plan.input
         if plan.start is None:
-            tensors[inp.name] = _from_json(inp.name, plan.spec, plan.shape, inp.data or [])
+            data = [] if inp.data is None else inp.data
+            tensors[inp.name] = _from_json(inp.name, plan.spec, plan.shape, data)
         else:
             assert binary is not None  # a binary input has bytes after the header
             raw = binary[plan.start - offset : plan.start - offset + plan.size]
@@ -236,18 +239,23 @@ def _from_binary(
     return tensor.to(torch.int64) if spec.name == "INT32" else tensor
 
 
-def _from_json(name: str, spec: _Datatype, shape: tuple[int, ...], data: list[Any]) -> torch.Tensor:
+def _from_json(
+    name: str, spec: _Datatype, shape: tuple[int, ...], data: list[Any] | NumberArray
+) -> torch.Tensor:
     try:
-        arr: npt.NDArray[Any] = np.asarray(data)
+        arr: npt.NDArray[Any] = (
+            data.as_array() if isinstance(data, NumberArray) else np.asarray(data)
+        )
     except ValueError:
-        # numpy refuses inhomogeneous nested lists with ValueError (nothing else can raise it).
+        # numpy refuses inhomogeneous nested lists with ValueError, and so does a NumberArray
+        # read from one (nothing else can raise it).
         raise _invalid(
             f"input {name!r}: ragged data: every row must have the same length", "inputs", name
         ) from None
     kind = arr.dtype.kind
     if name == "attn_mask" and spec.name in FLOAT_DATATYPES and kind == "O":
         # JSON has no infinity: null in a float mask is -inf (not visible), as in v1.
-        arr = nulls_as_minus_inf(arr, loc=("v2", "inputs", name))
+        arr = nulls_as_minus_inf(data, arr, loc=("v2", "inputs", name))
         kind = arr.dtype.kind
     if arr.size:
         wanted = {"BOOL": "b", "INT32": "iu", "INT64": "iu"}.get(spec.name, "iuf")

@@ -26,11 +26,13 @@ from service.errors import (
     and_more,
     clip,
 )
+from service.wire.json_arrays import Path, Slot
 from service.wire.models import (
     MAX_DIM,
     MAX_RANK,
     MAX_UNKNOWN_FIELDS,
     Causal,
+    DataList,
     DiagnosticsLevel,
     few_unknown_fields,
     unknown_field_hint,
@@ -97,7 +99,7 @@ class InferInput(_V2):
         "attn_mask: BOOL (true = attend) or a float datatype (additive)."
     )
     parameters: InputParameters | None = None
-    data: list[Any] | None = Field(
+    data: DataList | None = Field(
         default=None, description="Row-major values, flat or nested (absent with binary data)."
     )
 
@@ -245,6 +247,30 @@ V2_RESPONSE_MODELS: Final[tuple[type[BaseModel], ...]] = (
     InferResponse,
     InferError,
 )
+
+# ---- where a request's lists are read (service.wire.json_arrays) ----------------------------
+
+
+def array_slot(path: Path) -> Slot:
+    """What reads a list at each place of an infer request: the codec where an input's data
+    stands, numpy inside it, the list fields (inputs, outputs, an input's shape) by their
+    length and items; elsewhere the models refuse a list whatever it holds."""
+    if not path or path[0] not in ("inputs", "outputs"):
+        return Slot.ANY
+    rest = path[1:]
+    if not rest:
+        return Slot.LIST
+    if path[0] == "outputs" or len(rest) < 2 or not isinstance(rest[0], int):
+        return Slot.ANY
+    field, inner = rest[1], rest[2:]
+    if field == "data":
+        if not inner:
+            return Slot.TENSOR
+        return Slot.IN_TENSOR if all(isinstance(part, int) for part in inner) else Slot.ANY
+    if field == "shape" and not inner:
+        return Slot.LIST
+    return Slot.ANY
+
 
 # ---- parsing -------------------------------------------------------------------------------
 

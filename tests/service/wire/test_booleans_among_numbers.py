@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from service.errors import InvalidRequest
-from service.wire.codec import _TYPE_CHUNK, decode_int_list, decode_tensor, leaf_types
+from service.wire.codec import decode_int_list, decode_tensor
 from service.wire.models import WireTensor
+from service.wire.number_lists import TYPE_CHUNK, leaf_types
 from service.wire.v2_codec import decode_inputs, split_header
 from service.wire.v2_models import parse_infer_request
 
@@ -65,8 +66,8 @@ def test_all_booleans_stay_a_bool_mask_and_numbers_stay_numbers() -> None:
 
 
 def test_a_boolean_past_the_first_chunk_of_leaves_is_found() -> None:
-    # Leaves are read _TYPE_CHUNK at a time: the boolean sits in the third chunk.
-    rows = 2 * _TYPE_CHUNK // 64 + 1
+    # Leaves are read TYPE_CHUNK at a time: the boolean sits in the third chunk.
+    rows = 2 * TYPE_CHUNK // 64 + 1
     data = np.zeros((rows, 64)).tolist()
     data[-1][-1] = True
     assert bool in leaf_types(x for row in data for x in row)
