@@ -1,27 +1,39 @@
 """Slow bodies against a real server, measured (issue 23): bodies whose shape, not size, makes
-them costly to decode or to refuse. What each costs the event loop, and what it answers.
+them costly to decode or to refuse, and the big JSON-list bodies a client may legally send.
+What each costs the event loop, the process's memory, and what it answers.
 
-    .venv/bin/python bench/attack_decode.py decode-costs   # ~1 min, no server
-    .venv/bin/python bench/attack_decode.py slow-bodies    # ~2 min
+    .venv/bin/python bench/attack_decode.py decode-costs     # ~3 min, no server
+    .venv/bin/python bench/attack_decode.py decode-memory    # ~3 min, no server
+    .venv/bin/python bench/attack_decode.py slow-bodies      # ~4 min
+    (--only TEXT: the shapes whose name holds TEXT)
 
 decode-costs: no server; each shape decoded as the service decodes it (service.serving.offload
-decides inline or a worker thread, the collector paused while it runs) beside an asyncio timer
-that wakes every millisecond: the shape's size, the estimate and the decision, the decode's
-time, and the longest the loop went without running (the worst stall one request's decoding
+decides inline or a worker thread, the collector paused on a worker) beside an asyncio timer
+that wakes every millisecond: the shape's size and where it decodes, then "before" (the body
+parsed whole, as before service.wire.json_arrays) and "after" (as the pipeline decodes it now:
+a body that leaves the loop has its big arrays of numbers parsed in pieces): each the decode's
+time and the longest the loop went without running (the worst stall one request's decoding
 caused; the issue's target is 50 ms). A worker thread frees the loop only from work that lets
-the GIL go: the JSON parser and numpy reading nested lists hold it throughout.
+the GIL go: from_json and numpy reading nested lists hold it throughout a call, which is why
+the arrays are parsed in pieces of 256 KiB.
+
+decode-memory: no server; each shape decoded before and after, each in a fresh process: the
+growth of its peak RSS (VmHWM, reset with clear_refs) while it decodes, as a multiple of the
+body and per ',' of it (what service.middleware.inflight reserves: ELEMENT_PEAK_BYTES per ',').
 
 slow-bodies: for each shape, two clients loop it for --seconds (default 8) beside a bystander
-that sends GET /healthz and a small POST /v1/attention every 0.1 s; prints the answers'
-statuses and sizes (the error body's, bounded), the bystander's p50 / p99 / max per probe (the
-/healthz maximum is the worst stall of the loop an attacker caused), and the 500s and
+in a process of its own that sends GET /healthz and a small POST /v1/attention every 0.15 s;
+prints the answers' statuses and sizes (the error body's, bounded), the bystander's p50 / p99 /
+max (its worst latency is the worst stall of the loop an attacker caused), and the 500s and
 tracebacks in the server's log.
 
 Shapes: 90,000 unknown fields (979 KB, the issue's), 1,000,000 unknown fields (12 MB), 2,000
 unknown fields in each of q, k and v, one unknown field of 1 MB, nested single-element lists
 ([N, 1, 1]; 1 MiB and 16 MiB), rank-6 single-element lists (1 MiB), rows of 2 numbers (1 MiB),
 booleans among numbers, v2 parameters of 90,000 unknown fields, v2 single-element lists
-(1 MiB), and an Inference-Header-Content-Length of 4,301 digits.
+(1 MiB), an Inference-Header-Content-Length of 4,301 digits; and the big legal ones: 128 MiB of
+rows of 64 numbers (v1 tensor objects' data, v1 bare lists, v2 data: q, k, v [N, 64], refused
+for their work once decoded), a 32 MiB bool mask and a 16 MiB float mask with nulls as JSON.
 
 Every loop is bounded in time and count; the server listens on 127.0.0.1. Figures on a shared
 machine are noisy: rerun on a quiet one.
@@ -33,12 +45,12 @@ import argparse
 import asyncio
 import collections
 import json
-import re
+import random
+import subprocess
 import sys
-import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -48,7 +60,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:  # run as a script: make `bench` importable
     sys.path.insert(0, str(REPO_ROOT))
 
-from bench.support import live_server  # noqa: E402
+from bench.support import Bystander, attacked_server, log_summary  # noqa: E402
 
 MB = 2**20
 SMALL = {"q": [[1.0, 0.0]], "k": [[1.0, 0.0]], "v": [[1.0, 2.0]]}
@@ -84,6 +96,72 @@ def _v2(inputs: list[str], extra: str = "") -> bytes:
 
 def _v2_input(name: str, data: str, shape: list[int]) -> str:
     return f'{{"name": "{name}", "datatype": "FP32", "shape": {shape}, "data": {data}}}'
+
+
+def _rows(rows: int, width: int = 64) -> str:
+    """`rows` rows of `width` numbers of 6 decimals as JSON (1,024 distinct rows, repeated)."""
+    rng = random.Random(0)
+    block = ["[" + ", ".join(f"{rng.uniform(-2, 2):.6f}" for _ in range(width)) + "]"
+             for _ in range(1024)]  # fmt: skip
+    return "[" + ", ".join(block[i % len(block)] for i in range(rows)) + "]"
+
+
+def _mask(side: int, *, nulls: bool) -> str:
+    """A [side, side] attn_mask as JSON: booleans, or numbers with null for -inf."""
+    rng = random.Random(1)
+    if nulls:
+        leaves = [
+            f"{rng.uniform(-2, 2):.3f}" if rng.random() < 0.7 else "null" for _ in range(4096)
+        ]
+    else:
+        leaves = ["true" if rng.random() < 0.5 else "false" for _ in range(4096)]
+    rows = [", ".join(leaves[(i * 7 + j) % 4096] for j in range(side)) for i in range(64)]
+    return "[" + ", ".join("[" + rows[i % 64] + "]" for i in range(side)) + "]"
+
+
+def big_shapes() -> list[tuple[str, str, Callable[[], bytes]]]:
+    """The big legal JSON-list bodies: (name, path, how to build it), built one at a time."""
+    n = 128 * MB // 3 // (64 * 10 + 4)  # rows of 64 numbers of about 10 bytes: 128 MiB
+
+    def v1_data() -> bytes:
+        t = f'{{"dtype": "float32", "shape": [{n}, 64], "data": {_rows(n)}}}'
+        return f'{{"q": {t}, "k": {t}, "v": {t}, "diagnostics": "none"}}'.encode()
+
+    def v1_lists() -> bytes:
+        t = _rows(n)
+        return f'{{"q": {t}, "k": {t}, "v": {t}, "diagnostics": "none"}}'.encode()
+
+    def v2_data() -> bytes:
+        t = _rows(n)
+        inputs = [f'{{"name": "{k}", "datatype": "FP32", "shape": [{n}, 64], "data": {t}}}'
+                  for k in "qkv"]  # fmt: skip
+        return _v2(inputs)
+
+    def masked(side: int, *, nulls: bool) -> Callable[[], bytes]:
+        def build() -> bytes:
+            t = _rows(side, 8)
+            return (f'{{"q": {t}, "k": {t}, "v": {t}, "attn_mask": {_mask(side, nulls=nulls)}, '
+                    '"diagnostics": "none"}').encode()  # fmt: skip
+
+        return build
+
+    return [
+        ("rows of 64, 128 MiB, v1 data", V1, v1_data),
+        ("rows of 64, 128 MiB, v1 lists", V1, v1_lists),
+        ("rows of 64, 128 MiB, v2 data", V2, v2_data),
+        ("bool mask, 32 MiB", V1, masked(2360, nulls=False)),  # "true, " about 6 bytes
+        ("float mask with nulls, 16 MiB", V1, masked(1530, nulls=True)),
+    ]
+
+
+def all_shapes(only: str = "") -> Iterator[Shape]:
+    """Every shape whose name holds `only`, the big ones built as they come."""
+    for shape in shapes():
+        if only in shape.name:
+            yield shape
+    for name, path, build in big_shapes():
+        if only in name:
+            yield Shape(name, path, build())
 
 
 def shapes() -> list[Shape]:
@@ -125,14 +203,16 @@ def shapes() -> list[Shape]:
 # ---- decode-costs ----------------------------------------------------------------------------
 
 
-async def _decode_beside_a_timer(shape: Shape) -> tuple[bool, float, float, str]:
-    """Decode `shape` as the pipeline does -> (inline, seconds, the loop's longest gap, result)."""
+async def _decode_beside_a_timer(shape: Shape, *, whole: bool) -> tuple[bool, float, float, str]:
+    """Decode `shape` as the pipeline does (`whole`: with its arrays parsed whole, as before)
+    -> (inline, seconds, the loop's longest gap, result)."""
     from service.errors import ServiceError
     from service.runtime.policy import CostModel
     from service.serving.offload import decode_inline, run_decoding
     from service.serving.prepare import prepare_attention
     from service.serving.prepare_v2 import prepare_infer
     from service.settings import Settings
+    from service.wire.json_arrays import PIECES
     from service.wire.lengths import parse_length
 
     settings = Settings(device="cpu")
@@ -140,6 +220,7 @@ async def _decode_beside_a_timer(shape: Shape) -> tuple[bool, float, float, str]
     length = shape.headers.get("Inference-Header-Content-Length")
     json_bytes = None if length is None else parse_length(length)
     inline = decode_inline(shape.body, json_bytes=json_bytes)
+    pieces = None if inline or whole else PIECES
     worst = 0.0
     running = True
 
@@ -157,12 +238,14 @@ async def _decode_beside_a_timer(shape: Shape) -> tuple[bool, float, float, str]
     started = time.perf_counter()
     try:
         if shape.path == V2:
-            await run_decoding(inline, prepare_infer, shape.body, length, settings, cost)
+            await run_decoding(
+                inline, prepare_infer, shape.body, length, settings, cost, pieces=pieces
+            )
         else:
-            await run_decoding(inline, prepare_attention, shape.body, settings, cost)
+            await run_decoding(inline, prepare_attention, shape.body, settings, cost, pieces=pieces)
         result = "decoded"
     except ServiceError as exc:
-        result = f"{exc.status}: {exc.detail[:70]}"
+        result = f"{exc.status}: {exc.detail[:60]}"
     took = time.perf_counter() - started
     await asyncio.sleep(0.01)
     running = False
@@ -170,97 +253,110 @@ async def _decode_beside_a_timer(shape: Shape) -> tuple[bool, float, float, str]
     return inline, took, worst, result
 
 
-def decode_costs() -> None:
+def decode_costs(only: str = "") -> None:
     import torch
 
     torch.set_num_threads(1)  # as the server's loop and decoding workers run torch
     # A small body first, padded to leave the loop: the first decode pays for imports and
     # for starting the worker thread.
     padded = json.dumps(SMALL).encode() + b" " * MB
-    asyncio.run(_decode_beside_a_timer(Shape("warm-up", V1, padded)))
-    for shape in shapes():
-        inline, took, worst, result = asyncio.run(_decode_beside_a_timer(shape))
+    for whole in (True, False):
+        asyncio.run(_decode_beside_a_timer(Shape("warm-up", V1, padded), whole=whole))
+    print(f"{'shape':36s} {'size':>10s} {'where':6s} {'before: decode, worst stall':>29s}   "
+          f"{'after: decode, worst stall':>28s}   result")  # fmt: skip
+    for shape in all_shapes(only):
+        _, before, before_worst, _ = asyncio.run(_decode_beside_a_timer(shape, whole=True))
+        inline, took, worst, result = asyncio.run(_decode_beside_a_timer(shape, whole=False))
         where = "inline" if inline else "worker"
         print(
-            f"{shape.name:36s} {len(shape.body) / MB:6.2f} MiB {where:6s} decode "
-            f"{took * 1e3:7.1f} ms, loop stalled {worst * 1e3:6.1f} ms at worst -> {result}",
+            f"{shape.name:36s} {len(shape.body) / MB:6.2f} MiB {where:6s} "
+            f"{before * 1e3:9.0f} ms, {before_worst * 1e3:7.1f} ms   "
+            f"{took * 1e3:9.0f} ms, {worst * 1e3:7.1f} ms   {result}",
             flush=True,
         )
+
+
+# ---- decode-memory ---------------------------------------------------------------------------
+
+
+def _peak_kib() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM"):
+            return int(line.split()[1])
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+def _decode_once(name: str, whole: bool) -> None:
+    """In a fresh process: decode the shape `name` -> its peak RSS growth, printed as JSON."""
+    import gc
+
+    import torch
+
+    from service.errors import ServiceError
+    from service.runtime.policy import CostModel
+    from service.serving.prepare import prepare_attention
+    from service.serving.prepare_v2 import prepare_infer
+    from service.settings import Settings
+    from service.wire.json_arrays import PIECES
+
+    torch.set_num_threads(1)
+    (shape,) = [s for s in all_shapes(name) if s.name == name]
+    settings, cost = Settings(device="cpu"), CostModel.uncalibrated()
+    pieces = None if whole else PIECES
+    gc.collect()
+    gc.disable()  # as on a worker (service.serving.gc_pause)
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+    before = _peak_kib()
+    try:
+        if shape.path == V2:
+            prepare_infer(shape.body, None, settings, cost, pieces=pieces)
+        else:
+            prepare_attention(shape.body, settings, cost, pieces=pieces)
+    except ServiceError:
+        pass  # refused once decoded (the work limit): the decode's peak is what is measured
+    grown = (_peak_kib() - before) * 1024
+    print(json.dumps({"grown": grown, "body": len(shape.body), "commas": shape.body.count(b",")}))
+
+
+def decode_memory(only: str = "") -> None:
+    names = [name for name, _, _ in big_shapes() if only in name]
+    names += [s.name for s in shapes() if only in s.name and "lists" in s.name]
+    print(
+        f"{'shape':36s} {'body':>8s}   {'before: peak growth':>30s}   {'after: peak growth':>30s}"
+    )
+    for name in names:
+        figures = []
+        for whole in (True, False):
+            out = subprocess.run(
+                [sys.executable, __file__, "_decode-once", name, "whole" if whole else "pieces"],
+                capture_output=True, text=True, check=True, timeout=600,
+            )  # fmt: skip
+            figures.append(json.loads(out.stdout.strip().splitlines()[-1]))
+        body, commas = figures[0]["body"], figures[0]["commas"]
+        cells = [
+            f"{f['grown'] / MB:6.0f} MiB {f['grown'] / body:5.2f}x {f['grown'] / commas:6.1f} B/','"
+            for f in figures
+        ]
+        print(f"{name:36s} {body / MB:4.0f} MiB   {cells[0]:>30s}   {cells[1]:>30s}", flush=True)
 
 
 # ---- slow-bodies -----------------------------------------------------------------------------
 
 
-@dataclass
-class Bystander:
-    """GET /healthz and a small POST /v1/attention every `every_s` seconds, timed apart."""
-
-    url: str
-    every_s: float = 0.1
-    latencies_ms: dict[str, list[float]] = field(
-        default_factory=lambda: {"/healthz": [], "small attention": []}
-    )
-    statuses: collections.Counter[int] = field(default_factory=collections.Counter)
-    failures: int = 0  # requests that got no answer within 10 s
-    _stop: threading.Event = field(default_factory=threading.Event)
-
-    def _run(self) -> None:
-        with httpx.Client(base_url=self.url, timeout=10) as client:
-            while not self._stop.is_set():
-                for probe in self.latencies_ms:
-                    started = time.perf_counter()
-                    try:
-                        if probe == "/healthz":
-                            response = client.get("/healthz")
-                        else:
-                            response = client.post(V1, json=SMALL)
-                        self.statuses[response.status_code] += 1
-                    except httpx.HTTPError:
-                        self.failures += 1
-                    self.latencies_ms[probe].append((time.perf_counter() - started) * 1e3)
-                self._stop.wait(self.every_s)
-
-    def __enter__(self) -> Bystander:
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(timeout=30)
-
-    def summary(self) -> str:
-        parts = []
-        for probe, values in self.latencies_ms.items():
-            ms = sorted(values) or [0.0]
-            p99 = ms[min(len(ms) - 1, int(0.99 * len(ms)))]
-            p50 = ms[len(ms) // 2]
-            parts.append(f"{probe} p50 {p50:.0f} / p99 {p99:.0f} / max {ms[-1]:.0f} ms")
-        return (
-            f"bystander: {'; '.join(parts)}; statuses {dict(self.statuses)}, "
-            f"no answer {self.failures}"
-        )
-
-
-def log_errors(text: str) -> str:
-    """The 500s in the access log and the tracebacks in the server's output."""
-    five_hundreds = len(re.findall(r'"status": ?500\b', text))
-    return f"500s in the log: {five_hundreds}, tracebacks: {text.count('Traceback')}"
-
-
 def _loop_shape(url: str, shape: Shape, stop_at: float, answers: list[tuple[int, int]]) -> None:
     headers = {**JSON, **shape.headers}
-    with httpx.Client(base_url=url, timeout=60) as client:
+    with httpx.Client(base_url=url, timeout=120) as client:
         while time.monotonic() < stop_at:
             response = client.post(shape.path, content=shape.body, headers=headers)
             answers.append((response.status_code, len(response.content)))
 
 
-def slow_bodies(seconds: float = 8.0, clients: int = 2) -> None:
-    bodies = shapes()
-    with tempfile.TemporaryDirectory() as tmp, live_server({}, tmp_path=Path(tmp)) as server:
-        log = Path(tmp) / f"server-{server.url.rsplit(':', 1)[1]}.log"
-        for shape in bodies:
+def slow_bodies(seconds: float = 8.0, clients: int = 2, only: str = "") -> None:
+    # A bound above what two 128 MiB JSON bodies reserve at 52 bytes per ',' (the in-flight
+    # estimate of a whole parse): what is measured here is the loop, not that bound.
+    env = {"SDPA_MAX_INFLIGHT_BYTES": str(8 * 1024 * MB)}
+    with attacked_server(env) as server:
+        for shape in all_shapes(only):
             answers: list[tuple[int, int]] = []
             stop_at = time.monotonic() + seconds
             threads = [
@@ -268,7 +364,6 @@ def slow_bodies(seconds: float = 8.0, clients: int = 2) -> None:
                 for _ in range(clients)
             ]
             with Bystander(server.url) as bystander:
-                time.sleep(0.3)  # a few quiet probes first
                 for thread in threads:
                     thread.start()
                 for thread in threads:
@@ -279,24 +374,31 @@ def slow_bodies(seconds: float = 8.0, clients: int = 2) -> None:
                   f"{seconds:.0f} s): {len(answers)} answers {dict(statuses)}, "
                   f"answer bytes {sizes[:3]}")  # fmt: skip
             print(f"  {bystander.summary()}", flush=True)
-        print(log_errors(log.read_text(encoding="utf-8", errors="replace")))
+        print(log_summary(server.log()))
 
 
 ATTACKS: dict[str, Callable[[], None]] = {
     "decode-costs": decode_costs,
+    "decode-memory": decode_memory,
     "slow-bodies": slow_bodies,
 }
 
 
 def main() -> int:
+    if sys.argv[1:2] == ["_decode-once"]:  # decode-memory's fresh process for one shape
+        _decode_once(sys.argv[2], sys.argv[3] == "whole")
+        return 0
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("attack", choices=list(ATTACKS))
     parser.add_argument("--seconds", type=float, default=8.0, help="slow-bodies: per shape")
+    parser.add_argument("--only", default="", help="the shapes whose name holds this text")
     args = parser.parse_args()
     if args.attack == "slow-bodies":
-        slow_bodies(seconds=args.seconds)
+        slow_bodies(seconds=args.seconds, only=args.only)
+    elif args.attack == "decode-memory":
+        decode_memory(args.only)
     else:
-        ATTACKS[args.attack]()
+        decode_costs(args.only)
     return 0
 
 

@@ -373,15 +373,20 @@ def loads_request(
     decode on the event loop: service.serving.offload), its big arrays of numbers are parsed in
     pieces, as NumberArrays where `slot_of` says a tensor stands (service.wire.json_arrays):
     the same answers, without holding the GIL for long."""
+    refuse_many_keys(body)
+    if slot_of is not None:
+        return loads_in_pieces(body, slot_of=slot_of, allow_inf_nan=allow_inf_nan, pieces=pieces)
+    return loads(body, allow_inf_nan=allow_inf_nan)
+
+
+def refuse_many_keys(body: bytes) -> None:
+    """Raise InvalidRequest (loc ["body"]) when `body` holds more than MAX_KEYS ':'."""
     if occurrences(body, _KEY, past=MAX_KEYS) > MAX_KEYS:
         msg = (
             f"request body holds more than {MAX_KEYS:,} ':' (its keys, or text in its strings), "
             "more than any request of this API: it carries fields that no endpoint takes"
         )
         raise InvalidRequest(msg, errors=[FieldError(loc=("body",), msg=msg, type="too_many_keys")])
-    if slot_of is not None:
-        return loads_in_pieces(body, slot_of=slot_of, allow_inf_nan=allow_inf_nan, pieces=pieces)
-    return loads(body, allow_inf_nan=allow_inf_nan)
 
 
 def loads(body: bytes, *, allow_inf_nan: bool = False) -> Any:

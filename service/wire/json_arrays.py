@@ -101,8 +101,9 @@ class Slot(enum.Enum):
 SlotOf = Callable[[Path], Slot]
 
 
-class _Unsure(Exception):
-    """The pieces cannot say what the whole body would: it is parsed whole."""
+class WholeParseNeeded(Exception):
+    """The pieces cannot say what the whole body would (nesting near jiter's recursion limit,
+    an error the pieces cannot place): it is parsed whole."""
 
 
 def not_json(detail: str) -> InvalidRequest:
@@ -127,13 +128,22 @@ def loads_in_pieces(
     """parse_whole(body), with its big arrays of numbers parsed in pieces (NumberArrays where
     `slot_of` says a tensor stands). Raises InvalidRequest as parse_whole does, and for an
     envelope of more than MAX_ENVELOPE_VALUES values."""
+    try:
+        return parse_in_pieces(body, slot_of=slot_of, allow_inf_nan=allow_inf_nan, pieces=pieces)
+    except WholeParseNeeded:
+        return parse_whole(body, allow_inf_nan=allow_inf_nan)
+
+
+def parse_in_pieces(
+    body: bytes, *, slot_of: SlotOf, allow_inf_nan: bool, pieces: Pieces = PIECES
+) -> Any:
+    """loads_in_pieces without its last resort: raises WholeParseNeeded where the pieces
+    cannot answer as the whole body would."""
     if _values(body, past=pieces.few_values) <= pieces.few_values:
         return parse_whole(body, allow_inf_nan=allow_inf_nan)
     reader = _Reader(body, slot_of, allow_inf_nan, pieces)
-    try:
-        return reader.loads(find_spans(body, min_bytes=pieces.min_span_bytes, window=pieces.window))
-    except _Unsure:
-        return parse_whole(body, allow_inf_nan=allow_inf_nan)
+    spans = find_spans(body, min_bytes=pieces.min_span_bytes, window=pieces.window)
+    return reader.loads(spans)
 
 
 def too_many_values() -> InvalidRequest:
@@ -217,7 +227,7 @@ class _Reader:
             window=self.pieces.window,
         )
         if nesting + layout.depth > MAX_NESTING:
-            raise _Unsure
+            raise WholeParseNeeded
         regular = (
             layout.violation is None
             and layout.shape is not None
@@ -249,7 +259,7 @@ class _Reader:
         if layout.violation is not None:
             raise self._error_in(span, layout, _region_of(bounds, layout.violation))
         if parsed != layout.tokens:
-            raise _Unsure  # cannot be: each token is one value
+            raise WholeParseNeeded  # cannot be: each token is one value
         if slot is Slot.LIST:
             return self._list_items(span, layout)
         if slot is Slot.ANY:
@@ -283,7 +293,7 @@ class _Reader:
         window = prefix + self.body[begin : bounds[region + 1] + 1]
         error = parse_error(window, allow_inf_nan=self.allow_inf_nan)
         if error is None or not len(prefix) <= error.index < len(window):
-            raise _Unsure
+            raise WholeParseNeeded
         at = begin + error.index - len(prefix)
         return not_json(message(self.body, JsonError(error.what, at)))
 
@@ -294,12 +304,12 @@ class _Reader:
         spans before where the envelope's lies, else the envelope's, carried to the body."""
         error = parse_error(envelope, allow_inf_nan=self.allow_inf_nan)
         if error is None:
-            raise _Unsure
+            raise WholeParseNeeded
         at = error.index  # in the body: the envelope's index, shifted past the spans before it
         for span, (start, end) in zip(spans, places, strict=True):
             if error.index < end:
                 if start < error.index:
-                    raise _Unsure  # inside a placeholder: cannot be
+                    raise WholeParseNeeded  # inside a placeholder: cannot be
                 break
             at += (span.end - span.start) - (end - start)
         for span in spans:
@@ -360,7 +370,7 @@ def _placeholders(tree: Any, names: dict[str, int]) -> dict[int, _Found]:
         items = node.items() if isinstance(node, dict) else enumerate(node)
         for key, value in items:
             if isinstance(key, str) and len(key) <= longest and key in names:
-                raise _Unsure  # cannot be: a span never stands where a key does
+                raise WholeParseNeeded  # cannot be: a span never stands where a key does
             if isinstance(value, str):
                 if len(value) <= longest and value in names:
                     found[names[value]] = _Found(node, key, (*path, key))

@@ -89,7 +89,11 @@ def _runs(body: bytes, *, min_bytes: int, window: int) -> list[_Run]:
         stop = min(len(body), start + window)
         b = _view(body, start, stop)
         quotes, last_plain = _unescaped_quotes(b, start, last_plain)
-        stops = np.flatnonzero(np.take(_NOT_IN_SPAN, b))
+        # Most windows of a body of numbers hold no byte a span cannot (a cheap look first).
+        if body[start:stop].translate(None, SPAN_BYTES):
+            stops = np.flatnonzero(np.take(_NOT_IN_SPAN, b))
+        else:
+            stops = np.zeros(0, dtype=np.int64)
         if len(stops):
             ends = stops + start
             begins = np.empty_like(ends)

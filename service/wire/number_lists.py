@@ -142,8 +142,8 @@ class NumberArrayBuilder:
         """Read the next piece. `booleans`: False when the caller knows it holds none (its text
         has no "t" or "f"); None to look at its leaves' types."""
         arr = np.asarray(values)
-        if booleans is None:
-            booleans = bool in leaf_types(values)
+        if booleans is None:  # numpy reads true and false alone as bool, and only them
+            booleans = arr.dtype.kind == "b" or bool in leaf_types(values)
         self._booleans |= booleans
         start, stop = self._filled, self._filled + len(values)
         self._filled = stop

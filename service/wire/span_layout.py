@@ -38,7 +38,9 @@ _CLASS[ord("]")] = _CLOSE
 _CLASS[ord(",")] = _COMMA
 # _FOLLOWS[previous, event]: whether JSON's grammar lets `event` follow `previous`.
 _FOLLOWS: Final = np.zeros((5, 5), dtype=np.bool_)
-_STRUCTURE: Final = np.array([False, True, True, True, False])  # by class: '[', ']', ','
+_COMMA_BYTE: Final = ord(",")
+_OPEN_BYTE: Final = ord("[")
+_CLOSE_BYTE: Final = ord("]")
 for _prev, _next in (
     (_START, _OPEN),
     (_OPEN, _OPEN),
@@ -103,16 +105,17 @@ def span_layout(
     for at in range(start, end, window):
         stop = min(end, at + window)
         b = np.frombuffer(body, dtype=np.uint8, count=stop - at, offset=at)
-        cls = np.take(_CLASS, b)
-        token = cls == _TOKEN
+        # Comparisons rather than a table: a span holds no byte below 33 but whitespace.
+        structure = (b == _COMMA_BYTE) | (b == _OPEN_BYTE) | (b == _CLOSE_BYTE)
+        token = (b > 32) & ~structure
         first = np.empty_like(token)  # a token's first byte
         first[0] = token[0] and not r.in_token
         np.greater(token[1:], token[:-1], out=first[1:])
         r.in_token = bool(token[-1])
-        events = np.flatnonzero(np.take(_STRUCTURE, cls) | first)
+        events = np.flatnonzero(structure | first)
         if not len(events):
             continue
-        kinds = cls[events]
+        kinds = np.take(_CLASS, b[events])
         previous = np.empty_like(kinds)
         previous[0] = r.previous
         previous[1:] = kinds[:-1]

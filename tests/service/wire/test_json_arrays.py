@@ -21,12 +21,14 @@ from hypothesis import strategies as st
 from pydantic_core import from_json
 
 from service.errors import InvalidRequest
-from service.wire.codec import decode_int_list, decode_tensor, loads_request
+from service.wire.codec import decode_int_list, decode_tensor, loads_request, refuse_many_keys
 from service.wire.json_arrays import (
     MAX_ENVELOPE_VALUES,
     Pieces,
     Slot,
+    WholeParseNeeded,
     loads_in_pieces,
+    parse_in_pieces,
     parse_whole,
 )
 from service.wire.json_errors import message, parse_error
@@ -64,13 +66,25 @@ def attempt(fn: Any) -> Any:
         return ("refused", str(exc), [(e.loc, e.msg, e.type) for e in exc.errors])
 
 
-def v1_outcome(body: bytes, model: Any, pieces: Pieces | None) -> list[Any]:
-    """Each of a v1 body's tensors as the wire layer decodes it."""
+def in_pieces(body: bytes, slot_of: Any, pieces: Pieces, *, allow_inf_nan: bool) -> Any:
+    """loads_request's in pieces, where the pieces may not give up (WholeParseNeeded): none of
+    these bodies nests near jiter's recursion limit, and every error must be placed."""
+    refuse_many_keys(body)  # as loads_request does first
+    return parse_in_pieces(body, slot_of=slot_of, allow_inf_nan=allow_inf_nan, pieces=pieces)
+
+
+def v1_outcome(
+    body: bytes, model: Any, pieces: Pieces | None, *, last_resort: bool = False
+) -> list[Any]:
+    """Each of a v1 body's tensors as the wire layer decodes it (in pieces, with the whole parse
+    as the last resort only when `last_resort`)."""
     try:
         if pieces is None:
             payload = loads_request(body)
-        else:
+        elif last_resort:
             payload = loads_request(body, slot_of=array_slots(model), pieces=pieces)
+        else:
+            payload = in_pieces(body, array_slots(model), pieces, allow_inf_nan=False)
         req = validate_request(payload, model)
     except InvalidRequest as exc:
         return [("refused", str(exc), [(e.loc, e.msg, e.type) for e in exc.errors])]
@@ -99,7 +113,7 @@ def v2_outcome(body: bytes, pieces: Pieces | None) -> Any:
         if pieces is None:
             payload = loads_request(header, allow_inf_nan=True)
         else:
-            payload = loads_request(header, allow_inf_nan=True, slot_of=array_slot, pieces=pieces)
+            payload = in_pieces(header, array_slot, pieces, allow_inf_nan=True)
         request = parse_infer_request(payload)
         tensors = decode_inputs(request, body, offset, max_elements=BIG)
     except InvalidRequest as exc:
@@ -458,10 +472,21 @@ EDGES = {
 }
 
 
-@pytest.mark.parametrize("text", EDGES.values(), ids=EDGES.keys())
+PARSED_WHOLE = ("130 levels, parsed whole", "250 levels: jiter's recursion limit")
+
+
+@pytest.mark.parametrize("name", EDGES)
 @pytest.mark.parametrize("model", [AttentionRequest, AnalyzeRequest])
-def test_edges_decode_alike_whole_and_in_pieces(text: str, model: Any) -> None:
-    body = text.encode()
+def test_edges_decode_alike_whole_and_in_pieces(name: str, model: Any) -> None:
+    body = EDGES[name].encode()
     for window in (5, 1 << 18):
         pieces = Pieces(piece_bytes=9, min_span_bytes=4, few_values=0, window=window)
-        assert v1_outcome(body, model, pieces) == v1_outcome(body, model, None)
+        whole = name in PARSED_WHOLE
+        assert v1_outcome(body, model, pieces, last_resort=whole) == v1_outcome(body, model, None)
+
+
+@pytest.mark.parametrize("name", PARSED_WHOLE)
+def test_arrays_nested_near_jiters_recursion_limit_are_parsed_whole(name: str) -> None:
+    pieces = Pieces(piece_bytes=9, min_span_bytes=4, few_values=0)
+    with pytest.raises(WholeParseNeeded):
+        in_pieces(EDGES[name].encode(), array_slots(AttentionRequest), pieces, allow_inf_nan=False)
