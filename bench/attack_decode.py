@@ -121,7 +121,8 @@ def _mask(side: int, *, nulls: bool) -> str:
 
 def big_shapes() -> list[tuple[str, str, Callable[[], bytes]]]:
     """The big legal JSON-list bodies: (name, path, how to build it), built one at a time."""
-    n = 128 * MB // 3 // (64 * 10 + 4)  # rows of 64 numbers of about 10 bytes: 128 MiB
+    row_bytes = len(_rows(1024)) / 1024  # the average row, with its ", "
+    n = int((128 * MB - 4096) / 3 / row_bytes)  # q, k, v of rows of 64 numbers: 128 MiB
 
     def v1_data() -> bytes:
         t = f'{{"dtype": "float32", "shape": [{n}, 64], "data": {_rows(n)}}}'

@@ -25,10 +25,12 @@ leaves the loop (the worst bytes, big integers, cost 14 ns each, 5.5 ms at that 
 
 A worker thread frees the loop only from the work that lets the GIL go: numpy's and torch's
 numerical kernels and base64 do, but the JSON parser and numpy reading nested lists hold it
-from start to end. With the collector paused (service.serving.gc_pause), 1 MiB of
-single-element lists decoding on a worker stalled the loop 45-65 ms at worst, 16 MiB of them
-0.8-0.95 s (bench/attack_decode.py decode-costs): those pauses grow with the body, wherever
-it decodes, until lists of numbers are parsed without a Python object per number.
+from start to end of each call. So a body that leaves the loop has its big arrays of numbers
+parsed in pieces (service.wire.json_arrays: no call on more than 256 KiB of them, no Python
+object per number). With the collector paused (service.serving.gc_pause), on the 2-core
+development machine (bench/attack_decode.py decode-costs): 18 MiB of single-element lists
+stalled the loop 875 ms parsed whole on a worker, 9 ms in pieces; 128 MiB of rows of 64 numbers
+1.0-2.1 s, 8-10 ms; a 32 MiB bool mask 266 ms, 3 ms.
 """
 
 from __future__ import annotations
