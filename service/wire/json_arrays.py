@@ -10,9 +10,10 @@ becomes a Python float and a list slot: 12.7x the body at the peak. Here:
    guess, and what is left (the envelope: names, options, strings, small lists) is parsed by
    from_json as the whole body was;
 2. each span's brackets and commas are checked and its shape found with numpy
-   (service.wire.span_layout); its tokens are parsed PIECE_BYTES at a time, brackets and
-   whitespace dropped, each piece a flat list for from_json, read into numpy by the codec's
-   own rules and combined as the whole list would have been (service.wire.number_lists);
+   (service.wire.span_layout); it is cut at commas into pieces of at most PIECE_BYTES, each
+   parsed by from_json as a flat list (its brackets blanked; in a span with empty lists, its
+   tokens alone), read into numpy by the codec's own rules and combined as the whole list
+   would have been (service.wire.number_lists);
 3. each placeholder is replaced by what stands where it is (`slot_of`, from the wire models):
    a NumberArray where the codec reads a tensor; where the models or numpy read the list in
    other ways, a stand-in that reads the same.
@@ -20,7 +21,8 @@ becomes a Python float and a list slot: 12.7x the body at the peak. Here:
 Every answer is the one the whole body parsed at once would get, bit for bit and word for word
 (tests/service/wire/test_json_arrays.py compares them): invalid JSON is refused with
 from_json's own message and position (service.wire.json_errors), a ragged array as ragged.
-Where that cannot be assured (nothing known does it), the body is parsed whole.
+Where that cannot be assured (an array nested near jiter's recursion limit, an error the
+pieces cannot place: WholeParseNeeded), the body is parsed whole.
 
 One new refusal: a body whose envelope still holds more than MAX_ENVELOPE_VALUES ',' and '['
 (values outside its big arrays of numbers: many small lists, strings in lists) is refused
