@@ -22,7 +22,9 @@ Every answer is the one the whole body parsed at once would get, bit for bit and
 (tests/service/wire/test_json_arrays.py compares them): invalid JSON is refused with
 from_json's own message and position (service.wire.json_errors), a ragged array as ragged.
 Where that cannot be assured (an array nested near jiter's recursion limit, an error the
-pieces cannot place: WholeParseNeeded), the body is parsed whole.
+pieces cannot place: WholeParseNeeded), a body of at most WHOLE_PARSE_BYTES is parsed whole; a
+larger one is refused (422, with the reason): parsed whole, it would hold the loop and the
+memory this module exists to spare, and no valid request nests so deep or fails so.
 
 One new refusal: a body whose envelope still holds more than MAX_ENVELOPE_VALUES ',' and '['
 (values outside its big arrays of numbers: many small lists, strings in lists) is refused
@@ -58,6 +60,8 @@ FEW_VALUES: Final = 4096
 # its tensors smaller than MIN_SPAN_BYTES (six at most, 2,048 values each), its shapes,
 # strategies, outputs and keys: 13,000 at most.
 MAX_ENVELOPE_VALUES: Final = 16_384
+# The largest body parsed whole when the pieces cannot answer for it: a piece's worth.
+WHOLE_PARSE_BYTES: Final = PIECE_BYTES
 # Arrays and objects a span may lie in, its own included, for its answer to be the one from_json
 # gives: well below jiter's recursion limit (about 200 in pydantic_core 2.50). Deeper, the body
 # is parsed whole. (No request of this API nests more than 10.)
@@ -105,7 +109,8 @@ SlotOf = Callable[[Path], Slot]
 
 class WholeParseNeeded(Exception):
     """The pieces cannot say what the whole body would (nesting near jiter's recursion limit,
-    an error the pieces cannot place): it is parsed whole."""
+    an error the pieces cannot place): a small body is parsed whole, a large one refused.
+    str(): why, in the words of the refusal."""
 
 
 def not_json(detail: str) -> InvalidRequest:
@@ -132,7 +137,9 @@ def loads_in_pieces(
     envelope of more than MAX_ENVELOPE_VALUES values."""
     try:
         return parse_in_pieces(body, slot_of=slot_of, allow_inf_nan=allow_inf_nan, pieces=pieces)
-    except WholeParseNeeded:
+    except WholeParseNeeded as exc:
+        if len(body) > WHOLE_PARSE_BYTES:
+            raise not_json(f"{exc} (in a body of more than {WHOLE_PARSE_BYTES:,} bytes)") from None
         return parse_whole(body, allow_inf_nan=allow_inf_nan)
 
 
@@ -229,7 +236,7 @@ class _Reader:
             window=self.pieces.window,
         )
         if nesting + layout.depth > MAX_NESTING:
-            raise WholeParseNeeded
+            raise WholeParseNeeded(f"arrays nested more than {MAX_NESTING} deep")
         regular = (
             layout.violation is None
             and layout.shape is not None
@@ -260,8 +267,8 @@ class _Reader:
                 builder.add(values, booleans=booleans)
         if layout.violation is not None:
             raise self._error_in(span, layout, _region_of(bounds, layout.violation))
-        if parsed != layout.tokens:
-            raise WholeParseNeeded  # cannot be: each token is one value
+        if parsed != layout.tokens:  # cannot be: each token is one value
+            raise WholeParseNeeded("an array whose values could not be counted")
         if slot is Slot.LIST:
             return self._list_items(span, layout)
         if slot is Slot.ANY:
@@ -295,7 +302,7 @@ class _Reader:
         window = prefix + self.body[begin : bounds[region + 1] + 1]
         error = parse_error(window, allow_inf_nan=self.allow_inf_nan)
         if error is None or not len(prefix) <= error.index < len(window):
-            raise WholeParseNeeded
+            raise WholeParseNeeded("an error whose place could not be told")
         at = begin + error.index - len(prefix)
         return not_json(message(self.body, JsonError(error.what, at)))
 
@@ -306,12 +313,12 @@ class _Reader:
         spans before where the envelope's lies, else the envelope's, carried to the body."""
         error = parse_error(envelope, allow_inf_nan=self.allow_inf_nan)
         if error is None:
-            raise WholeParseNeeded
+            raise WholeParseNeeded("an error whose place could not be told")
         at = error.index  # in the body: the envelope's index, shifted past the spans before it
         for span, (start, end) in zip(spans, places, strict=True):
             if error.index < end:
-                if start < error.index:
-                    raise WholeParseNeeded  # inside a placeholder: cannot be
+                if start < error.index:  # inside a placeholder: cannot be
+                    raise WholeParseNeeded("an error whose place could not be told")
                 break
             at += (span.end - span.start) - (end - start)
         for span in spans:
@@ -372,7 +379,8 @@ def _placeholders(tree: Any, names: dict[str, int]) -> dict[int, _Found]:
         items = node.items() if isinstance(node, dict) else enumerate(node)
         for key, value in items:
             if isinstance(key, str) and len(key) <= longest and key in names:
-                raise WholeParseNeeded  # cannot be: a span never stands where a key does
+                # Cannot be: a span never stands where a key does.
+                raise WholeParseNeeded("an array where a key stands")
             if isinstance(value, str):
                 if len(value) <= longest and value in names:
                     found[names[value]] = _Found(node, key, (*path, key))

@@ -24,6 +24,8 @@ from service.errors import InvalidRequest
 from service.wire.codec import decode_int_list, decode_tensor, loads_request, refuse_many_keys
 from service.wire.json_arrays import (
     MAX_ENVELOPE_VALUES,
+    MAX_NESTING,
+    WHOLE_PARSE_BYTES,
     Pieces,
     Slot,
     WholeParseNeeded,
@@ -490,3 +492,16 @@ def test_arrays_nested_near_jiters_recursion_limit_are_parsed_whole(name: str) -
     pieces = Pieces(piece_bytes=9, min_span_bytes=4, few_values=0)
     with pytest.raises(WholeParseNeeded):
         in_pieces(EDGES[name].encode(), array_slots(AttentionRequest), pieces, allow_inf_nan=False)
+
+
+def test_a_large_body_the_pieces_cannot_answer_for_is_refused_not_parsed_whole() -> None:
+    """130 levels around 300 KB of numbers: past MAX_NESTING, which the pieces leave to jiter;
+    parsed whole, such a body would hold the loop and its Python floats as before, so past
+    WHOLE_PARSE_BYTES it is refused (a small one, above, is parsed whole)."""
+    numbers = ", ".join(["1.5"] * (WHOLE_PARSE_BYTES // 5 + 1))
+    body = f'{{"q": {deep(130, numbers)}}}'.encode()
+    assert len(body) > WHOLE_PARSE_BYTES
+    with pytest.raises(InvalidRequest) as refused:
+        loads_in_pieces(body, slot_of=array_slots(AttentionRequest), allow_inf_nan=False)
+    assert refused.value.errors[0].type == "json_invalid"
+    assert f"arrays nested more than {MAX_NESTING} deep" in refused.value.detail
