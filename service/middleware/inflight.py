@@ -42,6 +42,7 @@ from service.errors import FieldError, InvalidRequest, MemoryBusy, PayloadTooLar
 from service.metrics import Metrics
 from service.middleware.body_limit import declared_length
 from service.middleware.connections import unsent_bytes
+from service.serving.offload import INLINE_MAX_BYTES
 from service.wire.codec import occurrences
 from service.wire.lengths import parse_length
 
@@ -77,6 +78,18 @@ _SEPARATORS: Final = (
     (ord("{"), CONTAINER_PEAK_BYTES),
     (ord(":"), KEY_PEAK_BYTES),
 )
+# Past its first INLINE_MAX_BYTES a body decodes off the loop, its big arrays of numbers parsed
+# in pieces straight into numpy (service.wire.json_arrays): a number holds its float64 value and
+# the tensor's copy, 12.7 bytes a ',' at most measured (bench/attack_decode.py decode-memory),
+# and a '[' nothing. The envelope around the arrays (at most 16,384 values, whose '[' this
+# counts at an element's cost) is parsed as before; so are keys.
+PIECES_ELEMENT_PEAK_BYTES: Final = 16
+_PIECES_SEPARATORS: Final = (
+    (ord(","), PIECES_ELEMENT_PEAK_BYTES),
+    (ord("["), PIECES_ELEMENT_PEAK_BYTES),
+    (ord("{"), CONTAINER_PEAK_BYTES),
+    (ord(":"), KEY_PEAK_BYTES),
+)
 # The first bytes of every body's estimate are not reserved: a request's envelope (its field
 # names, shapes, options: about 2 KB of estimate for a base64 request) parses to a few
 # kilobytes, and reserving it would refuse base64 bodies that exactly fill the limit.
@@ -107,11 +120,18 @@ def default_inflight_bytes() -> int:
     return process_memory_limit() // 4
 
 
-def parse_estimate(chunk: bytes) -> int:
-    """What parsing `chunk` of a JSON body will hold at its peak, from its separators. A base64
-    chunk holds none, and costs four memchr passes (wire.codec.occurrences finds rare bytes one
-    by one before it counts them)."""
-    return sum(cost * occurrences(chunk, separator) for separator, cost in _SEPARATORS)
+def parse_estimate(chunk: bytes, *, offset: int = 0) -> int:
+    """What parsing `chunk`, found at `offset` in a JSON body, will hold at its peak, from its
+    separators: parsed whole within the body's first INLINE_MAX_BYTES, in pieces past them. A
+    base64 chunk holds none, and costs four memchr passes (wire.codec.occurrences finds rare
+    bytes one by one before it counts them)."""
+    whole = min(len(chunk), max(0, INLINE_MAX_BYTES - offset))
+    head = chunk if whole == len(chunk) else chunk[:whole]
+    estimate = sum(cost * occurrences(head, separator) for separator, cost in _SEPARATORS)
+    if whole < len(chunk):
+        tail = chunk[whole:]
+        estimate += sum(cost * occurrences(tail, sep) for sep, cost in _PIECES_SEPARATORS)
+    return estimate
 
 
 def json_prefix(scope: Scope) -> int | None:
@@ -289,10 +309,11 @@ class RequestHolding:
             raise self.refusal
         self.received += len(chunk)
         if not self.decoded:
+            offset = self.received - len(chunk)
             if self.json_left is None:
-                self.estimate += parse_estimate(chunk)
+                self.estimate += parse_estimate(chunk, offset=offset)
             elif self.json_left > 0:
-                self.estimate += parse_estimate(chunk[: self.json_left])
+                self.estimate += parse_estimate(chunk[: self.json_left], offset=offset)
                 self.json_left = max(0, self.json_left - len(chunk))
         growth = self._total() - self.counted
         if growth > 0:

@@ -1,9 +1,10 @@
 """SDPA_MAX_INFLIGHT_BYTES on a real server, against the bodies that passed it before: six
-clients at once send JSON-list bodies (each would parse to about 10x its size) and the same
-gzip-compressed (no Content-Length once inflated). Every one is refused before it is parsed,
-mid-stream, with 422 (it could never fit) or 503 (others hold the room); the server's peak RSS
-growth (VmHWM) stays under twice the bound (the issue's check); a bystander's probes and small
-JSON requests keep answering within a second; no 500 and no traceback in the log.
+clients at once send JSON-list bodies (each reserved at what parsing it holds: its body, and
+16 bytes a number once it is parsed in pieces) and the same gzip-compressed (no Content-Length
+once inflated). What fits beside the others is served; the rest is refused mid-stream, before
+it is parsed, with 503 (others hold the room); the server's peak RSS growth (VmHWM) stays
+under twice the bound (the issue's check); a bystander's probes and small JSON requests keep
+answering within a second; no 500 and no traceback in the log.
 
 The figures at the issue's size (128 MiB bodies, a 512 MiB bound) are bench/attack_bodies.py
 bodies-flood; here the bodies are 25 MB and the bound 128 MiB, for a CI run.
@@ -74,9 +75,10 @@ def test_json_list_and_gzip_bodies_are_refused_before_they_are_parsed(
             thread.join(timeout=120)
         growth = (memory_kb(server)["VmHWM"] - baseline_kb) * 1024
     assert statuses
-    assert set(statuses) <= {422, 503}, collections.Counter(statuses)
-    assert 503 in statuses  # refused because the others held the room, not only alone
-    assert all("SDPA_MAX_INFLIGHT_BYTES" in said for said in details)
+    assert set(statuses) <= {200, 503}, collections.Counter(statuses)
+    assert 503 in statuses  # refused because the others held the room
+    refusals = [said for status, said in zip(statuses, details, strict=True) if status == 503]
+    assert all("SDPA_MAX_INFLIGHT_BYTES" in said for said in refusals)
     assert growth < 2 * BOUND, f"peak RSS grew {growth / MB:.0f} MiB"
     bystander.assert_served()
     log = server.log()[len(log_before) :]

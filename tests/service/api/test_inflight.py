@@ -19,6 +19,7 @@ from starlette.types import Receive, Scope, Send
 
 from service.app import create_app
 from service.middleware.inflight import InflightBytesMiddleware, parse_estimate
+from service.serving.offload import INLINE_MAX_BYTES
 from service.wire.lengths import BEYOND_ANY_LIMIT, parse_length
 from tests.support.app import asgi_scope, in_process_client, small_settings
 from tests.support.wire import to_wire
@@ -552,3 +553,14 @@ def test_a_refusal_that_escapes_the_app_still_reaches_the_client() -> None:
         assert limited.held == 0
 
     asyncio.run(scenario())
+
+
+def test_past_the_bytes_parsed_whole_numbers_are_reserved_at_their_numpy_cost() -> None:
+    """By hand: past INLINE_MAX_BYTES a body is parsed in pieces (16 bytes a ',' or '[', keys
+    and objects as before); a chunk across that offset is charged each side at its own cost."""
+    rows = b"[0.5, 0.5]," * 100  # per row: one '[' and two ','
+    assert parse_estimate(rows, offset=INLINE_MAX_BYTES) == 100 * 3 * 16
+    assert parse_estimate(rows, offset=0) == 100 * (88 + 2 * 52)
+    across = INLINE_MAX_BYTES - 50 * len(rows) // 100  # the first 50 rows parsed whole
+    assert parse_estimate(rows, offset=across) == 50 * (88 + 2 * 52) + 50 * 3 * 16
+    assert parse_estimate(b'{"a": [1, 2]}', offset=INLINE_MAX_BYTES) == 88 + 56 + 16 + 16
