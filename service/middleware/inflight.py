@@ -5,9 +5,13 @@ hands to the server until the app is done with it; after that, what its client h
 yet waits in the connection's write buffer (service.middleware.connections counts those of
 clients that fell behind; the send timeout frees a client that reads nothing).
 
-- Its declared body (Content-Length, at most SDPA_MAX_BODY_BYTES) is reserved at once: when
-  that does not fit beside the bytes held, it gets 503 with Retry-After before any of its body
-  is read.
+- Its declared body (Content-Length, at most SDPA_MAX_BODY_BYTES) must fit beside the bytes
+  held when it arrives, or it gets 503 with Retry-After before any of its body is read; but
+  only what has arrived, and BODY_WINDOW ahead of it, is held: a client that declares a large
+  body and sends it slowly, or not at all, holds the room it really takes (declaring 1/48 of
+  the limit on each of 48 connections and sending nothing had locked everyone out at a few
+  bytes a second). Bodies declared together that do not all fit are refused mid-stream (below)
+  as they grow.
 - Its body is counted as it arrives, after inflation (service.middleware.content_encoding sits
   outside): a chunked or compressed body, which declares nothing, grows its reservation chunk
   by chunk, and so does the parse estimate below. A step that would take the bytes held past
@@ -19,8 +23,10 @@ clients that fell behind; the send timeout frees a client that reads nothing).
   of empty lists by 30x: bench/attack_bodies.py parse-peak). So the body's JSON separators
   are counted as it arrives (`,` for an element, `[` or `{` for a container, `:` for a key),
   and each reserves what it cost to parse, measured on this service (bench/attack_bodies.py
-  parse-peak). Base64 tensors hold none of them. Under /v2/ with
-  Inference-Header-Content-Length, only the JSON header is scanned: binary data holds no JSON.
+  parse-peak). Base64 tensors hold none of them, but their strings become a Python str as long
+  as themselves and then their decoded bytes: the estimate is at least STRING_PEAK_RATIO times
+  the JSON read. Under /v2/ with Inference-Header-Content-Length, only the JSON header is
+  scanned: binary data holds no JSON.
   The parse reservation is dropped once the request is decoded (its first reserve_answer).
 - Once a request is decoded, its answer's working set is reserved before it is computed, or
   the request gets that 503 (422 when it could never fit).
@@ -95,6 +101,13 @@ _PIECES_SEPARATORS: Final = (
 # kilobytes, and reserving it would refuse base64 bodies that exactly fill the limit.
 ENVELOPE_BYTES: Final = 8 * 1024
 V2_HEADER_LENGTH: Final = b"inference-header-content-length"
+# How far ahead of what has arrived a declared body is held: a socket read and its buffers.
+BODY_WINDOW: Final = 1024 * 1024
+# A JSON string (a base64 tensor) becomes a Python str as long as itself, then its decoded bytes
+# (3/4 of it): decoding a base64 body holds 1.75x its size beside the body (an 85 MiB body
+# peaked 2.8x its size). The parse estimate is at least that share of the JSON read.
+STRING_PEAK_RATIO: Final = 1.75
+
 # cgroup v2, then v1: the memory the container may use ("max" or a huge number: no limit).
 _CGROUP_LIMITS: Final = (
     Path("/sys/fs/cgroup/memory.max"),
@@ -168,8 +181,8 @@ class InflightBytesMiddleware:
         if scope["type"] != "http" or scope["path"] in EXEMPT_PATHS:
             await self.app(scope, receive, send)
             return
-        # The declared body is reserved at once: clients that send their headers together
-        # would otherwise all be admitted while nothing is held yet, and read past the limit.
+        # A declared body that does not fit now is refused before any of it is read (module
+        # docstring); one that fits holds what arrives, and a window ahead of it.
         declared = min(declared_length(scope) or 0, self.max_body_bytes)
         if declared > self.max_bytes:
             error: ServiceError = self.body_too_big(declared, declared=True)
@@ -279,6 +292,7 @@ class RequestHolding:
         self.declared = declared
         self.received = 0  # bytes of the body read
         self.json_left = json_bytes  # bytes of JSON still to scan (None: the whole body)
+        self.json_scanned = 0  # of them, scanned (with json_left)
         self.estimate = 0  # the parse estimate of the JSON read so far
         self.decoded = False  # the app reserved its answer: the parsed objects are gone
         self.answer = 0  # the answer's bytes: reserved, or handed over (whichever is more)
@@ -289,10 +303,14 @@ class RequestHolding:
         self.counted = self._total()
 
     def body(self) -> int:
-        return max(self.declared, self.received)
+        return max(self.received, min(self.declared, self.received + BODY_WINDOW))
 
     def parse(self) -> int:
-        return 0 if self.decoded else max(0, self.estimate - ENVELOPE_BYTES)
+        if self.decoded:
+            return 0
+        json_read = self.received if self.json_left is None else self.json_scanned
+        strings = int(STRING_PEAK_RATIO * json_read)
+        return max(0, max(self.estimate, strings) - ENVELOPE_BYTES)
 
     def _total(self) -> int:
         return self.body() + self.parse() + self.answer
@@ -314,6 +332,7 @@ class RequestHolding:
                 self.estimate += parse_estimate(chunk, offset=offset)
             elif self.json_left > 0:
                 self.estimate += parse_estimate(chunk[: self.json_left], offset=offset)
+                self.json_scanned += min(len(chunk), self.json_left)
                 self.json_left = max(0, self.json_left - len(chunk))
         growth = self._total() - self.counted
         if growth > 0:

@@ -18,12 +18,13 @@ from prometheus_client.parser import text_string_to_metric_families
 from starlette.types import Receive, Scope, Send
 
 from service.app import create_app
-from service.middleware.inflight import InflightBytesMiddleware, parse_estimate
+from service.middleware.inflight import BODY_WINDOW, InflightBytesMiddleware, parse_estimate
 from service.serving.offload import INLINE_MAX_BYTES
 from service.wire.lengths import BEYOND_ANY_LIMIT, parse_length
 from tests.support.app import asgi_scope, in_process_client, small_settings
 from tests.support.wire import to_wire
 
+MiB = 1024 * 1024
 LIMIT = 4096
 
 
@@ -221,6 +222,45 @@ def test_bodies_declared_together_cannot_pass_the_limit_together() -> None:
     asyncio.run(scenario())
 
 
+def test_a_declared_body_holds_what_arrived_and_a_window_ahead_of_it() -> None:
+    """Under an 8 MiB limit a client declares 7 MiB and sends nothing: it holds BODY_WINDOW
+    (1 MiB), not its declaration (48 such clients had held a whole limit at a few bytes a
+    second), so a second client's 2 MiB body is admitted beside it (it was a 503: 7 + 2 > 8)
+    and holds its body and what decoding its JSON strings takes (1.75x, past the first 8 KiB):
+    6.5 MiB in all."""
+    app = create_app(small_settings(max_inflight_bytes=8 * MiB, max_body_bytes=8 * MiB))
+
+    async def scenario() -> None:
+        leave, stalled, second_in = asyncio.Event(), asyncio.Event(), asyncio.Event()
+        first = asyncio.create_task(
+            call(
+                app,
+                asgi_scope("POST", "/v1/attention", content_length=7 * MiB),
+                [{"wait": leave, "reached": stalled}],  # nothing sent
+            )
+        )
+        await asyncio.wait_for(stalled.wait(), 10)
+        assert _held(app) == BODY_WINDOW
+        second = asyncio.create_task(
+            call(
+                app,
+                asgi_scope("POST", "/v1/attention", content_length=2 * MiB),
+                [
+                    {"type": "http.request", "body": b" " * (2 * MiB), "more_body": True},
+                    {"wait": leave, "reached": second_in},
+                ],
+            )
+        )
+        await asyncio.wait_for(second_in.wait(), 10)
+        assert _held(app) == BODY_WINDOW + 2 * MiB + int(1.75 * 2 * MiB) - 8192
+        leave.set()
+        await first
+        await second
+        assert _held(app) == 0
+
+    asyncio.run(scenario())
+
+
 def chunked_scope(path: str, *headers: tuple[bytes, bytes]) -> dict[str, Any]:
     """The scope of a request without Content-Length (chunked, or inflated inside the app)."""
     scope = asgi_scope("POST", path)
@@ -350,7 +390,9 @@ def test_json_separators_reserve_their_parse_peak_as_they_arrive() -> None:
             )
         )
         await arrived.wait()
-        assert _held(app) == len(b64)
+        # A base64 body holds no separators, but its strings become a str as long as
+        # themselves and their decoded bytes: 1.75x the JSON read, past the free envelope.
+        assert _held(app) == len(b64) + int(1.75 * len(b64)) - 8192
         done.set()
         await holder
 
