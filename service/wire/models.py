@@ -150,7 +150,11 @@ def few_unknown_fields(data: Any, fields: Collection[str]) -> Any:
     )
 
 
-class _Wire(BaseModel):
+class RequestModel(BaseModel):
+    """A request model of either protocol: strict (`true` is not 1, "3" is not 3), frozen, no
+    non-finite floats, and unknown fields refused, many of them in one error before pydantic
+    walks their keys (few_unknown_fields)."""
+
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, frozen=True)
 
     @model_validator(mode="before")
@@ -200,7 +204,7 @@ BoolTensorData = Annotated[
 ]
 
 
-class WireTensor(_Wire):
+class WireTensor(RequestModel):
     """A tensor: {"dtype", "shape", "data"} (nested lists) or {"dtype", "shape", "b64"}."""
 
     model_config = ConfigDict(
@@ -392,7 +396,7 @@ KeyLengths = Annotated[
 ]
 
 
-class _MaskFields(_Wire):
+class _MaskFields(RequestModel):
     causal: Causal = False
     key_lengths: KeyLengths | None = None
     key_padding_mask: BoolTensorIn | None = Field(
@@ -467,7 +471,7 @@ class AttentionRequest(_MaskFields):
         return self
 
 
-class Synthetic(_Wire):
+class Synthetic(RequestModel):
     """Seeded q and k drawn from N(0, std^2)."""
 
     n_q: int = Field(ge=1, le=1 << 20)
@@ -479,7 +483,7 @@ class Synthetic(_Wire):
     dtype: FloatDType = "float32"
 
 
-class CustomStrategy(_Wire):
+class CustomStrategy(RequestModel):
     """A scaling strategy of your own: scores are divided by `divisor`."""
 
     name: str = Field(min_length=1, max_length=64)

@@ -16,7 +16,7 @@ from collections.abc import Iterable, Mapping
 from itertools import islice
 from typing import Annotated, Any, Final, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from service.errors import (
     MAX_LISTED_ERRORS,
@@ -30,11 +30,10 @@ from service.wire.json_arrays import Path, Slot
 from service.wire.models import (
     MAX_DIM,
     MAX_RANK,
-    MAX_UNKNOWN_FIELDS,
     Causal,
     DataList,
     DiagnosticsLevel,
-    few_unknown_fields,
+    RequestModel,
     unknown_field_hint,
 )
 
@@ -66,19 +65,7 @@ TAG_PATTERN: Final = r"^[A-Za-z0-9_.:/-]{1,64}$"
 MAX_TIMEOUT_US: Final = 3_600_000_000
 
 
-class _V2(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, frozen=True)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _few_unknown_fields(cls, data: Any) -> Any:
-        # As v1's: many unknown keys are refused in one error, before pydantic walks them.
-        if isinstance(data, dict) and len(data) > MAX_UNKNOWN_FIELDS:
-            few_unknown_fields(data, cls.model_fields)
-        return data
-
-
-class InputParameters(_V2):
+class InputParameters(RequestModel):
     binary_data_size: int | None = Field(
         default=None,
         ge=0,
@@ -88,7 +75,7 @@ class InputParameters(_V2):
     )
 
 
-class InferInput(_V2):
+class InferInput(RequestModel):
     """One input tensor: its data as a JSON list (flat or nested, row-major) or as binary data."""
 
     name: str = Field(description="q, k, v, key_lengths, key_padding_mask or attn_mask.")
@@ -104,13 +91,13 @@ class InferInput(_V2):
     )
 
 
-class OutputParameters(_V2):
+class OutputParameters(RequestModel):
     binary_data: bool | None = Field(
         default=None, description="This output as binary data (true) or a JSON list (false)."
     )
 
 
-class RequestedOutput(_V2):
+class RequestedOutput(RequestModel):
     name: str = Field(
         description="output, weights, or a per-row statistic (entropy, normalized_entropy, "
         "max_weight, effective_keys, sink_share, lse, visible_keys)."
@@ -118,7 +105,7 @@ class RequestedOutput(_V2):
     parameters: OutputParameters | None = None
 
 
-class RequestParameters(_V2):
+class RequestParameters(RequestModel):
     """The request's parameters: attention options and the protocol's own."""
 
     causal: Causal = False
@@ -152,7 +139,7 @@ class RequestParameters(_V2):
     )
 
 
-class InferRequest(_V2):
+class InferRequest(RequestModel):
     """POST /v2/models/attention/infer: the JSON body, or the JSON header of a binary one."""
 
     id: str | None = Field(default=None, max_length=256)
