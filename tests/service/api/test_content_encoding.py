@@ -8,7 +8,6 @@ The truth: the same request sent uncompressed, and bodies compressed here with g
 
 from __future__ import annotations
 
-import asyncio
 import gzip
 import json
 import zlib
@@ -16,16 +15,15 @@ from collections.abc import Sequence
 
 import httpx
 import pytest
-from starlette.types import Message, Receive, Scope, Send
 
 from service.errors import InvalidRequest
 from service.middleware.body_limit import BodyTooLarge
 from service.middleware.content_encoding import (
     CHUNK_BYTES,
     MAX_CODINGS,
-    ContentEncodingMiddleware,
 )
 from tests.support.app import API_SERVER_ENV
+from tests.support.inflation import drive
 
 MAX_BODY = int(API_SERVER_ENV["SDPA_MAX_BODY_BYTES"])
 Q = [[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]]
@@ -149,44 +147,6 @@ def test_a_bomb_through_two_layers_is_a_413(client: httpx.Client) -> None:
     assert refused.status_code == 413
     assert "SDPA_MAX_BODY_BYTES" in refused.json()["detail"]
     assert client.get("/healthz").status_code == 200
-
-
-def drive(
-    body: bytes, codings: bytes, *, stop_after: int, max_body_bytes: int | None = None
-) -> tuple[int, list[int]]:
-    """Send `body` with Content-Encoding `codings`, 4,096 bytes a message, through
-    ContentEncodingMiddleware to an app that stops reading after `stop_after` inflated bytes
-    -> (compressed bytes read, the sizes of the inflated messages the app saw)."""
-    consumed = 0
-    seen: list[int] = []
-
-    async def receive() -> Message:
-        nonlocal consumed
-        part = body[consumed : consumed + 4096]
-        consumed += len(part)
-        return {"type": "http.request", "body": part, "more_body": consumed < len(body)}
-
-    async def inner(scope: Scope, receive: Receive, send: Send) -> None:
-        total = 0
-        while total <= stop_after:
-            message = await receive()
-            seen.append(len(message["body"]))
-            total += len(message["body"])
-            if not message.get("more_body"):
-                return
-
-    async def send(message: Message) -> None:
-        pass
-
-    scope = {
-        "type": "http",
-        "method": "POST",
-        "path": "/v1/attention",
-        "headers": [(b"content-encoding", codings)],
-    }
-    middleware = ContentEncodingMiddleware(inner, max_body_bytes=max_body_bytes)
-    asyncio.run(middleware(scope, receive, send))
-    return consumed, seen
 
 
 def test_each_layer_inflates_at_most_a_chunk_per_step() -> None:

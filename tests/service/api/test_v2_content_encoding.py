@@ -8,18 +8,17 @@ message below, with the bytes counted).
 
 from __future__ import annotations
 
-import asyncio
 import gzip
 import json
 import zlib
 
 import httpx
 import pytest
-from starlette.types import Message, Receive, Scope, Send
 
 from service.errors import InvalidRequest
-from service.middleware.content_encoding import CHUNK_BYTES, ContentEncodingMiddleware
+from service.middleware.content_encoding import CHUNK_BYTES
 from tests.support.app import API_SERVER_ENV
+from tests.support.inflation import drive
 
 MAX_BODY = int(API_SERVER_ENV["SDPA_MAX_BODY_BYTES"])
 Q = [[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]]
@@ -104,56 +103,23 @@ def test_v1_refusals_are_problems(client: httpx.Client) -> None:
     assert client.get("/healthz").status_code == 200
 
 
-def _drive(body: bytes, *, chunk: int, stop_after: int) -> tuple[int, list[int]]:
-    """Send `body` gzip-encoded in chunks of `chunk` bytes through ContentEncodingMiddleware to
-    an app that stops reading after `stop_after` inflated bytes -> (compressed bytes the
-    middleware consumed, sizes of the inflated messages the app saw)."""
-    consumed = 0
-    seen: list[int] = []
-
-    async def receive() -> Message:
-        nonlocal consumed
-        part = body[consumed : consumed + chunk]
-        consumed += len(part)
-        return {"type": "http.request", "body": part, "more_body": consumed < len(body)}
-
-    async def inner(scope: Scope, receive: Receive, send: Send) -> None:
-        total = 0
-        while total <= stop_after:
-            message = await receive()
-            seen.append(len(message["body"]))
-            total += len(message["body"])
-            if not message.get("more_body"):
-                return
-
-    async def send(message: Message) -> None:
-        pass
-
-    scope = {
-        "type": "http",
-        "method": "POST",
-        "path": "/v1/attention",
-        "headers": [(b"content-encoding", b"gzip"), (b"content-length", str(len(body)).encode())],
-    }
-    asyncio.run(ContentEncodingMiddleware(inner)(scope, receive, send))
-    return consumed, seen
-
-
 def test_inflation_is_bounded_per_message() -> None:
     raw = b"\0" * (256 * CHUNK_BYTES)  # 64 MiB of zeros: about 64 KiB compressed
     body = gzip.compress(raw)
-    consumed, seen = _drive(body, chunk=len(body), stop_after=2 * CHUNK_BYTES)
+    consumed, seen = drive(
+        body, b"gzip", chunk=len(body), stop_after=2 * CHUNK_BYTES, content_length=True
+    )
     # One compressed message of the whole bomb, yet never more than CHUNK_BYTES per message,
     # and the app's stop ends the inflation: 3 chunks, not 64 MiB.
     assert max(seen) <= CHUNK_BYTES
     assert sum(seen) <= 3 * CHUNK_BYTES
     assert consumed == len(body)
     # The whole body, read to its end, inflates to exactly the original.
-    _, all_seen = _drive(body, chunk=4096, stop_after=len(raw))
+    _, all_seen = drive(body, b"gzip", chunk=4096, stop_after=len(raw), content_length=True)
     assert sum(all_seen) == len(raw)
 
 
 def test_truncated_stream_is_an_error() -> None:
     body = gzip.compress(b"x" * 10_000)[:-8]
     with pytest.raises(InvalidRequest, match="ends early"):
-        _drive(body, chunk=1000, stop_after=1 << 30)
+        drive(body, b"gzip", chunk=1000, stop_after=1 << 30, content_length=True)
