@@ -318,6 +318,7 @@ def serve(settings: Settings) -> int:
             max_header_bytes=settings.max_header_bytes,
             max_headers=settings.max_headers,
             max_pipelined_requests=settings.max_pipelined_requests,
+            min_body_rate=settings.min_body_rate,
             metrics=state.metrics,
         ),
         # The service has no WebSocket route; an upgraded connection would leave the protocol

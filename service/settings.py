@@ -76,6 +76,17 @@ class Settings(BaseSettings):
     max_header_bytes: int = Field(default=32 * 1024, ge=1024, le=1024 * 1024)
     max_headers: int = Field(default=100, ge=8, le=10_000)
     max_pipelined_requests: int = Field(default=8, ge=1, le=1024)
+    # A request body's minimum rate, in bytes per second (Apache mod_reqtimeout's
+    # body=...,MinRate=...): a body must arrive within read_timeout_s of the app's first read
+    # of it, extended by one second for every min_body_rate bytes received (time the server
+    # itself does not read does not count); past it the connection closes. 0 = no minimum rate
+    # (the idle timer alone). What it costs an attacker: holding a connection whose request the
+    # app holds (never closed to make room) takes min_body_rate bytes a second, so holding all
+    # of max_connections takes min_body_rate x max_connections: 64 MiB/s (537 Mbit/s) at the
+    # defaults, where one byte every few seconds per connection used to do. A client that
+    # reconnects still holds a connection for read_timeout_s per request head it sends, as a
+    # client that stalls always could.
+    min_body_rate: int = Field(default=32 * 1024, ge=0, le=1024 * 1024 * 1024)
 
     # Comma-separated keys, or a JSON list. Empty = authentication off.
     api_keys: Annotated[tuple[SecretStr, ...], NoDecode] = ()

@@ -53,6 +53,7 @@ _INFO_EXAMPLE: Final = {
         "max_header_bytes": 32768,
         "max_headers": 100,
         "max_pipelined_requests": 8,
+        "min_body_rate": 32768,
     },
     "cost_model": {
         "calibrated": True,
@@ -138,6 +139,7 @@ async def info(state: StateDep) -> Response:
                 "max_header_bytes": settings.max_header_bytes,
                 "max_headers": settings.max_headers,
                 "max_pipelined_requests": settings.max_pipelined_requests,
+                "min_body_rate": settings.min_body_rate,
             },
             "cost_model": cost.as_json(),
             "batching": {

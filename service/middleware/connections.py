@@ -18,10 +18,13 @@ what the parser may have:
   a request's head are held until a whole line is in, and the parser is fed whole lines (each
   header value reaches it in one piece: nothing is concatenated); a head that cannot end within
   the budget gets a 431 problem+json and the connection closes, before the parser saw more than
-  the budget. A chunked body's trailer section has the same budget (past it the connection
-  closes: the app already holds that request, and sees it close).
+  the budget.
 - header lines (SDPA_MAX_HEADERS, default 100): counted before they reach the parser; past
-  the bound, 431 and the connection closes. A chunked body's trailer lines count the same.
+  the bound, 431 and the connection closes.
+- a chunked body's trailer section has the same two bounds. Past one, nothing more of the
+  connection is parsed; the app already holds the request, so its next receive() raises a 431
+  (TrailersTooLarge), which the app answers as it answers its own refusals (its access log
+  says 431), and the connection closes after that answer.
 - header deadline (SDPA_READ_TIMEOUT_S, default 15 s): a request's headers must be complete
   within it of their first byte, however steadily they trickle; else a 408 problem+json and the
   connection closes.
@@ -30,6 +33,25 @@ what the parser may have:
   connection, the client gets a 408; mid-body (the app has the request) the connection closes
   and the app sees the disconnect (a 499 in the access log). While the app computes or answers,
   or while the server itself stopped reading, no read timer runs.
+- minimum body rate (SDPA_MIN_BODY_RATE, default 32 KiB/s; 0 = none), as Apache
+  mod_reqtimeout's body=...,MinRate=...: a body must arrive within SDPA_READ_TIMEOUT_S of the
+  app's first read of it, extended by one second for every SDPA_MIN_BODY_RATE bytes it
+  brought; the time the server itself does not read (the app has not read what it was given,
+  the request waits behind another) does not count. Past it the connection closes, as the idle
+  timer does mid-body. Without it, a byte every few seconds held a connection whose request
+  the app holds for ever, and the cap never closes those: 2,048 of them, about 205 B/s in all,
+  locked everyone out; now that takes SDPA_MIN_BODY_RATE x SDPA_MAX_CONNECTIONS (64 MiB/s).
+- an answer given before its request's body was read (an early 413, 401 or 503): the rest of
+  that body is never parsed, nor anything after it. The answer is written and the sending
+  side closed, what the client still sends is read and dropped for linger_s (2 s) at most, and
+  the connection closes (RFC 9112 section 9.6). uvicorn reads on, dropping the body as it comes,
+  for as long as a client sends a byte now and then.
+- Upgrade (h2c, websocket) and CONNECT requests: llhttp ends one at its head and never
+  delivers its body. Without a body it is answered as a plain request (the service speaks
+  HTTP/1.1 only) with Connection: close, and nothing after its head is parsed; with a body
+  (Content-Length or Transfer-Encoding) it gets a 400 before the app sees it, and the
+  connection closes: the app would have answered it without its body, and the body was parsed
+  as the next request (request smuggling behind a proxy that forwards Upgrade).
 - pipelining (SDPA_MAX_PIPELINED_REQUESTS, default 8): at most that many requests of one
   connection parsed and unanswered. The parser is fed one request's head at a time and a body
   only up to its end (Content-Length, or the chunked framing read here), so it never parses
@@ -48,6 +70,10 @@ what the parser may have:
   request the app holds (its body being read, computed, answered) is never closed for it. Only
   when every connection is busy does the newcomer get a 503 with Retry-After, before any
   request is read. A slowloris client thus holds its connections only until others need them.
+  A connection answered early and lingering goes first of all, without a word. The candidates
+  of each kind are kept in arrival order as their state changes, so a newcomer at the cap
+  costs the event loop the same whatever the cap (a scan of every connection took 4.4 ms per
+  newcomer at 2,048 connections).
 - shutdown: when uvicorn shuts down (after the drain), a connection with no request in the app
   is not closed at once, since its client may be sending a request right then, which would be
   lost unanswered: it gets `shutdown_idle_grace_s` (0.5 s) for a request's headers to complete,
@@ -59,9 +85,10 @@ what the parser may have:
   that tells whether its answer reached the client (the access log logs 499 when it did not:
   the client left, or the send timeout dropped it, while its answer was being sent).
 
-Refusals count in sdpa_rejected_total by reason: header_too_large (431), header_timeout (408 at
-the header deadline), read_timeout (the idle timer), connections (the cap: a connection closed
-to make room, or a newcomer refused).
+Refusals count in sdpa_rejected_total by reason: header_too_large (431, trailers included),
+header_timeout (408 at the header deadline), read_timeout (the idle timer), body_too_slow (the
+minimum body rate), connections (the cap: a connection closed to make room, or a newcomer
+refused).
 
 Why this layer and not uvicorn's h11 protocol with its limit (h11_max_incomplete_event_size):
 h11 bounds a head's bytes (a 400, no metric) and parses one request at a time, but counts no
@@ -81,17 +108,21 @@ import json
 import logging
 import re
 import time
-from collections.abc import Awaitable, Callable
+import weakref
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import TYPE_CHECKING, Any, ClassVar, Final
 
 import httptools
 from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT, FlowControl
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
+from uvicorn.server import ServerState
 
-from service.errors import PROBLEM_JSON, problem_payload
+from service.errors import PROBLEM_JSON, ServiceError, problem_payload
 from service.wire.lengths import parse_length
 
 if TYPE_CHECKING:
+    from uvicorn._types import ASGIReceiveEvent
+
     from service.metrics import Metrics
 
 logger = logging.getLogger("sdpa.connections")
@@ -244,6 +275,60 @@ class _ProtocolFlow(FlowControl):
         self._on_resume()
 
 
+class TrailersTooLarge(ServiceError):
+    """431, raised from the receive() of a request whose chunked body's trailer section passed
+    SDPA_MAX_HEADER_BYTES or SDPA_MAX_HEADERS: it reaches the app's body read, and the app
+    answers it (its envelope, its access log) as it answers a refusal of the in-flight bound."""
+
+    status = 431
+    title = "Request Header Fields Too Large"
+
+
+class _Evictable:
+    """The connections of one server that the cap may close, each kind in a dict ordered from
+    the longest-waiting: a connection is appended when it becomes evictable (or its head
+    starts) and removed when it stops being so, so that the cap finds its victim at once
+    instead of scanning every connection (4.4 ms per newcomer at 2,048 connections did)."""
+
+    def __init__(self) -> None:
+        # OrderedDict, not dict: a dict's first key is found past the holes its deleted keys
+        # left at the front (linear in them until it is resized); an OrderedDict's is linked.
+        # Answered before their body was read, lingering until the client has read the answer.
+        self.answered: collections.OrderedDict[GuardedHttpToolsProtocol, None] = (
+            collections.OrderedDict()
+        )
+        # A request's headers incomplete, or none sent yet on a fresh connection.
+        self.heads: collections.OrderedDict[GuardedHttpToolsProtocol, None] = (
+            collections.OrderedDict()
+        )
+        # Idle between keep-alive requests.
+        self.idle: collections.OrderedDict[GuardedHttpToolsProtocol, None] = (
+            collections.OrderedDict()
+        )
+        # Closed by us but still among the server's connections (connection_lost comes on a
+        # later loop turn): they no longer count against the cap.
+        self.closing = 0
+
+    def oldest(self) -> GuardedHttpToolsProtocol | None:
+        """The connection the cap closes first: answered, then the longest with incomplete
+        headers, then the longest idle."""
+        for kind in (self.answered, self.heads, self.idle):
+            if kind:
+                return next(iter(kind))
+        return None
+
+
+# One table per server (uvicorn's ServerState holds its connections).
+_evictable: weakref.WeakKeyDictionary[ServerState, _Evictable] = weakref.WeakKeyDictionary()
+
+
+def _evictable_of(server_state: ServerState) -> _Evictable:
+    table = _evictable.get(server_state)
+    if table is None:
+        table = _evictable[server_state] = _Evictable()
+    return table
+
+
 class GuardedHttpToolsProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol with bounds on headers, pipelining, reading, sending and
     connections (the module docstring). Configure it with guarded_protocol()."""
@@ -254,7 +339,13 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     max_header_bytes: ClassVar[int] = 32 * 1024
     max_headers: ClassVar[int] = 100
     max_pipelined_requests: ClassVar[int] = 8
+    min_body_rate: ClassVar[int] = 32 * 1024
     shutdown_idle_grace_s: ClassVar[float] = 0.5
+    # After an answer given before its request's body was read: how long the rest of the body
+    # is read and dropped, the answer written and the sending side closed, before the
+    # connection closes (closing at once, with the client's bytes unread, would reset the
+    # connection, and a client still sending could lose the answer).
+    linger_s: ClassVar[float] = 2.0
     metrics: ClassVar[Metrics | None] = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -262,6 +353,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._read_timer: asyncio.TimerHandle | None = None
         self._send_timer: asyncio.TimerHandle | None = None
         self._head_timer: asyncio.TimerHandle | None = None
+        self._body_timer: asyncio.TimerHandle | None = None
+        self._linger_timer: asyncio.TimerHandle | None = None
         # Set when the connection was lost before its last answer was complete and written out.
         self._lost_undelivered = False
         self._delivery_waiters: set[asyncio.Future[bool]] = set()
@@ -280,9 +373,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._head_tail = b""  # the last (up to 3) bytes fed: "\r\n\r\n" may span two reads
         self._head_scanned = 0  # held bytes of the head known to hold no line end
         self._head_lines = 0  # line ends fed: the request line's, then one per header line
-        # How the current request's body ends, read from its headers when it has one: the
-        # bytes of a Content-Length body the parser may still have, or a chunked framing.
-        self._framed = False
+        # How the current request's body ends, read from its headers: the bytes of a
+        # Content-Length body the parser may still have, or a chunked framing.
         self._body_left = 0
         self._chunked: ChunkedBodyEnd | None = None
         # Requests parsed and not yet answered (the pipelining bound), and idleness (the cap).
@@ -290,12 +382,30 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._unanswered: collections.deque[RequestResponseCycle] = collections.deque()
         self._answered_any = False
         self._idle_since = time.monotonic()
+        # Nothing more is parsed on this connection (after an upgrade request, a refused
+        # trailer section, an answer given before its body was read), and the answer to such
+        # a request is written, its sending side closed, until linger_s passes.
+        self._input_closed = False
+        self._lingering = False
+        # The body's minimum rate (min_body_rate): its bytes taken, and its clock, which runs
+        # once the app asked for the body and only while the server reads the connection.
+        self._body_bytes = 0
+        self._body_asked = False
+        self._body_spent_s = 0.0  # running time before _body_running_since
+        self._body_running_since: float | None = None
+        # A trailer section past its bound: the request whose receive() raises it.
+        self._refusal: tuple[RequestResponseCycle, ServiceError] | None = None
+        self._head_refused = False  # an upgrade request with a body (400): no cycle was made
+        # Where the connection cap finds this connection (_Evictable), if anywhere.
+        self._evictable = _evictable_of(self.server_state)
+        self._filed: collections.OrderedDict[GuardedHttpToolsProtocol, None] | None = None
+        self._closing_counted = False
 
     # -- the connection cap and the first read timer --------------------------------------
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        self.flow = _ProtocolFlow(transport, self._schedule_pump)
+        self.flow = _ProtocolFlow(transport, self._on_app_read)
         _touch()
         if len(self.connections) > self.max_connections and not self._make_room():
             detail = (
@@ -304,44 +414,69 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             )
             self._count("connections")
             transport.write(problem_bytes(503, "Service Unavailable", detail, retry_after_s=1))
-            transport.close()
+            self._close()
             return
+        self._refile()
         self._arm_read_timer()  # the first request's bytes
 
     def _make_room(self) -> bool:
         """At the cap: close the connection doing the least useful work; False if every one
-        has a request in the app."""
-        victim: GuardedHttpToolsProtocol | None = None
-        best = (2, 0.0)
-        still_open = 0
-        for other in self.connections:
-            if other is self or not isinstance(other, GuardedHttpToolsProtocol):
+        has a request in the app. O(1): the candidates are kept in order (_Evictable)."""
+        table = self._evictable
+        # This connection is among them; those closing no longer count.
+        while len(self.connections) - table.closing > self.max_connections:
+            victim = table.oldest()
+            if victim is None:
+                return False
+            if victim.transport.is_closing():
+                victim._count_closing()  # closed by uvicorn, where we did not see it
                 continue
-            if other.transport.is_closing():
-                continue  # on its way out (connection_lost comes on a later loop turn)
-            still_open += 1
-            rank = other._uselessness()
-            if rank is not None and rank < best:
-                victim, best = other, rank
-        if still_open < self.max_connections:
-            return True
-        if victim is None:
-            return False
-        victim._evict()
+            victim._evict()
         return True
 
-    def _uselessness(self) -> tuple[int, float] | None:
-        """(0, since) while a request's headers are incomplete (or none came yet on a fresh
-        connection), (1, since) idle between keep-alive requests, None while the app holds a
-        request of this connection: the connection cap closes the smallest."""
+    def _evictable_kind(self) -> collections.OrderedDict[GuardedHttpToolsProtocol, None] | None:
+        """Where the cap finds this connection now: answered (lingering), headers incomplete
+        (or none yet on a fresh connection), idle between keep-alive requests; None while the
+        app holds a request of it or it is closing."""
+        if self._closing_counted:
+            return None
+        table = self._evictable
+        if self._lingering:
+            return table.answered
         if self._unanswered or self._in_body:
             return None
-        if self._head_since is not None:
-            return (0, self._head_since)
-        return (1 if self._answered_any else 0, self._idle_since)
+        if self._head_since is not None or not self._answered_any:
+            return table.heads
+        return table.idle
+
+    def _refile(self, *, anew: bool = False) -> None:
+        """File this connection where the cap finds it, at the end (the newest) when it moves
+        there or `anew` (a head started: its wait starts now)."""
+        kind = self._evictable_kind()
+        if kind is self._filed and not anew:
+            return
+        if self._filed is not None:
+            del self._filed[self]
+        self._filed = kind
+        if kind is not None:
+            kind[self] = None
+
+    def _close(self) -> None:
+        """Close the connection (flushing what was written), no longer counted at the cap."""
+        self.transport.close()
+        self._count_closing()
+
+    def _count_closing(self) -> None:
+        if not self._closing_counted:
+            self._closing_counted = True
+            self._evictable.closing += 1
+            self._refile()
 
     def _evict(self) -> None:
         self._count("connections")
+        if self._lingering:  # its answer was written: nothing more to say
+            self._close()
+            return
         held_for = time.monotonic() - (self._head_since or self._idle_since)
         if self._head_since is not None or not self._answered_any:
             detail = (
@@ -363,9 +498,16 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._cancel_read_timer()
         self._cancel_send_timer()
         self._cancel_head_timer()
+        self._stop_body_clock()
+        if self._linger_timer is not None:
+            self._linger_timer.cancel()
         if self._pump_soon is not None:
             self._pump_soon.cancel()
         self._held = bytearray()
+        if self._closing_counted:
+            self._evictable.closing -= 1
+        self._closing_counted = True  # gone: filed nowhere, counted nowhere
+        self._refile()
         # Backed up: bytes were still waiting for the client (an abort drops them silently).
         self._lost_undelivered = self in _backed_up or (
             self.cycle is not None and not self.cycle.response_complete
@@ -381,9 +523,15 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
                 cycle.disconnected = True
                 cycle.message_event.set()
 
+    def timeout_keep_alive_handler(self) -> None:
+        super().timeout_keep_alive_handler()  # closes an idle keep-alive connection
+        self._count_closing()
+
     # -- reading: what the parser may have ---------------------------------------------------
 
     def data_received(self, data: bytes) -> None:
+        if self._input_closed:
+            return  # never parsed (reading is paused, or the connection lingers: dropped)
         self._unset_keepalive_if_required()  # as uvicorn's data_received
         if self._read_timer is not None:
             self._arm_read_timer()  # any byte restarts the wait for the next one
@@ -397,6 +545,16 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
                 self._held += memoryview(data)[taken:]
         self._settle()
 
+    def _on_app_read(self) -> None:
+        """uvicorn resumes reading: the app asked for its body (receive()), or an answer
+        completed. The body's clock starts at the app's first read of it (a client that
+        expects 100-continue sends nothing before; a pipelined request's body is not read
+        before its turn), and the held bytes are fed."""
+        if self._in_body and not self._body_asked:
+            self._body_asked = True
+            self._sync_body_clock()
+        self._schedule_pump()
+
     def _schedule_pump(self) -> None:
         """An answer completed or the app read its body: feed the held bytes (soon, not from
         inside uvicorn's callback)."""
@@ -405,7 +563,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def _pump_held(self) -> None:
         self._pump_soon = None
-        if self._held and not self.transport.is_closing():
+        if self._held and not self.transport.is_closing() and not self._input_closed:
             del self._held[: self._pump(self._held)]
             self._settle()
 
@@ -434,6 +592,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     def _may_start_request(self) -> bool:
         if self._head_since is not None:
             return True  # under way: the bounds were checked when it began
+        if self._input_closed:
+            return False
         if len(self._unanswered) >= self.max_pipelined_requests:
             return False
         return not (self._shutting_down and self._unanswered)
@@ -444,6 +604,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         if self._head_since is None:  # its first byte
             self._head_since = time.monotonic()
             self._unset_keepalive_if_required()
+            self._refile(anew=True)  # its headers' wait starts now
         if not self._head_fed and not self._head_scanned and buf[pos] in b"\r\n":
             first = _NOT_CRLF.search(buf, pos, end)
             pos = end if first is None else first.start()
@@ -508,32 +669,36 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def _body_step(self, buf: bytes | bytearray, pos: int, end: int) -> int:
         """Feed the parser the current request's body from buf[pos:end], up to its end."""
-        if not self._framed:
-            self._frame_body()
         chunked = self._chunked
         if chunked is not None:
             taken = chunked.take(buf, pos, end)
-            if (
-                chunked.trailer_bytes > self.max_header_bytes
-                or chunked.trailer_lines > self.max_headers
-                or (not taken and chunked.trailer_bytes + end - pos >= self.max_header_bytes)
+            if chunked.trailer_lines > self.max_headers:
+                self._refuse_trailers(
+                    f"the request's trailer section has more than {self.max_headers} lines "
+                    "(SDPA_MAX_HEADERS); send fewer trailer fields"
+                )
+                return end - pos
+            if chunked.trailer_bytes > self.max_header_bytes or (
+                not taken and chunked.trailer_bytes + end - pos >= self.max_header_bytes
             ):
-                # The app holds this request already: it sees the connection close.
-                self._count("header_too_large")
-                self.transport.close()
+                self._refuse_trailers(
+                    f"the request's trailer section exceeds {self.max_header_bytes} bytes "
+                    "(SDPA_MAX_HEADER_BYTES); send fewer or shorter trailer fields"
+                )
                 return end - pos
             done = chunked.done
         else:
             taken = min(self._body_left, end - pos)
             self._body_left -= taken
             done = not self._body_left
+        self._body_bytes += taken
         if taken and not self._feed(buf, pos, pos + taken):
             return end - pos
         if done == self._in_body:
             # The parser and this framing disagree on where the body ends (never seen: a
             # guard): the next request's bytes cannot be told apart, so stop here.
             logger.error("request framing lost; closing the connection")
-            self.transport.close()
+            self._close()
             return end - pos
         return taken
 
@@ -547,8 +712,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         except httptools.HttpParserError:
             self._parser_error()
         except httptools.HttpParserUpgrade:
-            # An Upgrade (h2c, websocket) or CONNECT request: the service speaks HTTP/1.1 only
-            # (serve() runs uvicorn with ws="none"), so it is answered as a plain request.
+            # An Upgrade (h2c, websocket) or CONNECT request, which llhttp ends at its head
+            # (on_headers_complete took care of it): nothing after it is parsed.
             pass
         finally:
             if isinstance(data, memoryview):
@@ -558,14 +723,17 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     def _parser_error(self) -> None:
         msg = "Invalid HTTP request received."
         self.logger.warning(msg)
-        self.send_400_response(msg)
+        self.send_400_response(msg)  # and closes
+        self._count_closing()
 
     def _settle(self) -> None:
         """After the parser was fed: read while it may have more, else hold and pause; and run
-        the one timer that fits what the connection waits for."""
-        if self.transport.is_closing():
+        the one timer that fits what the connection waits for (and the body's clock)."""
+        if self.transport.is_closing() or self._lingering:
             return
-        blocked = self._blocked and bool(self._held)
+        if self._input_closed:
+            self._held = bytearray()  # never parsed
+        blocked = self._input_closed or (self._blocked and bool(self._held))
         if blocked and self._reading:
             self._reading = False
             self.transport.pause_reading()
@@ -574,6 +742,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         elif not blocked and not self._reading:
             self._reading = True
             self.transport.resume_reading()
+        self._sync_body_clock()
         if not self._reading:
             self._cancel_read_timer()  # the client owes nothing while the server does not read
             return
@@ -600,19 +769,35 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         self._cancel_head_timer()
+        self._frame_body()
+        upgrade = self.parser.should_upgrade()
+        if upgrade and (self._chunked is not None or self._body_left):
+            self._refuse_upgrade_with_body()
+            return
         previous = self.cycle
         super().on_headers_complete()
-        if self.cycle is not previous:
-            self._unanswered.append(self.cycle)
+        cycle = self.cycle
+        if cycle is not previous:
+            self._unanswered.append(cycle)
         self._in_body = True  # until on_message_complete, in this very call when bodiless
-        self._framed = False
-        if self._shutting_down and self.cycle is not None:
-            self.cycle.keep_alive = False  # answered, then closed
+        self._body_bytes, self._body_asked, self._body_spent_s = 0, False, 0.0
+        if self._chunked is not None:
+            # Its trailer section may pass its bound after the app has the request.
+            cycle.receive = self._refusable_receive(cycle)  # type: ignore[method-assign]
+        if upgrade:
+            # An Upgrade (h2c, websocket) or CONNECT request without a body: the service speaks
+            # HTTP/1.1 only (serve() runs uvicorn with ws="none") and answers it as a plain
+            # request, then closes: what follows its head is the protocol it asked for, or a
+            # request smuggled past a proxy that took it for one, and is never parsed.
+            cycle.keep_alive = False
+            self._input_closed = True
+        if self._shutting_down:
+            cycle.keep_alive = False  # answered, then closed
+        self._refile()
 
     def _frame_body(self) -> None:
         """Read how the current request's body ends from its headers (uvicorn's list, names in
-        lower case): once per request that has a body."""
-        self._framed = True
+        lower case)."""
         self._chunked, self._body_left = None, 0
         for name, value in self.headers:
             if name == b"transfer-encoding" and is_chunked(value):
@@ -621,9 +806,30 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
                 # Past 18 digits it reads as 10**18 bytes: a body that no stream ends either.
                 self._body_left = parse_length(value) or 0
 
+    def _refusable_receive(
+        self, cycle: RequestResponseCycle
+    ) -> Callable[[], Coroutine[Any, Any, ASGIReceiveEvent]]:
+        """The cycle's receive(), which raises the refusal of its trailer section (_refusal)
+        once it is refused: the app's body read answers it (uvicorn 0.54's run_asgi hands the
+        app the cycle's `receive` attribute when the request's task starts)."""
+        receive = cycle.receive
+
+        async def receive_or_refuse() -> ASGIReceiveEvent:
+            message = await receive()
+            refusal = self._refusal
+            if refusal is not None and refusal[0] is cycle:
+                self._refusal = None
+                raise refusal[1]
+            return message
+
+        return receive_or_refuse
+
     def on_message_complete(self) -> None:
+        if self._head_refused:
+            return  # llhttp completes an upgrade request at its head: refused, no cycle made
         super().on_message_complete()
         self._in_body = False
+        self._stop_body_clock()
         self._head_since = None
         self._head_bytes = self._head_fed = self._head_scanned = self._head_lines = 0
         self._head_tail = b""
@@ -634,9 +840,44 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         if self._unanswered:
             self._unanswered.popleft()
         self._answered_any = True
+        if self.transport.is_closing():
+            self._count_closing()  # uvicorn closed it after its answer (Connection: close)
+            return
+        if self._in_body and not self._unanswered:
+            self._linger()  # answered before its body was read
+            return
         if not self._unanswered:
             self._idle_since = time.monotonic()
+            self._refile()
         self._schedule_pump()  # room for a request held behind this one
+
+    def _linger(self) -> None:
+        """The app answered a request before its body was read (an early 413, 401 or 503, a
+        refused trailer section): the rest of that body is never parsed, and no request after
+        it. The answer is written and the sending side closed (the client reads the answer and
+        an end of stream); what the client still sends is read and dropped, for linger_s at
+        most, and the connection closes (RFC 9112 section 9.6). Reading on instead, as uvicorn
+        does, let a client hold the connection for ever by sending a byte now and then."""
+        self._input_closed = self._lingering = True
+        self._in_body = False
+        self._held = bytearray()
+        self._stop_body_clock()
+        self._cancel_read_timer()
+        self._unset_keepalive_if_required()  # uvicorn's keep-alive timer: linger_s instead
+        if not self._reading:
+            self._reading = True
+            self.transport.resume_reading()
+        if not self.transport.can_write_eof():
+            self._close()
+            return
+        self.transport.write_eof()
+        self._linger_timer = self.loop.call_later(self.linger_s, self._end_linger)
+        self._refile()
+
+    def _end_linger(self) -> None:
+        self._linger_timer = None
+        if not self.transport.is_closing():
+            self._close()
 
     # -- refusals --------------------------------------------------------------------------
 
@@ -653,7 +894,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._cancel_read_timer()
         self._held = bytearray()
         self.transport.write(response)
-        self.transport.close()
+        self._close()
 
     def _refuse_header_bytes(self) -> None:
         self._count("header_too_large")
@@ -670,6 +911,34 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             "send fewer headers"
         )
         self._close_with(problem_bytes(431, "Request Header Fields Too Large", detail))
+
+    def _refuse_trailers(self, detail: str) -> None:
+        """A chunked body's trailer section passed its bound. The app holds the request
+        already: its next receive() raises a 431 (TrailersTooLarge), which it answers as it
+        answers its own refusals (its access log says 431), and the connection closes after
+        that answer (_linger). Nothing more of the connection is parsed."""
+        self._count("header_too_large")
+        self._input_closed = True
+        cycle = self.cycle
+        if cycle.response_started:  # answering already: it sees the connection close
+            self._close()
+            return
+        self._refusal = (cycle, TrailersTooLarge(detail))
+        cycle.message_event.set()  # a receive() waiting now returns, and raises it
+
+    def _refuse_upgrade_with_body(self) -> None:
+        """llhttp ends an Upgrade or CONNECT request at its head and never delivers its body:
+        the app would answer it without the body the client sent (a misleading 422), and the
+        body would be parsed as the next request (one a proxy forwarding Upgrade took for
+        body bytes: request smuggling). So such a request with a body gets a 400 before the
+        app sees it, and the connection closes."""
+        self._head_refused = True
+        detail = (
+            "a request asking to switch protocols (Connection: upgrade and an Upgrade header) "
+            "or a CONNECT cannot carry a body here: the server speaks HTTP/1.1 only and ends "
+            "such a request at its headers; send it without the Upgrade header"
+        )
+        self._close_with(problem_bytes(400, "Bad Request", detail))
 
     # -- timers ----------------------------------------------------------------------------
 
@@ -701,7 +970,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             self._close_with(problem_bytes(408, "Request Timeout", detail))
             return
         # Mid-body the app is reading: closing makes its next receive() a disconnect.
-        self.transport.close()
+        self._close()
 
     def _on_head_deadline(self) -> None:
         self._head_timer = None
@@ -714,6 +983,59 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         )
         self._close_with(problem_bytes(408, "Request Timeout", detail))
 
+    def _sync_body_clock(self) -> None:
+        """Run the body's clock (min_body_rate) while the app waits for a body the server
+        reads; stop it otherwise, keeping the time it ran."""
+        running = (
+            self._in_body
+            and self._body_asked
+            and self._reading
+            and not self._input_closed
+            and self.min_body_rate > 0
+        )
+        if running == (self._body_running_since is not None):
+            return
+        if running:
+            self._body_running_since = self.loop.time()
+            self._arm_body_timer()
+        else:
+            self._stop_body_clock()
+
+    def _stop_body_clock(self) -> None:
+        if self._body_running_since is not None:
+            self._body_spent_s += self.loop.time() - self._body_running_since
+            self._body_running_since = None
+        if self._body_timer is not None:
+            self._body_timer.cancel()
+            self._body_timer = None
+
+    def _body_deadline(self, running_since: float) -> float:
+        """read_timeout_s from the first read of the body, plus a second for every
+        min_body_rate bytes it brought, less the time the clock ran before `running_since`."""
+        credit_s = self.read_timeout_s + self._body_bytes / self.min_body_rate
+        return running_since + credit_s - self._body_spent_s
+
+    def _arm_body_timer(self) -> None:
+        # One timer per body, not one per read: when it fires early (bytes came meanwhile),
+        # it is armed again at the later deadline.
+        assert self._body_running_since is not None
+        when = self._body_deadline(self._body_running_since)
+        self._body_timer = self.loop.call_at(when, self._on_body_clock)
+
+    def _on_body_clock(self) -> None:
+        self._body_timer = None
+        since = self._body_running_since
+        if since is None or self.transport.is_closing():
+            return
+        if self.loop.time() + 0.001 < self._body_deadline(since):
+            self._arm_body_timer()
+            return
+        self._count("body_too_slow")
+        self._stop_body_clock()
+        # The app holds the request: closing makes its next receive() a disconnect (499 in
+        # the access log), as the idle timer does mid-body.
+        self._close()
+
     # -- shutdown --------------------------------------------------------------------------
 
     def shutdown(self) -> None:
@@ -721,6 +1043,9 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         in the app gets a grace for one under way; one with a request in the app closes after
         its answer, and the pump starts no request behind it."""
         self._shutting_down = True
+        if self._lingering:
+            self._close()
+            return
         if self._unanswered or self._in_body:
             if self.cycle is not None and not self.cycle.response_complete:
                 self.cycle.keep_alive = False
@@ -734,7 +1059,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             detail = "the server is shutting down; send the request again (elsewhere)"
             self._close_with(problem_bytes(503, "Service Unavailable", detail, retry_after_s=1))
             return
-        self.transport.close()
+        self._close()
 
     # -- writing ---------------------------------------------------------------------------
 
@@ -779,6 +1104,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._send_timer = None
         # abort, not close: close would wait to flush the very bytes the client does not read.
         self.transport.abort()
+        self._count_closing()
 
 
 def guarded_protocol(
@@ -789,6 +1115,7 @@ def guarded_protocol(
     max_header_bytes: int,
     max_headers: int,
     max_pipelined_requests: int,
+    min_body_rate: int,
     metrics: Metrics | None,
 ) -> type[GuardedHttpToolsProtocol]:
     """The protocol class for uvicorn.Config(http=...), with these limits; refusals counted in
@@ -803,6 +1130,7 @@ def guarded_protocol(
             "max_header_bytes": max_header_bytes,
             "max_headers": max_headers,
             "max_pipelined_requests": max_pipelined_requests,
+            "min_body_rate": min_body_rate,
             "metrics": metrics,
         },
     )
