@@ -1,8 +1,8 @@
 """Read and send timeouts and the connection cap against a real server (loopback only): idle,
-trickling and stalled clients are dropped, one that reads nothing has its connection aborted,
-a connection past the cap closes the one waiting longest without a request, and the server
-keeps answering everyone else. The header, pipelining and shutdown bounds of the same layer
-are in test_protocol_limits_live.py."""
+trickling and stalled clients are dropped (a body below SDPA_MIN_BODY_RATE too), one that
+reads nothing has its connection aborted, a connection past the cap closes the one waiting
+longest without a request, and the server keeps answering everyone else. The header,
+pipelining and shutdown bounds of the same layer are in test_protocol_limits_live.py."""
 
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ READ_TIMEOUT_S = 2.0
 SEND_TIMEOUT_S = 2.0
 MAX_CONNECTIONS = 1500
 TRICKLERS = 1000
+_BODY_TOO_SLOW = 'sdpa_rejected_total{reason="body_too_slow"}'
 # One big request's working set (big_answer_request: inputs 0.8 MB, output and weights 67 MB,
 # the base64 answer 90 MB twice while it is encoded) and body fit alone (about 238 MiB); beside
 # another's unread 90 MB answer they do not.
@@ -110,6 +111,41 @@ def test_a_stalled_body_is_dropped_and_logged_as_499(server: LiveServer) -> None
     log = server.log()
     assert '"status":499' in log.replace(" ", "")
     assert "Traceback" not in log
+
+
+def test_a_body_trickled_below_the_minimum_rate_is_dropped_at_its_deadline(
+    server: LiveServer,
+) -> None:
+    """A byte every 0.5 s never lets the idle timer (2 s) fire; before SDPA_MIN_BODY_RATE such a
+    body held its connection for as long as the client liked, and the cap never closes one
+    whose request the app holds. At the default 32 KiB/s, its deadline is about
+    SDPA_READ_TIMEOUT_S after the app's first read: closed (499 in the log), counted."""
+    slow = counter(httpx.get(f"{server.url}/metrics").text, _BODY_TOO_SLOW)
+    with connect(server) as sock:
+        sock.sendall(
+            b"POST /v1/attention HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+            b'X-Request-ID: trickled-body\r\nContent-Length: 1000\r\n\r\n{"q": ['
+        )
+        started = time.monotonic()
+        closed_after = None
+        sock.settimeout(0.5)
+        while time.monotonic() - started < 4 * READ_TIMEOUT_S:  # bounded: 16 bytes at most
+            try:
+                sock.sendall(b" ")
+                if sock.recv(65536) == b"":
+                    closed_after = time.monotonic() - started
+                    break
+            except TimeoutError:
+                continue  # nothing from the server yet: the next byte
+            except OSError:  # reset: closed
+                closed_after = time.monotonic() - started
+                break
+    assert closed_after is not None
+    assert READ_TIMEOUT_S - 0.1 <= closed_after <= READ_TIMEOUT_S + 1.5
+    time.sleep(0.2)
+    assert access_record(server, "trickled-body")["status"] == 499
+    assert counter(httpx.get(f"{server.url}/metrics").text, _BODY_TOO_SLOW) == slow + 1
+    assert "Traceback" not in server.log()
 
 
 def test_a_thousand_trickling_clients_are_dropped_and_their_descriptors_freed(

@@ -1,8 +1,10 @@
 """The bounds below the application against a real server (loopback only), each as an attacker
 would try it: a header value streamed without end, header lines without end, headers trickled
-a byte at a time, pipelined requests whose answers are never read, and a slowloris holding the
-connection cap. Each bound answers with its status (431, 408, backpressure, a connection
-closed to make room) within the time it promises, counts in /metrics, costs the server no
+a byte at a time, pipelined requests whose answers are never read, a slowloris holding the
+connection cap, and slow bodies holding it; trailers past the header bounds, an answer given
+before its body was read, and upgrade requests whose body would be parsed as a request. Each
+bound answers with its status (431, 408, backpressure, a connection closed to make room or at
+its body's deadline) within the time it promises, counts in /metrics, costs the server no
 memory to speak of (peak RSS, VmHWM reset before each attack), and another client's requests
 keep being answered within a second throughout; the server logs no 500 and no traceback.
 
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import socket
 import threading
 import time
@@ -172,6 +175,118 @@ def test_pipelined_requests_never_read_stop_the_reading_not_the_server(
     assert_clean_log(server)
 
 
+def access_status(server: LiveServer, request_id: str) -> int:
+    """The status the access log recorded for one request (the server logs JSON lines)."""
+    for line in server.log().splitlines():
+        record = json.loads(line) if line.startswith("{") else {}
+        if record.get("logger") == "sdpa.access" and record.get("request_id") == request_id:
+            return int(record["status"])
+    raise AssertionError(f"no access-log line for {request_id}")
+
+
+def read_until_closed(sock: socket.socket, seconds: float) -> tuple[bytes, bool]:
+    """What the server sends until it closes (EOF or reset) or `seconds` pass -> (the bytes,
+    whether it closed)."""
+    sock.settimeout(0.2)
+    received = b""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            chunk = sock.recv(65536)
+        except TimeoutError:
+            continue
+        except OSError:
+            return received, True
+        if not chunk:
+            return received, True
+        received += chunk
+    return received, False
+
+
+def test_trailers_past_the_bound_get_431_from_the_app_and_its_access_log_says_so(
+    server: LiveServer,
+) -> None:
+    """Before, a chunked body's trailer section past SDPA_MAX_HEADERS closed the connection
+    without a word, and the access log said 499 (client closed)."""
+    refused = metric(server, 'sdpa_rejected_total{reason="header_too_large"}')
+    body = json.dumps({"q": [[1.0]], "k": [[1.0]], "v": [[1.0]]}).encode()
+    with connect(server) as sock:
+        sock.sendall(
+            b"POST /v1/attention HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+            b"X-Request-ID: many-trailers\r\nTransfer-Encoding: chunked\r\n\r\n"
+            + b"%x\r\n%s\r\n0\r\n" % (len(body), body)
+            + b"X-Trailer: t\r\n" * (MAX_HEADERS + 1)
+            + b"\r\n"
+        )
+        answer, closed = read_until_closed(sock, 5)
+    assert answer.startswith(b"HTTP/1.1 431 Request Header Fields Too Large\r\n")
+    assert "SDPA_MAX_HEADERS" in str(problem(answer)["detail"])
+    assert closed
+    assert access_status(server, "many-trailers") == 431
+    assert metric(server, 'sdpa_rejected_total{reason="header_too_large"}') == refused + 1
+    assert_clean_log(server)
+
+
+def test_an_early_answer_ends_the_connection_instead_of_reading_the_body_on(
+    server: LiveServer,
+) -> None:
+    """A 413 for the declared length, then a byte every 0.5 s (under the idle timer): before,
+    the server read the 900 GB body on (and dropped it) for as long as the client sent. Now it
+    shuts its side after the answer, and closes the connection within its linger (2 s)."""
+    with connect(server) as sock:
+        sock.sendall(
+            b"POST /v1/attention HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 900000000000\r\n\r\n{"
+        )
+        started = time.monotonic()
+        answer, closed = b"", False
+        sock.settimeout(0.5)
+        while not closed and time.monotonic() - started < 3 * READ_TIMEOUT_S:  # 12 bytes at most
+            try:
+                sock.sendall(b" ")
+                chunk = sock.recv(65536)
+            except TimeoutError:
+                continue
+            except OSError:  # reset: closed
+                chunk = b""
+            answer += chunk
+            closed = not chunk
+        closed_after = time.monotonic() - started
+    assert answer.startswith(b"HTTP/1.1 413 ")
+    assert closed
+    assert closed_after < 2.0 + 1.0
+
+
+def test_an_upgrade_request_s_body_is_never_served_as_a_request(server: LiveServer) -> None:
+    """The review's smuggling: a POST asking for h2c whose Content-Length body is a GET; the
+    GET was served (llhttp ends an upgrade request at its head). Now the POST gets a 400 naming
+    the Upgrade header; a bodiless upgrade request is answered, then the connection closes."""
+    inner = b"GET /v1/info HTTP/1.1\r\nHost: t\r\n\r\n"
+    with connect(server) as sock:
+        sock.sendall(
+            b"POST /v1/attention HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+            b"Connection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\n"
+            b"HTTP2-Settings: AAMAAABkAAQCAAAAAAIAAAAA\r\n"
+            b"Content-Length: %d\r\n\r\n" % len(inner) + inner
+        )
+        answer, closed = read_until_closed(sock, 5)
+    assert answer.startswith(b"HTTP/1.1 400 Bad Request\r\n")
+    assert "Upgrade" in str(problem(answer)["detail"])
+    assert len(re.findall(rb"HTTP/1\.1 \d{3} ", answer)) == 1  # one answer only
+    assert closed
+    with connect(server) as sock:
+        sock.sendall(
+            b"GET /healthz HTTP/1.1\r\nHost: t\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n"
+            b"\r\n" + inner
+        )
+        answer, closed = read_until_closed(sock, 5)
+    assert answer.startswith(b"HTTP/1.1 200 OK\r\n")
+    assert b"connection: close" in answer.lower()
+    assert len(re.findall(rb"HTTP/1\.1 \d{3} ", answer)) == 1  # one answer only
+    assert closed
+    assert_clean_log(server)
+
+
 # -- the connection cap under a slowloris ----------------------------------------------------
 
 CAP = 20
@@ -230,19 +345,24 @@ def test_a_slowloris_at_the_cap_is_closed_to_admit_others(capped: LiveServer) ->
     assert_clean_log(capped)
 
 
-def test_only_when_every_connection_has_a_request_in_the_app_is_a_newcomer_refused(
+def test_a_newcomer_is_refused_only_while_every_connection_reads_a_body_within_its_rate(
     capped: LiveServer,
 ) -> None:
+    """Twenty connections whose bodies the app reads: the cap never closes one of them, so a
+    newcomer gets 503 with Retry-After. A byte a second is far below SDPA_MIN_BODY_RATE: each
+    is closed at its deadline, about SDPA_READ_TIMEOUT_S after the app first read it."""
     body_start = b'{"q": [[1.0'
     request = (
         b"POST /v1/attention HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
         b"Content-Length: 1000\r\n\r\n" + body_start
     )
     refused = metric(capped, 'sdpa_rejected_total{reason="connections"}')
+    too_slow = metric(capped, 'sdpa_rejected_total{reason="body_too_slow"}')
     busy = [connect(capped) for _ in range(CAP)]
     try:
         for sock in busy:
-            sock.sendall(request)  # the app reads a body that does not come
+            sock.sendall(request)  # the app reads a body that comes a byte a second
+        started = time.monotonic()
         time.sleep(0.5)
         with connect(capped) as newcomer:
             answer = newcomer.recv(65536)
@@ -253,8 +373,37 @@ def test_only_when_every_connection_has_a_request_in_the_app_is_a_newcomer_refus
             sock.setblocking(False)
             with pytest.raises(BlockingIOError):
                 sock.recv(1)
+            sock.setblocking(True)
+        # A byte a second never lets the idle timer (5 s) fire; before SDPA_MIN_BODY_RATE it
+        # held the cap for as long as the bodies' clients liked (about 205 B/s at 2,048). At
+        # 32 KiB/s, each body is closed about 5 s after the app's first read of it.
+        open_ones = list(busy)
+        while open_ones and time.monotonic() - started < 10:  # bounded: 10 s
+            for sock in list(open_ones):
+                try:
+                    sock.sendall(b" ")
+                except OSError:
+                    open_ones.remove(sock)
+            open_ones = [sock for sock in open_ones if not closed_by_server(sock)]
+            time.sleep(1.0)
+        assert not open_ones
+        assert time.monotonic() - started < 5 + 3
+        assert metric(capped, 'sdpa_rejected_total{reason="body_too_slow"}') == too_slow + CAP
     finally:
         for sock in busy:
             sock.close()
-    time.sleep(0.5)  # the server saw them close: room for the metrics request
     assert metric(capped, 'sdpa_rejected_total{reason="connections"}') == refused + 1
+    assert_clean_log(capped)
+
+
+def closed_by_server(sock: socket.socket) -> bool:
+    """Whether the server closed (or reset) this connection, without blocking."""
+    sock.setblocking(False)
+    try:
+        return sock.recv(1) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+    finally:
+        sock.setblocking(True)
