@@ -7,6 +7,8 @@ and how long the server takes to exit when SIGTERM comes in the middle of the at
     .venv/bin/python bench/attacks.py trickle        # ~25 s: 20 clients, a byte / 1.5 s
     .venv/bin/python bench/attacks.py pipeline       # ~15 s: GET /healthz never read
     .venv/bin/python bench/attacks.py sigterm        # ~90 s: SIGTERM during each attack
+    .venv/bin/python bench/attacks.py slow-body      # ~45 s: 2,048 bodies, a byte / 5 s each
+    .venv/bin/python bench/attacks.py cap-flood      # ~20 s: connections churned at the cap
     .venv/bin/python bench/attacks.py all
 
 For every attack a bystander (its own keep-alive connection, a fresh one whenever the server
@@ -23,6 +25,16 @@ pipeline: one connection sends pipelined `GET /healthz` as fast as the server re
 never reads an answer, for 10 s (SDPA_SEND_TIMEOUT_S=60, the default, outlasts it).
 sigterm: SIGTERM 2 s into each of the above (the trickle with its default read timeout) and 0.5 s
 after a 128 MiB JSON-list body was sent (its decoding runs on a worker thread for seconds).
+slow-body: the defaults (a cap of 2,048 connections, SDPA_READ_TIMEOUT_S=15,
+SDPA_MIN_BODY_RATE=32768); 2,048 connections each send a POST's head with Content-Length: 1000
+and then one byte of its body every 5 s (under the idle timer), for 30 s, never reconnecting;
+printed: how long the server kept them, what they sent in all, the body_too_slow refusals, and a
+bystander's statuses (503 while every connection is busy, 200 once the bodies' deadlines closed
+them). Before SDPA_MIN_BODY_RATE, 205 B/s in all held the cap for as long as the attacker liked.
+cap-flood: the default cap; two threads open connections that send nothing, as fast as they can
+with at most twice the cap open, for 8 s; each newcomer at the cap closes the connection waiting
+longest (O(1), not a scan of every connection: 4.4 ms per newcomer at 2,048 did); printed: the
+connections opened and closed by the server per second, and the keep-alive bystander.
 
 Every loop is bounded in time and count; the server listens on 127.0.0.1. Importable: each
 attack is a function that starts its own server (bench/attacks.py runs them).
@@ -32,6 +44,8 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import resource
+import selectors
 import signal
 import socket
 import subprocess
@@ -340,10 +354,125 @@ def sigterm() -> None:
     )
 
 
+def raise_descriptor_limit(wanted: int) -> None:
+    """Room for `wanted` sockets on both sides (the server inherits the limit)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, max(soft, wanted)), hard))
+
+
+SLOW_BODY_HEAD = (
+    b"POST /v1/attention HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
+    b"Content-Length: 1000\r\n\r\n{"
+)
+
+
+def slow_body(connections: int = 2048, gap_s: float = 5.0, seconds: float = 30.0) -> None:
+    raise_descriptor_limit(2 * connections + 256)
+    with attacked_server({}) as server:
+        limits = httpx.get(f"{server.url}/v1/info").json()["limits"]
+        bounds = {key: limits.get(key) for key in ("max_connections", "read_timeout_s")}
+        bounds["min_body_rate"] = limits.get("min_body_rate", "none (older code)")
+        print(
+            f"== {connections} slow bodies, a byte every {gap_s:g} s each, {seconds:g} s: {bounds}"
+        )
+        too_slow = metric(server, 'sdpa_rejected_total{reason="body_too_slow"}')
+        started = time.monotonic()
+        socks = [socket.create_connection(address(server), timeout=5) for _ in range(connections)]
+        for sock in socks:
+            sock.sendall(SLOW_BODY_HEAD)
+            sock.setblocking(False)
+        sent = len(SLOW_BODY_HEAD) * connections
+        kept_s: list[float] = []
+        open_ones = dict.fromkeys(socks)
+        with Bystander(server.url) as bystander:
+            next_byte = time.monotonic() + gap_s
+            while open_ones and time.monotonic() - started < seconds:  # bounded in time
+                for sock in list(open_ones):
+                    try:
+                        closed = sock.recv(65536) == b""
+                    except BlockingIOError:
+                        closed = False
+                    except OSError:
+                        closed = True
+                    if closed:
+                        kept_s.append(time.monotonic() - started)
+                        del open_ones[sock]
+                if time.monotonic() >= next_byte:
+                    for sock in open_ones:
+                        with contextlib.suppress(OSError):
+                            sent += sock.send(b" ")
+                    next_byte += gap_s
+                time.sleep(0.05)
+            attack_s = time.monotonic() - started
+        for sock in socks:
+            sock.close()
+        kept_s.sort()
+        held = (
+            f"closed by the server: {len(kept_s)}, after {kept_s[0]:.1f} to {kept_s[-1]:.1f} s"
+            if kept_s
+            else "none closed by the server"
+        )
+        print(
+            f"{held}; still open at the end: {len(open_ones)}; the attacker sent "
+            f"{sent} B ({sent / attack_s:.0f} B/s)"
+        )
+        refused = metric(server, 'sdpa_rejected_total{reason="body_too_slow"}') - too_slow
+        print(f"body_too_slow refusals: {refused:g}")
+        print(bystander.summary())
+        print(log_summary(server.log()))
+
+
+def cap_flood(seconds: float = 8.0) -> None:
+    with attacked_server({}) as server:
+        cap = int(httpx.get(f"{server.url}/v1/info").json()["limits"]["max_connections"])
+        raise_descriptor_limit(4 * cap + 256)
+        print(
+            f"== connections that send nothing, at most {2 * cap} open, {seconds:g} s (cap {cap})"
+        )
+        opened = collections.Counter[str]()
+        lock = threading.Lock()
+
+        def attacker(stop_at: float) -> None:
+            selector = selectors.DefaultSelector()
+            live = made = lost = 0
+            while time.monotonic() < stop_at:  # bounded in time
+                if live < cap:  # two attackers: at most twice the cap open
+                    sock = socket.socket()
+                    sock.setblocking(False)
+                    sock.connect_ex(address(server))
+                    selector.register(sock, selectors.EVENT_READ)
+                    live, made = live + 1, made + 1
+                for key, _ in selector.select(0):
+                    selector.unregister(key.fileobj)
+                    key.fileobj.close()  # type: ignore[union-attr]
+                    live, lost = live - 1, lost + 1
+            for key in list(selector.get_map().values()):
+                key.fileobj.close()  # type: ignore[union-attr]
+            with lock:
+                opened.update(opened=made, closed=lost)
+
+        with Bystander(server.url, small=False, every_s=0.1) as bystander:
+            stop_at = time.monotonic() + seconds
+            threads = [threading.Thread(target=attacker, args=(stop_at,)) for _ in range(2)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(timeout=seconds + 30)
+        made_room = metric(server, 'sdpa_rejected_total{reason="connections"}')
+        print(
+            f"opened {opened['opened'] / seconds:.0f}/s, closed by the server "
+            f"{opened['closed'] / seconds:.0f}/s; refusals counted (connections): {made_room:g}"
+        )
+        print(bystander.summary())
+        print(log_summary(server.log()))
+
+
 ATTACKS: dict[str, Callable[[], None]] = {
     "huge-header": huge_header,
     "many-headers": many_headers,
     "trickle": trickle,
     "pipeline": pipeline,
     "sigterm": sigterm,
+    "slow-body": slow_body,
+    "cap-flood": cap_flood,
 }
