@@ -47,15 +47,16 @@ Long requests run in slices
 With ``slice_s`` and ``start_long``, an item whose estimated work exceeds one slice (at the
 measured pace, below) is *long*: it runs alone, as a resumable run of about that many tiles
 (``start_long(item, tiles)``, called on the device thread; each ``step()`` computes one tile).
-Up to MAX_RUNNING_LONG long items run at once and share the device tile by tile, the oldest
-queued one joining when one finishes (one of at most FEW_SLICES slices joins at once). Each
-tile goes to the running item with the least estimated work left (below: Deadlines of long
-items), so a long item of a few slices is not stuck behind one of hundreds. Before each tile
-the worker
+Up to MAX_RUNNING_LONG long items run at once and share the device tile by tile, the queued
+one with the earliest deadline joining when one finishes (one of at most FEW_SLICES slices
+joins at once, up to twice as many running). Each tile goes to the running item with the
+least estimated work left (below: Deadlines of long items), so a long item of a few slices
+is not stuck behind one of hundreds. Before each tile the worker
 
 - drops the long items nobody waits for: their deadline passed (the timer answers
   DeadlineExceeded at once, naming how many tiles were done; or, should the timer be late,
   the worker) or their client left (cancelled), freeing what they held;
+- starts every queued long item that may join;
 - runs the short batches waiting (the oldest short item's group first), up to one slice of
   their estimated work, so a short request waits about one tile behind long ones and a
   stream of short ones still leaves the long ones at least half the device.
@@ -68,8 +69,8 @@ Deadlines of long items
 -----------------------
 Long items that shared the device in round robin, one tile each, all progressed together and
 all missed a deadline they shared (8 analyzes of 0.38 s with 1.5 s to go: none finished,
-where 3 would have one after the other). So the tiles go by work and deadline, and long items
-are admitted by deadline:
+where 3 would have one after the other). So the tiles go by work and deadline, queued items
+join by deadline, and long items are admitted by deadline:
 
 - The next tile goes to the running item with the least estimated work left (the oldest
   first on ties): it finishes items rather than spreading the device over them. Of items
@@ -78,21 +79,57 @@ are admitted by deadline:
   estimate that was short costs the last of them its deadline, not all of them. The price: a
   long item may wait for smaller ones that arrive after it, as long as its deadline allows
   (the admission below keeps it).
-- Unless that order would make a running item miss a deadline it can still meet alone (a
-  projection of the tiles, ``_Turns``, at the measured pace): then the tile goes to the
+- Unless that order would make an admitted item miss a deadline it can still meet alone,
+  running or queued (a projection of the tiles, ``_Turns``, at the measured pace; the queued
+  ones count, since that order frees places at other times): then the tile goes to the
   earliest deadline among those that can (earliest deadline first meets every deadline that
   any order could). Earliest deadline first throughout would not do: with the default
   deadline, 30 s from each request's start, it is first come first served, and a few slices
   would wait for the hundreds again.
+- Queued long items join by deadline, the earliest first (the oldest on ties), those of few
+  slices past the cap likewise among themselves. In arrival order, one client's long
+  requests with far deadlines (timeout_ms may be an hour) queued ahead of a request with the
+  default deadline made it wait for all of them: behind 24 analyzes of 3.5 s with an hour to
+  go, every later one with the default deadline was refused until all but its deadline's
+  worth of them were done, where going first it would have cost none of them its deadline.
+  A running item keeps its place (it holds its inputs and partial results on the device:
+  nothing is preempted), so an earlier deadline waits for a place at most, or joins past
+  the cap if it is of few slices.
 - At submit, a long item is refused, DeadlineUnreachable (503) counted as
   sdpa_rejected_total{reason="deadline_unreachable"}, if a projection of the running and
-  queued long items by earliest deadline first (after the short work queued) says it would
-  miss a deadline it could meet alone on an idle device, or make an admitted long item miss a
-  deadline it would meet without it. Its Retry-After is the first whole second at which the
-  same request would be admitted as the projection goes on without it (at most 60; past
-  _SEARCHED_LONGS long items, when the admitted long work is done, not searched). When all
-  the long work and the short work queued would be done by the earliest deadline in any
-  order, no projection runs (the common case: the default deadline is 30 s).
+  queued long items by earliest deadline first (after the short work queued and the tile on
+  the device) says it would miss a deadline it could meet alone on an idle device, or make an
+  admitted long item miss a deadline it would meet without it, judged against what the
+  worker does without it (the least work left first while that meets every deadline, else
+  the earliest deadline first). The projections follow the worker: the same join order, the
+  same caps, the tile on the device finished first. On random workloads with exact
+  estimates, every item admitted finished by its deadline (before these rules, 294 of 400
+  workloads of forty items broke a promise: tests/service/runtime/test_long_requests.py).
+- No projection runs where none is needed: when all the long work and the short work queued
+  would be done by the earliest deadline in any order, or when the item is last in line (its
+  deadline the latest, and not of few slices while others wait to join) with time for all
+  the admitted work: it joins after all the others and has the device only when none of
+  theirs is due, so it harms nobody. Requests with the default deadline arriving in order
+  are both.
+- The event loop pays for the projections (about 10 us an item taken into one, on a shared
+  2-core machine), so a submit's are bounded: a projection ends as soon as all the work left would
+  be done by the earliest deadline left (every item then finishes, whatever the order), and
+  gives up after _PROJECTED_LONGS items, the item then refused (its deadline falls among
+  those of more than that many long items at stake: whether it would finish was not worked
+  out). A thousand long items queued with an hour to go cost a refusal a handful of them,
+  where each refusal projected them all twice (12 ms, and 30 refusals a second held a
+  bystander up to 0.45 s).
+- Its Retry-After is the first whole second at which the same request would be admitted as
+  the projection goes on without it, by bisection, its probes taking at most
+  _SEARCHED_LONGS items in all; else when a fast path above would admit it (last in line,
+  or all the admitted work done); at most 60. Every second it names is one at which it would
+  be admitted (an upper bound of the first). It is recomputed at each refusal from the pace
+  measured then, so the instants named move as the pace does, by its change times the work
+  ahead: the 60, 39 and 29 a review saw 2 s apart were the cap (with 60 s of work ahead in
+  arrival order), then a pace falling as the first tiles were measured (1.22 to 1.02 device
+  seconds per estimated second in the first 12 s here, a 3072^2 warm-up and the early
+  tiles of 8192^2 analyzes, whose share_done lags then races, weighing less and less). With
+  the estimates right, it falls exactly as time passes.
 - An item that cannot finish by its deadline even alone is admitted as before (the estimate
   may be wrong) and abandoned at its deadline (504, naming the tiles done), but it gets a
   tile only while no running item that can still finish is there: it costs nobody their
@@ -133,7 +170,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Generic, Protocol, TypeVar
+from typing import Any, Generic, NamedTuple, Protocol, TypeVar
 
 from service.errors import DeadlineExceeded, DeadlineUnreachable, QueueFull, ShuttingDown
 from service.metrics import Metrics
@@ -161,12 +198,19 @@ THROUGHPUT_HALF_LIFE_S = 30.0
 # on the device until it is done (their bytes were reserved at admission:
 # service.middleware.inflight).
 MAX_RUNNING_LONG = 4
-# A long item refused by its deadline is told to come back at the first second the projection
-# would admit it, searched by bisection (about six projections) while at most this many long
-# items are running and queued; past them, at once when the admitted long work is done (an
-# upper bound, from the one projection already made): a refusal holds the event loop for a
-# few projections of a few items, never for many of many.
-_SEARCHED_LONGS = 64
+# The admission of a long item projects the long items admitted (module docstring), on the
+# event loop, at about 4 us an item taken into a projection: a projection ends once every
+# item left would finish whatever the order, and gives up after this many items (the item is
+# then refused: whether it would finish was not worked out). So a submit costs at most two
+# projections of this many items, however many are queued (a refusal with a thousand long
+# items queued projected them all twice, about 12 ms, and a bystander waited 0.45 s behind
+# 30 refusals a second).
+_PROJECTED_LONGS = 128
+# A refused long item is told to come back at the first second a projection would admit it,
+# searched by bisection (about six probes): the probes take at most this many items into
+# their projections all together (a probe that would take more counts as not fitting, so the
+# second found still fits; without one found, when the admitted long work is done).
+_SEARCHED_LONGS = 128
 # A long item of at most this many slices joins the running ones at once even past
 # MAX_RUNNING_LONG (up to twice as many running in all): it is done after a few tiles, rather
 # than waiting for a long item of hundreds to finish. The bound keeps a flood of them from
@@ -290,10 +334,10 @@ class _Long(Generic[T, R]):
         return f"{done} of {total} tiles done"
 
 
-@dataclass(frozen=True, slots=True)
-class _Share:
+class _Share(NamedTuple):
     """A long item in a projection of the tiles: device seconds of work left, its deadline in
     seconds from the projection's start, and whether it is of few slices (joins past the cap).
+    (A tuple: a projection makes one per item it takes in, and a dataclass's are slower.)
     """
 
     seq: int
@@ -302,66 +346,149 @@ class _Share:
     few: bool = False
 
 
+# A queued long item as the worker and the projections order it: (deadline, seq, item), the
+# earliest deadline first and the oldest on ties.
+_Entry = tuple[float, int, "_Pending[Any, Any]"]
+
+
+class _Waiting:
+    """The queued long items as one projection sees them: copies of the batcher's heaps of
+    entries (all of them, and those of few slices), whose items are taken in the order the
+    worker's _next_long takes them; entries of items no longer queued are skipped, as the
+    worker skips them. Work in device seconds at per_work, deadlines in seconds from origin.
+    """
+
+    __slots__ = ("_count", "_every", "_few", "_joined", "left_s", "origin", "per_work")
+
+    def __init__(
+        self,
+        every: Sequence[_Entry],
+        few: Sequence[_Entry],
+        *,
+        origin: float,
+        per_work: float,
+        work: float,
+        count: int,
+    ) -> None:
+        self._every, self._few = list(every), list(few)  # heaps still: copies of heaps
+        self._joined: set[int] = set()
+        self.origin, self.per_work = origin, per_work
+        self._count = count  # items not taken yet, and their work in device seconds
+        self.left_s = work * per_work
+
+    def add(self, entry: _Entry) -> None:
+        heapq.heappush(self._every, entry)
+        if entry[2].tiles <= FEW_SLICES:
+            heapq.heappush(self._few, entry)
+        self._count += 1
+        self.left_s += entry[2].work * self.per_work
+
+    def _first(self, heap: list[_Entry]) -> _Entry | None:
+        joined = self._joined
+        while heap and (heap[0][1] in joined or heap[0][2].state is not _State.QUEUED):
+            heapq.heappop(heap)
+        return heap[0] if heap else None
+
+    def first_deadline(self) -> float:
+        entry = self._first(self._every)
+        return math.inf if entry is None else entry[0] - self.origin
+
+    def take(self, *, few_only: bool) -> _Share | None:
+        """The item that joins next, taken out: the earliest deadline (of those of few
+        slices only)."""
+        heap = self._few if few_only else self._every
+        if self._first(heap) is None:
+            return None
+        deadline, seq, pending = heapq.heappop(heap)
+        self._joined.add(seq)
+        left = pending.work * self.per_work
+        self._count -= 1
+        # (summed floats drift: once none is left, exactly nothing is)
+        self.left_s = max(0.0, self.left_s - left) if self._count > 0 else 0.0
+        return _Share(seq, left, deadline - self.origin, pending.tiles <= FEW_SLICES)
+
+
 class _Turns:
     """A projection of the long items' tiles (module docstring), for their admission and for
     the choice of a tile. One running item has the device at a time: the earliest deadline
     (``by_deadline``) or the least work left, the oldest first on ties; the queued items join
-    as _next_long lets them (the oldest while fewer than MAX_RUNNING_LONG run, else the oldest
-    of few slices while fewer than twice as many), and may then take the device; each item
-    stops at its deadline (abandoned, or dropped while queued). An item that cannot finish by
-    its deadline even alone, when it joins, holds its place until its deadline and never has
-    the device. Tiles are taken as fluid.
+    as the worker's _next_long takes them (the earliest deadline, the oldest on ties, while
+    fewer than MAX_RUNNING_LONG run, else the earliest of few slices while fewer than twice as
+    many), and may then take the device; each item stops at its deadline (abandoned, or
+    dropped while queued). An item that cannot finish by its deadline even alone, when it
+    joins, holds its place until its deadline and never has the device. Tiles are taken as
+    fluid.
 
-    Times are seconds from now (no rounding of a large clock value can stall it). Each step
-    ends an item, frees a place or ends the projection, at O(log MAX_RUNNING_LONG) (heaps of
-    the items by priority and by deadline): a whole run costs O(items x log MAX_RUNNING_LONG).
+    Its cost is bounded: once all the work left would be done by the earliest deadline left
+    (the device is never idle while no item holds a place it cannot use), every item left
+    finishes whatever the order, and the projection ends there (``rest_finish``); and after
+    ``most`` items taken it gives up (``exhausted``: what it would have found past them is
+    unknown). Each step ends an item, frees a place or ends the projection, at O(log n):
+    a whole run costs O(min(most, items) x log n), n the items queued.
+
+    Times are seconds from now (no rounding of a large clock value can stall it).
     """
 
     def __init__(
         self,
         start: float,
         running: Iterable[_Share],
-        queued: Sequence[_Share],
+        waiting: _Waiting | None,
         *,
         by_deadline: bool,
+        most: float = math.inf,
     ) -> None:
         self.now = start
         self._by_deadline = by_deadline
         self._left: dict[int, float] = {}  # the items that may have the device: work left
         self._deadline: dict[int, float] = {}
-        self._order: list[tuple[float, int]] = []  # heaps (entries no longer true are skipped)
-        self._deadlines: list[tuple[float, int]] = []
+        # Heaps (entries no longer true are skipped) by priority and by deadline: one and the
+        # same when the priority is the deadline.
+        self._order: list[tuple[float, int]] = []
+        self._deadlines = self._order if by_deadline else []
+        self._priorities = self._deadline if by_deadline else self._left
         self._holding: list[float] = []  # a heap of the deadlines of those that never run
-        self._queued = list(queued)
-        self._joined = [False] * len(self._queued)
-        self._few = [i for i, share in enumerate(self._queued) if share.few]
-        self._next_any = self._next_few = 0  # no queued item before these is left to join
-        # The items that finished by their deadline, and when.
+        self._waiting = waiting
+        self._most = most
+        self.examined = 0  # items taken into the projection (running, then joined)
+        self.exhausted = False
+        self.rest_finish = False
+        # The items that finished by their deadline, and when; those that did not, and of them
+        # those that could not even alone on an idle device from the projection's start.
         self.finished: dict[int, float] = {}
+        self.missed: set[int] = set()
+        self.hopeless: set[int] = set()
         for share in running:
+            self.examined += 1
             self._start(share)
         self._join()
 
-    def add(self, share: _Share) -> None:
-        """Queue `share` after the others (it joins at once if a place is free)."""
-        if share.few:
-            self._few.append(len(self._queued))
-        self._queued.append(share)
-        self._joined.append(False)
+    def finishes(self, seq: int) -> bool:
+        """Whether the item finishes by its deadline (False where the projection gave up)."""
+        return seq in self.finished or (self.rest_finish and seq not in self.missed)
+
+    def add(self, entry: _Entry) -> None:
+        """Queue one more item (it joins at once if a place is free and no queued item with
+        an earlier deadline is waiting for it)."""
+        assert self._waiting is not None
+        self._waiting.add(entry)
         self._join()
 
     def run(self, until: float = math.inf) -> None:
         """Project the tiles up to `until` (to the end by default)."""
         left, order, deadlines, holding = self._left, self._order, self._deadlines, self._holding
-        while (left or holding) and self.now < until:
+        priorities = self._priorities
+        while (left or holding) and self.now < until and not self.exhausted:
             done_at = deadline = math.inf
             if left:
-                while order[0][1] not in left or order[0][0] != self._priority(order[0][1]):
+                while order[0][1] not in left or order[0][0] != priorities[order[0][1]]:
                     heapq.heappop(order)
                 while deadlines[0][1] not in left:
                     heapq.heappop(deadlines)
                 (_, first), (deadline, due) = order[0], deadlines[0]
                 done_at = self.now + left[first]
+            if until == math.inf and not holding and self._rest_finishes(deadline):
+                return
             released = holding[0] if holding else math.inf
             at = min(done_at, deadline, released, until)
             if left and at > self.now:
@@ -372,6 +499,7 @@ class _Turns:
                 self.finished[first] = self.now
             elif at == deadline:
                 del left[due]  # abandoned at its deadline
+                self.missed.add(due)
             elif at == released:
                 heapq.heappop(holding)
             if left and first in left and not self._by_deadline:
@@ -380,34 +508,55 @@ class _Turns:
                 return
             self._join()
 
-    def _priority(self, seq: int) -> float:
-        return self._deadline[seq] if self._by_deadline else self._left[seq]
+    def _rest_finishes(self, first_running_deadline: float) -> bool:
+        """Whether everything left, running and queued, is done by the earliest deadline
+        among them (then whatever the order, every one of them finishes: end here)."""
+        rest = sum(self._left.values())
+        first_deadline = first_running_deadline
+        if self._waiting is not None:
+            rest += self._waiting.left_s
+            first_deadline = min(first_deadline, self._waiting.first_deadline())
+        if self.now + rest > first_deadline:
+            return False
+        self.now += rest
+        self.rest_finish = True
+        return True
 
     def _start(self, share: _Share) -> None:
+        if share.left <= 0.0:  # its last tile is the one on the device: done as it ends
+            if share.deadline >= self.now:
+                self.finished[share.seq] = self.now
+            else:
+                self.missed.add(share.seq)
+            return
         if share.left > share.deadline - self.now:
             heapq.heappush(self._holding, share.deadline)
+            self.missed.add(share.seq)
+            if share.left > share.deadline:
+                self.hopeless.add(share.seq)
             return
         self._left[share.seq] = share.left
         self._deadline[share.seq] = share.deadline
-        heapq.heappush(self._order, (self._priority(share.seq), share.seq))
-        heapq.heappush(self._deadlines, (share.deadline, share.seq))
+        heapq.heappush(self._order, (self._priorities[share.seq], share.seq))
+        if self._deadlines is not self._order:
+            heapq.heappush(self._deadlines, (share.deadline, share.seq))
 
     def _join(self) -> None:
+        waiting = self._waiting
+        if waiting is None:
+            return
         while (places := len(self._left) + len(self._holding)) < 2 * MAX_RUNNING_LONG:
-            if places < MAX_RUNNING_LONG:
-                while self._next_any < len(self._queued) and self._joined[self._next_any]:
-                    self._next_any += 1
-                index = self._next_any
-            else:
-                while self._next_few < len(self._few) and self._joined[self._few[self._next_few]]:
-                    self._next_few += 1
-                index = self._few[self._next_few] if self._next_few < len(self._few) else -1
-            if not 0 <= index < len(self._queued):
+            share = waiting.take(few_only=places >= MAX_RUNNING_LONG)
+            if share is None:
                 return
-            self._joined[index] = True
-            if (share := self._queued[index]).deadline > self.now:
+            if self.examined >= self._most:
+                self.exhausted = True  # (the projection ends here: `share` is not needed)
+                return
+            self.examined += 1
+            if share.deadline > self.now:
                 self._start(share)
-            # else: its deadline passed while it was queued (a 504, never computed)
+            else:  # its deadline passed while it was queued (a 504, never computed)
+                self.missed.add(share.seq)
 
 
 @dataclass(frozen=True, slots=True)
@@ -477,7 +626,16 @@ class DynamicBatcher(Generic[T, R]):
         self._seq = itertools.count()
         self._in_flight: list[_Pending[T, R]] = []
         self._queued_work = 0.0  # the sum of the queued items' work
-        self._queued_longs = 0  # how many queued items are long
+        self._queued_longs = 0  # how many queued items are long, and their work
+        self._queued_long_work = 0.0
+        # The queued long items by deadline (the order they join in), all of them and those of
+        # few slices: heaps of _Entry, whose items that left the queue are skipped when they
+        # surface (and swept out once they outnumber the queued ones).
+        self._long_heap: list[_Entry] = []
+        self._few_heap: list[_Entry] = []
+        # No queued long item's deadline is later (the latest enqueued since the queue of long
+        # items was last empty: an item that left may have had it).
+        self._latest_long_deadline = -math.inf
         self._running_work = 0.0  # the batch on the device: its work, and since when
         self._running_since = 0.0
 
@@ -644,7 +802,15 @@ class DynamicBatcher(Generic[T, R]):
     def _enqueue(self, pending: _Pending[T, R]) -> None:
         self._queue[pending.seq] = pending
         self._queued_work += pending.work
-        self._queued_longs += pending.tiles > 0
+        if pending.tiles:
+            self._queued_longs += 1
+            self._queued_long_work += pending.work
+            self._latest_long_deadline = max(self._latest_long_deadline, pending.deadline)
+            entry = (pending.deadline, pending.seq, pending)
+            heapq.heappush(self._long_heap, entry)
+            if pending.tiles <= FEW_SLICES:
+                heapq.heappush(self._few_heap, entry)
+            self._sweep_long_heaps()
         self._groups.setdefault(pending.key, OrderedDict())[pending.seq] = pending
         self._set_depth()
         assert self._arrival is not None
@@ -656,7 +822,16 @@ class DynamicBatcher(Generic[T, R]):
         del self._queue[pending.seq]
         # Summed floats drift: an empty queue holds exactly no work.
         self._queued_work = self._queued_work - pending.work if self._queue else 0.0
-        self._queued_longs -= pending.tiles > 0
+        if pending.tiles:
+            self._queued_longs -= 1
+            if self._queued_longs:
+                self._queued_long_work -= pending.work
+                self._sweep_long_heaps()
+            else:
+                self._queued_long_work = 0.0
+                self._latest_long_deadline = -math.inf
+                self._long_heap.clear()
+                self._few_heap.clear()
         group = self._groups[pending.key]
         del group[pending.seq]
         if not group:
@@ -666,6 +841,21 @@ class DynamicBatcher(Generic[T, R]):
             # A worker waiting for the oldest item's group to grow must look again: the oldest
             # may have left (client gone, deadline), and the new oldest group may be full.
             self._arrival.set()
+
+    def _sweep_long_heaps(self) -> None:
+        """Drop the entries of items no longer queued once they outnumber the queued ones:
+        each heap stays within twice the long items queued (amortized O(1) an item)."""
+        most = 2 * self._queued_longs + 64
+        if len(self._long_heap) > most or len(self._few_heap) > most:
+            for heap in (self._long_heap, self._few_heap):
+                heap[:] = [entry for entry in heap if entry[2].state is _State.QUEUED]
+                heapq.heapify(heap)
+
+    def _first_queued(self, heap: list[_Entry]) -> _Pending[T, R] | None:
+        """The queued item of `heap` with the earliest deadline (the oldest on ties)."""
+        while heap and heap[0][2].state is not _State.QUEUED:
+            heapq.heappop(heap)
+        return heap[0][2] if heap else None
 
     def _fail_queued(self) -> None:
         for pending in list(self._queue.values()):
@@ -782,16 +972,14 @@ class DynamicBatcher(Generic[T, R]):
         return math.ceil(seconds / self._slice_s)
 
     def _next_long(self) -> _Pending[T, R] | None:
-        """The oldest queued long item that may start: any while fewer than MAX_RUNNING_LONG
-        run, else one of at most FEW_SLICES slices while fewer than twice as many run (None
-        when none may)."""
+        """The queued long item that starts next, the earliest deadline first (the oldest on
+        ties): any while fewer than MAX_RUNNING_LONG run, else one of at most FEW_SLICES
+        slices while fewer than twice as many run (None when none may)."""
         if not self._queued_longs or len(self._longs) >= 2 * MAX_RUNNING_LONG:
             return None
-        room = len(self._longs) < MAX_RUNNING_LONG
-        return next(
-            (p for p in self._queue.values() if p.tiles and (room or p.tiles <= FEW_SLICES)),
-            None,
-        )
+        if len(self._longs) < MAX_RUNNING_LONG:
+            return self._first_queued(self._long_heap)
+        return self._first_queued(self._few_heap)
 
     def _seconds_per_work(self) -> float:
         """Device seconds per estimated second, at the measured pace."""
@@ -799,17 +987,15 @@ class DynamicBatcher(Generic[T, R]):
 
     def _running_shares(self, now: float) -> dict[int, _Share]:
         """The running long items still waited for, by seq, as a projection starts from
-        them (the tile on the device counted with its item)."""
+        them (beyond the tile on the device, which the projection's start counts: a tile is
+        never interrupted)."""
         per_work = self._seconds_per_work()
-        on_device = self._in_flight[0].seq if self._in_flight else None
         shares = {}
         for long in self._longs.values():
             pending = long.pending
             if pending.state is not _State.TAKEN or pending.future.cancelled():
                 continue  # dropped at its next turn
             left = long.left_work * per_work
-            if pending.seq == on_device:
-                left += self._in_flight_s(now)
             shares[pending.seq] = _Share(pending.seq, left, pending.deadline - now)
         return shares
 
@@ -823,9 +1009,11 @@ class DynamicBatcher(Generic[T, R]):
         """Whether a long item may be queued (None) or is refused (module docstring:
         Deadlines of long items): projected with the long items admitted before it, it would
         miss a deadline it could meet alone on an idle device, or make one of them miss a
-        deadline it would meet without it. The refusal's Retry-After is the first whole
-        second at which the same request would be admitted, as the projection goes on
-        without it (at most _MAX_RETRY_AFTER_S)."""
+        deadline it would meet without it, or the projection gave up before it could tell.
+        The refusal's Retry-After is the first whole second at which the same request would
+        be admitted as the projection goes on without it, or a second at which it would be
+        (an upper bound of the first), or when the admitted long work is done; at most
+        _MAX_RETRY_AFTER_S."""
         per_work = self._seconds_per_work()
         left, timeout = pending.work * per_work, pending.deadline - now
         if left > timeout:
@@ -834,69 +1022,157 @@ class DynamicBatcher(Generic[T, R]):
             # runs, so it costs nobody their deadline.
             return None
         running = list(self._running_shares(now).values())
-        queued, queued_long_work = [], 0.0
-        for other in self._queue.values():
-            if other.tiles:
-                queued_long_work += other.work
-                few = other.tiles <= FEW_SLICES
-                queued.append(_Share(other.seq, other.work * per_work, other.deadline - now, few))
-        # The short work queued, and a short batch on the device, go before the next tile.
-        short_s = max(0.0, self._queued_work - queued_long_work) * per_work
-        if self._in_flight and self._in_flight[0].seq not in self._longs:
-            short_s += self._in_flight_s(now)
+        # Before the next tile: the rest of the batch or tile on the device (a tile is never
+        # interrupted), then the short work queued.
+        short_work = max(0.0, self._queued_work - self._queued_long_work)
+        start = self._in_flight_s(now) + short_work * per_work
+        admitted_s = start + sum(share.left for share in running)
+        admitted_s += self._queued_long_work * per_work
+        first_queued = self._first_queued(self._long_heap)
+        first_deadline = min(
+            timeout,
+            min((share.deadline for share in running), default=math.inf),
+            math.inf if first_queued is None else first_queued.deadline - now,
+        )
         # All done by the earliest deadline whatever the order: nobody's deadline is at stake
         # (the common case, spared the projections).
-        others = (*running, *queued)
-        everything_s = short_s + left + sum(share.left for share in others)
-        if everything_s <= min((timeout, *(share.deadline for share in others))):
+        if admitted_s + left <= first_deadline:
             return None
-        baseline = _Turns(short_s, running, queued, by_deadline=True)
-        baseline.run()
+        # Last in line: its deadline is the latest (the newest last on ties), so it joins
+        # after every queued item and has the device only when no other running item is
+        # there; it harms nobody, and it finishes once all the admitted work is done. (Not one
+        # of few slices while others wait: joining past the cap, it would hold a place they
+        # wait for.) The common case again: requests with the default deadline, in order.
+        latest = max(
+            max((share.deadline for share in running), default=-math.inf),
+            self._latest_long_deadline - now,
+        )
+        few = pending.tiles <= FEW_SLICES
+        if admitted_s + left <= timeout and timeout >= latest and not (few and self._queued_longs):
+            return None
 
-        def fits(at: float) -> bool:
-            turns = _Turns(short_s, running, queued, by_deadline=True)
-            turns.run(until=at)
-            turns.add(_Share(pending.seq, left, at + timeout, pending.tiles <= FEW_SLICES))
+        baseline: _Turns | None = None
+
+        def project(at: float | None, most: float, *, by_deadline: bool = True) -> _Turns:
+            """The projection with this item arriving `at` seconds from now (None: without)."""
+            waiting = self._waiting(now, per_work)
+            arrival: _Entry = (pending.deadline + (at or 0.0), pending.seq, pending)
+            if at is not None and at <= start:
+                waiting.add(arrival)  # queued beside the others, it joins in its turn
+            turns = _Turns(start, running, waiting, by_deadline=by_deadline, most=most)
+            if at is not None and at > start:
+                turns.run(until=at)
+                turns.now = max(turns.now, at)  # (an idle device waits for it)
+                turns.add(arrival)
             turns.run()
-            harmed = baseline.finished.keys() - turns.finished.keys()
-            return pending.seq in turns.finished and not harmed
+            return turns
 
-        if fits(0.0):
+        spent = 0  # items taken into the projections, for the search's bound
+
+        def fits(at: float, most: float) -> bool | None:
+            """Whether arriving `at` seconds from now it would be admitted (None: the
+            projection gave up after `most` items)."""
+            nonlocal baseline, spent
+            turns = project(at, most)
+            spent += turns.examined
+            if turns.exhausted:
+                return None
+            if not turns.finishes(pending.seq):
+                return False
+            if not turns.missed:
+                return True
+            if baseline is None:
+                # What the worker does without it (_whose_turn): the least work left first
+                # while that meets every deadline that can be met alone, else the earliest
+                # deadline first. (Against the latter alone, an item only the former saves
+                # was lost already, and a new one could take the places that saved it.)
+                baseline = project(None, _PROJECTED_LONGS, by_deadline=False)
+                if baseline.exhausted or baseline.missed - baseline.hopeless:
+                    baseline = project(None, _PROJECTED_LONGS)
+            # Those it would miss miss without it too: it harms nobody. (Where the projection
+            # without it gave up before one of them, that one counts as harmed.)
+            return turns.missed <= baseline.missed
+
+        verdict = fits(0.0, _PROJECTED_LONGS)
+        if verdict:
             return None
-        # The first second it fits at, by bisection (a later arrival finds less work left,
-        # so whether it fits is monotonic but for the order in which the queued ones join);
-        # once the projection without it has ended, it fits alone. Past _SEARCHED_LONGS
-        # items, that end itself (each probe projects them all: a few ms a thousand items).
-        low, high = 1, min(int(_MAX_RETRY_AFTER_S), max(1, math.ceil(baseline.now)))
-        if len(running) + len(queued) <= _SEARCHED_LONGS and fits(high):
-            while low < high:
-                middle = (low + high) // 2
-                low, high = (low, middle) if fits(middle) else (middle + 1, high)
+        if verdict is None:
+            detail = (
+                f"more than {_PROJECTED_LONGS} long requests with deadlines at stake are ahead "
+                "of this one: whether it would finish by its deadline was not worked out"
+            )
+        elif baseline is None:
+            detail = (
+                "the long requests admitted before this one would not let it finish by its "
+                "deadline (it could alone)"
+            )
+        else:
+            detail = "it would make a long request admitted before it miss its deadline"
+        # Retry-After. As things stand, the fast paths above admit it once the admitted work
+        # is done (it fits alone), or, of more than few slices, once its deadline is the
+        # latest with time for the admitted work left (last in line): from `ready` seconds.
+        # Below that, the first second at which a projection admits it, by bisection
+        # (arriving later, it finds less work ahead and has a later deadline); a probe past
+        # what is left of _SEARCHED_LONGS counts as not fitting. The second found is always
+        # one at which it is admitted, so where whether it fits is not monotonic in the
+        # arrival (the order in which items join), or the bound cut the search short, an
+        # upper bound of the first.
+        ready = admitted_s
+        if not few:
+            ready = min(ready, max(latest - timeout, admitted_s + left - timeout))
+        spent = 0
+
+        def probe(at: int) -> bool:
+            return spent < _SEARCHED_LONGS and bool(fits(at, _SEARCHED_LONGS - spent))
+
+        # (Where the decision's projection gave up, so would the probes: no search.)
+        searching = verdict is not None
+        low, high = 1, max(1, math.ceil(ready))
+        if high > _MAX_RETRY_AFTER_S:
+            # Not admitted within the most we say but by a projection: that most.
+            high = int(_MAX_RETRY_AFTER_S)
+            searching = searching and probe(high)
+        while searching and low < high:
+            middle = (low + high) // 2
+            low, high = (low, middle) if probe(middle) else (middle + 1, high)
         return _Refusal(
-            "the long requests admitted before this one would not let it finish by its deadline "
-            "(it could alone); retry later, or with a longer timeout",
-            retry_after_s=float(high),
+            f"{detail}; retry later, or with a longer timeout", retry_after_s=float(high)
         )
 
     def _whose_turn(self) -> _Long[T, R] | None:
         """The running long item that gets the next tile (module docstring: Deadlines of long
         items): of those that can still finish by their deadline alone (of all, when none
-        can), the one with the least work left, unless that order would make one of them miss
-        its deadline: then the earliest deadline. The oldest first on ties."""
+        can), the one with the least work left, unless that order would make an admitted item
+        that could finish alone, running or queued, miss its deadline (or its projection gave
+        up): then the earliest deadline. The oldest first on ties."""
         longs = list(self._longs.values())
         if len(longs) < 2:
             return next(iter(longs), None)
-        shares = self._running_shares(self._clock())
+        now = self._clock()
+        shares = self._running_shares(now)
         can_finish = [share for share in shares.values() if share.left <= share.deadline]
         if not shares:
             return longs[0]  # nobody waits for them: dropped at this turn
         chosen = min(can_finish or shares.values(), key=lambda share: (share.left, share.seq))
-        if len(can_finish) > 1:
-            turns = _Turns(0.0, can_finish, (), by_deadline=False)
+        if can_finish and (len(can_finish) > 1 or self._queued_longs):
+            # The queued items count too: that order frees places at other times than the
+            # admission's projection has them (a small item with a late deadline first, and
+            # a queued item's place came too late for it).
+            turns = _Turns(
+                0.0, shares.values(), self._waiting(now, self._seconds_per_work()),
+                by_deadline=False, most=_PROJECTED_LONGS,
+            )  # fmt: skip
             turns.run()
-            if len(turns.finished) < len(can_finish):
+            if turns.exhausted or turns.missed - turns.hopeless:
                 chosen = min(can_finish, key=lambda share: (share.deadline, share.seq))
         return self._longs[chosen.seq]
+
+    def _waiting(self, now: float, per_work: float) -> _Waiting:
+        """The queued long items, for a projection from `now`."""
+        return _Waiting(
+            self._long_heap, self._few_heap, origin=now, per_work=per_work,
+            work=self._queued_long_work, count=self._queued_longs,
+        )  # fmt: skip
 
     def _begin_long(self, pending: _Pending[T, R]) -> None:
         """Take a queued long item off the queue; it runs beside those running."""
@@ -949,10 +1225,10 @@ class DynamicBatcher(Generic[T, R]):
         return True
 
     async def _advance_longs(self) -> None:
-        """One turn: start the oldest queued long item if one more may run, drop those nobody
-        waits for, run the short batches waiting (up to one slice of their work), then one
-        tile of the long item whose turn it is. A drain that times out (cancellation) answers
-        every long item running with ShuttingDown."""
+        """One turn: drop the long items nobody waits for, start the queued ones that may
+        join (the earliest deadline first), run the short batches waiting (up to one slice of
+        their work), then one tile of the long item whose turn it is. A drain that times out
+        (cancellation) answers every long item running with ShuttingDown."""
         try:
             await self._take_turn()
         except asyncio.CancelledError:
@@ -970,10 +1246,13 @@ class DynamicBatcher(Generic[T, R]):
 
     async def _take_turn(self) -> None:
         assert self._executor is not None
-        if (queued := self._next_long()) is not None:
-            self._begin_long(queued)
+        # Those nobody waits for leave first: their places are free for the next to join.
         for running in list(self._longs.values()):
             self._left_alone(running)
+        # Every queued long item that may start joins now, as in the projections (one a turn
+        # let an item that cannot finish, alone for a turn, take a tile from one that can).
+        while (queued := self._next_long()) is not None:
+            self._begin_long(queued)
         budget = self._slice_s or 0.0
         # (a tolerance: summed floats may leave a crumb of the slice, not worth a batch)
         while budget > 1e-6 * (self._slice_s or 0.0) and (batch := self._take_batch(budget)):
