@@ -650,6 +650,14 @@ class LimitsOut(_Out):
     read_timeout_s: float
     send_timeout_s: float
     max_connections: int
+    max_header_bytes: int = Field(description="A request's line and header lines together.")
+    max_headers: int = Field(description="Header lines of one request.")
+    max_pipelined_requests: int = Field(
+        description="Requests of one connection read and not yet answered."
+    )
+    min_body_rate: int = Field(
+        description="Bytes per second a body must keep up past read_timeout_s (0: no rate)."
+    )
 
 
 class PathCostOut(_Out):

@@ -19,6 +19,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from sdpa_core import analyze_scaling, attention, make_synthetic_qk
+from service.wire.models import LimitsOut
 from tests.support.app import API_SERVER_ENV
 from tests.support.wire import from_wire, to_wire
 
@@ -276,3 +277,11 @@ def test_openapi_documents_every_endpoint_with_an_example(client: httpx.Client) 
         assert response.status_code == 200, response.text
         for status in ("413", "415", "422", "503", "504"):
             assert "application/problem+json" in post["responses"][status]["content"]
+
+
+def test_the_info_limits_are_the_documented_ones(client: httpx.Client) -> None:
+    # /v1/info's limits and the OpenAPI document's LimitsOut list the same settings: a limit
+    # added to one and not the other fails here.
+    limits = client.get("/v1/info").json()["limits"]
+    assert set(limits) == set(LimitsOut.model_fields)
+    LimitsOut.model_validate(limits)
