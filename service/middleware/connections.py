@@ -400,6 +400,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._evictable = _evictable_of(self.server_state)
         self._filed: collections.OrderedDict[GuardedHttpToolsProtocol, None] | None = None
         self._closing_counted = False
+        self._head_started = False  # a head started in the read being fed: file it anew
 
     # -- the connection cap and the first read timer --------------------------------------
 
@@ -460,6 +461,11 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._filed = kind
         if kind is not None:
             kind[self] = None
+
+    def _unfile(self) -> None:
+        if self._filed is not None:
+            del self._filed[self]
+            self._filed = None
 
     def _close(self) -> None:
         """Close the connection (flushing what was written), no longer counted at the cap."""
@@ -549,11 +555,12 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         """uvicorn resumes reading: the app asked for its body (receive()), or an answer
         completed. The body's clock starts at the app's first read of it (a client that
         expects 100-continue sends nothing before; a pipelined request's body is not read
-        before its turn), and the held bytes are fed."""
+        before its turn), and the held bytes are fed (soon, not from inside uvicorn)."""
         if self._in_body and not self._body_asked:
             self._body_asked = True
             self._sync_body_clock()
-        self._schedule_pump()
+        if self._pump_soon is None and self._held:
+            self._pump_soon = self.loop.call_soon(self._pump_held)
 
     def _schedule_pump(self) -> None:
         """An answer completed or the app read its body: feed the held bytes (soon, not from
@@ -604,7 +611,9 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         if self._head_since is None:  # its first byte
             self._head_since = time.monotonic()
             self._unset_keepalive_if_required()
-            self._refile(anew=True)  # its headers' wait starts now
+            # Its headers' wait starts now: filed anew by _settle, once this read is fed, if
+            # they are still incomplete then (most heads end in the read they start in).
+            self._head_started = True
         if not self._head_fed and not self._head_scanned and buf[pos] in b"\r\n":
             first = _NOT_CRLF.search(buf, pos, end)
             pos = end if first is None else first.start()
@@ -727,10 +736,15 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._count_closing()
 
     def _settle(self) -> None:
-        """After the parser was fed: read while it may have more, else hold and pause; and run
-        the one timer that fits what the connection waits for (and the body's clock)."""
+        """After the parser was fed: read while it may have more, else hold and pause; run
+        the one timer that fits what the connection waits for (and the body's clock); and file
+        a head that started and is still incomplete where the cap finds it."""
         if self.transport.is_closing() or self._lingering:
             return
+        if self._head_started:
+            self._head_started = False
+            if self._head_since is not None:
+                self._refile(anew=True)
         if self._input_closed:
             self._held = bytearray()  # never parsed
         blocked = self._input_closed or (self._blocked and bool(self._held))
@@ -742,7 +756,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         elif not blocked and not self._reading:
             self._reading = True
             self.transport.resume_reading()
-        self._sync_body_clock()
+        if self._in_body or self._body_running_since is not None:
+            self._sync_body_clock()
         if not self._reading:
             self._cancel_read_timer()  # the client owes nothing while the server does not read
             return
@@ -793,7 +808,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             self._input_closed = True
         if self._shutting_down:
             cycle.keep_alive = False  # answered, then closed
-        self._refile()
+        self._unfile()  # the app holds a request of it now
 
     def _frame_body(self) -> None:
         """Read how the current request's body ends from its headers (uvicorn's list, names in
@@ -829,7 +844,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             return  # llhttp completes an upgrade request at its head: refused, no cycle made
         super().on_message_complete()
         self._in_body = False
-        self._stop_body_clock()
+        if self._body_timer is not None or self._body_running_since is not None:
+            self._stop_body_clock()
         self._head_since = None
         self._head_bytes = self._head_fed = self._head_scanned = self._head_lines = 0
         self._head_tail = b""
