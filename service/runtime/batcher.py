@@ -1111,12 +1111,13 @@ class DynamicBatcher(Generic[T, R]):
         # Retry-After. As things stand, the fast paths above admit it once the admitted work
         # is done (it fits alone), or, of more than few slices, once its deadline is the
         # latest with time for the admitted work left (last in line): from `ready` seconds.
-        # Below that, the first second at which a projection admits it, by bisection
-        # (arriving later, it finds less work ahead and has a later deadline); a probe past
-        # what is left of _SEARCHED_LONGS counts as not fitting. The second found is always
-        # one at which it is admitted, so where whether it fits is not monotonic in the
-        # arrival (the order in which items join), or the bound cut the search short, an
-        # upper bound of the first.
+        # Below that, the first second at which a projection admits it (arriving later, it
+        # finds less work ahead and has a later deadline): probes at 1, 2, 4... s until one
+        # fits, then bisection below it. A probe past what is left of _SEARCHED_LONGS counts
+        # as not fitting (the early ones cost least: less is projected before the arrival).
+        # The second found is always one at which it is admitted, so where whether it fits is
+        # not monotonic in the arrival (the order in which items join), or the bound cut the
+        # search short, an upper bound of the first.
         ready = admitted_s
         if not few:
             ready = min(ready, max(latest - timeout, admitted_s + left - timeout))
@@ -1126,13 +1127,21 @@ class DynamicBatcher(Generic[T, R]):
             return spent < _SEARCHED_LONGS and bool(fits(at, _SEARCHED_LONGS - spent))
 
         # (Where the decision's projection gave up, so would the probes: no search.)
-        searching = verdict is not None
-        low, high = 1, max(1, math.ceil(ready))
-        if high > _MAX_RETRY_AFTER_S:
-            # Not admitted within the most we say but by a projection: that most.
-            high = int(_MAX_RETRY_AFTER_S)
-            searching = searching and probe(high)
-        while searching and low < high:
+        cap = int(_MAX_RETRY_AFTER_S)
+        high = max(1, math.ceil(ready))
+        # (and at the cap, where no fast path admits it by then)
+        probes = [2**k for k in range(6) if 2**k < min(high, cap)] + [cap] * (high > cap)
+        low = high = min(high, cap)
+        if verdict is not None:
+            low = 1
+            for at in probes:
+                if probe(at):
+                    high = at
+                    break
+                low = at + 1
+            else:  # nothing fitted: at `high`, by a fast path, or the most we say
+                low = high
+        while low < high:
             middle = (low + high) // 2
             low, high = (low, middle) if probe(middle) else (middle + 1, high)
         return _Refusal(
