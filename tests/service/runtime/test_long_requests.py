@@ -494,7 +494,8 @@ def test_a_long_item_of_few_slices_joins_past_the_cap() -> None:
         b = make(device)
         await b.start()
         bigs = [submit(b, f"L{i}:100") for i in range(MAX_RUNNING_LONG)]
-        await until(lambda: all(device.tiles_of(f"L{i}") >= 1 for i in range(MAX_RUNNING_LONG)))
+        # all four admitted to run (they take their tiles one after another: least work left)
+        await until(lambda: len(b._longs) == MAX_RUNNING_LONG and device.tiles_of("L0") >= 1)
         started = time.monotonic()
         await b.submit("Lfew:2", deadline=deadline_in(FAR))
         waited = time.monotonic() - started
@@ -545,7 +546,8 @@ def test_long_items_of_few_slices_join_past_the_cap_only_up_to_twice_it() -> Non
         b = make(device)
         await b.start()
         bigs = [submit(b, f"L{i}:100") for i in range(MAX_RUNNING_LONG)]
-        await until(lambda: all(device.tiles_of(f"L{i}") >= 1 for i in range(MAX_RUNNING_LONG)))
+        # all four admitted to run (they take their tiles one after another: least work left)
+        await until(lambda: len(b._longs) == MAX_RUNNING_LONG and device.tiles_of("L0") >= 1)
         few = [submit(b, f"Lf{i}:2") for i in range(3 * MAX_RUNNING_LONG)]
         while not all(task.done() for task in few):
             running.append(len(b._longs))

@@ -45,7 +45,7 @@ from tests.service.wire.json_bodies import Bodies
 BIG = 1 << 24
 TENSORS = (("q", "float"), ("k", "float"), ("v", "float"), ("key_padding_mask", "bool_mask"),
            ("attn_mask", "mask"))  # fmt: skip
-EXAMPLES = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+EXAMPLES = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 pieces_strategy = st.builds(
     Pieces,
     piece_bytes=st.integers(4, 96),
