@@ -14,7 +14,7 @@ import random
 import re
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 import pytest
@@ -80,7 +80,14 @@ def work_of(item: str) -> float:
     return (float(item.split(":")[1]) if item.startswith("L") else 0.1) * SLICE_S
 
 
-def make(device: Device, metrics: Metrics | None = None) -> DynamicBatcher[str, str]:
+def make(
+    device: Device | ClockedDevice,
+    metrics: Metrics | None = None,
+    *,
+    work: Callable[[str], float] = work_of,
+    slice_s: float = SLICE_S,
+    clock: Callable[[], float] = time.monotonic,
+) -> DynamicBatcher[str, str]:
     return DynamicBatcher(
         device.run_batch,
         group_key=lambda item: item[0],
@@ -88,9 +95,10 @@ def make(device: Device, metrics: Metrics | None = None) -> DynamicBatcher[str, 
         max_batch_delay_s=0.0,
         max_queue=64,
         metrics=metrics,
-        work_seconds=work_of,
-        slice_s=SLICE_S,
+        work_seconds=work,
+        slice_s=slice_s,
         start_long=device.start_long,
+        clock=clock,
     )
 
 
@@ -639,18 +647,7 @@ def clocked_work(item: str) -> float:
 
 
 def make_clocked(device: ClockedDevice, metrics: Metrics | None = None) -> DynamicBatcher[str, str]:
-    return DynamicBatcher(
-        device.run_batch,
-        group_key=lambda item: item[0],
-        max_batch_size=32,
-        max_batch_delay_s=0.0,
-        max_queue=64,
-        metrics=metrics,
-        work_seconds=clocked_work,
-        slice_s=UNIT,
-        start_long=device.start_long,
-        clock=device.clock,
-    )
+    return make(device, metrics, work=clocked_work, slice_s=UNIT, clock=device.clock)
 
 
 async def submit_all(
