@@ -1,13 +1,29 @@
-"""ContentEncodingMiddleware driven directly: a body sent in chunks to an app that stops reading
-where the test says, to see how much the middleware read and inflated for it."""
+"""Compressed bodies for the content-encoding tests of both protocols: the plain requests they
+compress, and ContentEncodingMiddleware driven directly (a body sent in chunks to an app that
+stops reading where the test says, to see how much the middleware read and inflated for it)."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 
 from starlette.types import Message, Receive, Scope, Send
 
 from service.middleware.content_encoding import ContentEncodingMiddleware
+from tests.support.app import API_SERVER_ENV
+
+MAX_BODY = int(API_SERVER_ENV["SDPA_MAX_BODY_BYTES"])
+Q = [[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]]
+V1_BODY = json.dumps({"q": Q, "k": Q, "v": Q, "causal": True}).encode()
+V2_BODY = json.dumps(
+    {
+        "inputs": [
+            {"name": n, "shape": [3, 2], "datatype": "FP32", "data": [x for row in Q for x in row]}
+            for n in ("q", "k", "v")
+        ],
+        "parameters": {"causal": True},
+    }
+).encode()
 
 
 def drive(

@@ -9,7 +9,6 @@ The truth: the same request sent uncompressed, and bodies compressed here with g
 from __future__ import annotations
 
 import gzip
-import json
 import zlib
 from collections.abc import Sequence
 
@@ -22,20 +21,8 @@ from service.middleware.content_encoding import (
     CHUNK_BYTES,
     MAX_CODINGS,
 )
-from tests.support.app import API_SERVER_ENV
-from tests.support.inflation import drive
+from tests.support.inflation import MAX_BODY, V1_BODY, V2_BODY, drive
 
-MAX_BODY = int(API_SERVER_ENV["SDPA_MAX_BODY_BYTES"])
-Q = [[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]]
-V1_BODY = json.dumps({"q": Q, "k": Q, "v": Q, "causal": True}).encode()
-V2_BODY = json.dumps(
-    {
-        "inputs": [
-            {"name": n, "shape": [3, 2], "datatype": "FP32", "data": [x for row in Q for x in row]}
-            for n in ("q", "k", "v")
-        ]
-    }
-).encode()
 JSON = ("content-type", "application/json")
 V2_URL = "/v2/models/attention/infer"
 

@@ -9,7 +9,6 @@ message below, with the bytes counted).
 from __future__ import annotations
 
 import gzip
-import json
 import zlib
 
 import httpx
@@ -17,21 +16,8 @@ import pytest
 
 from service.errors import InvalidRequest
 from service.middleware.content_encoding import CHUNK_BYTES
-from tests.support.app import API_SERVER_ENV
-from tests.support.inflation import drive
+from tests.support.inflation import MAX_BODY, V1_BODY, V2_BODY, drive
 
-MAX_BODY = int(API_SERVER_ENV["SDPA_MAX_BODY_BYTES"])
-Q = [[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]]
-V1_BODY = json.dumps({"q": Q, "k": Q, "v": Q, "causal": True}).encode()
-V2_BODY = json.dumps(
-    {
-        "inputs": [
-            {"name": n, "shape": [3, 2], "datatype": "FP32", "data": [x for row in Q for x in row]}
-            for n in ("q", "k", "v")
-        ],
-        "parameters": {"causal": True},
-    }
-).encode()
 COMPRESS = {"gzip": gzip.compress, "deflate": zlib.compress}
 
 
