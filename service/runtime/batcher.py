@@ -111,25 +111,27 @@ join by deadline, and long items are admitted by deadline:
   the admitted work: it joins after all the others and has the device only when none of
   theirs is due, so it harms nobody. Requests with the default deadline arriving in order
   are both.
-- The event loop pays for the projections (about 10 us an item taken into one, on a shared
-  2-core machine), so a submit's are bounded: a projection ends as soon as all the work left would
-  be done by the earliest deadline left (every item then finishes, whatever the order), and
-  gives up after _PROJECTED_LONGS items, the item then refused (its deadline falls among
-  those of more than that many long items at stake: whether it would finish was not worked
-  out). A thousand long items queued with an hour to go cost a refusal a handful of them,
-  where each refusal projected them all twice (12 ms, and 30 refusals a second held a
-  bystander up to 0.45 s).
-- Its Retry-After is the first whole second at which the same request would be admitted as
-  the projection goes on without it, by bisection, its probes taking at most
-  _SEARCHED_LONGS items in all; else when a fast path above would admit it (last in line,
-  or all the admitted work done); at most 60. Every second it names is one at which it would
-  be admitted (an upper bound of the first). It is recomputed at each refusal from the pace
-  measured then, so the instants named move as the pace does, by its change times the work
-  ahead: the 60, 39 and 29 a review saw 2 s apart were the cap (with 60 s of work ahead in
-  arrival order), then a pace falling as the first tiles were measured (1.22 to 1.02 device
-  seconds per estimated second in the first 12 s here, a 3072^2 warm-up and the early
-  tiles of 8192^2 analyzes, whose share_done lags then races, weighing less and less). With
-  the estimates right, it falls exactly as time passes.
+- The event loop pays for the projections (4 to 10 us an item taken into one, on a shared
+  2-core machine), so a submit's are bounded: a projection ends as soon as all the work left
+  would be done by the earliest deadline left (every item then finishes, whatever the
+  order), and gives up after _PROJECTED_LONGS items, the item then refused (its deadline
+  falls among those of more than that many long items at stake: whether it would finish was
+  not worked out). An item that cannot finish by its deadline from where it joins only holds
+  a place, and counts as _HOLDER_SHARE of one: a flood of hopeless requests does not make
+  the projections give up. A thousand long items queued with an hour to go cost a refusal a
+  handful of them, where each refusal projected them all twice (12 ms, and 30 refusals a
+  second held a bystander up to 0.45 s).
+- Its Retry-After is the first whole second at which the same request would be admitted as the
+  projection goes on without it (probes at 1, 2, 4... s, then bisection), its probes taking at
+  most _SEARCHED_LONGS items in all; else when a fast path above would admit it (last in line, or
+  all the admitted work done); at most 60. Every second it names is one at which it would be
+  admitted (an upper bound of the first). It is recomputed at each refusal from the pace measured
+  then, so the instants named move as the pace does, by its change times the work ahead: the 60,
+  39 and 29 a review saw 2 s apart were the cap (with 60 s of work ahead in arrival order), then a
+  pace falling as the first tiles were measured (1.22 to 1.02 device seconds per estimated second
+  in the first 12 s here, a 3072^2 warm-up and the early tiles of 8192^2 analyzes, whose
+  share_done lags then races, weighing less and less). With the estimates right, it falls exactly
+  as time passes.
 - An item that cannot finish by its deadline even alone is admitted as before (the estimate
   may be wrong) and abandoned at its deadline (504, naming the tiles done), but it gets a
   tile only while no running item that can still finish is there: it costs nobody their
@@ -206,10 +208,16 @@ MAX_RUNNING_LONG = 4
 # items queued projected them all twice, about 12 ms, and a bystander waited 0.45 s behind
 # 30 refusals a second).
 _PROJECTED_LONGS = 128
+# An item taken into a projection that cannot finish by its deadline from there (hopeless, or
+# its deadline passed while it waited) costs a heap push and pop: it counts as this share of an
+# item against the bounds: a projection gives up behind 1,024 of them (the default
+# SDPA_MAX_QUEUE), not 128.
+_HOLDER_SHARE = 1 / 8
 # A refused long item is told to come back at the first second a projection would admit it,
-# searched by bisection (about six probes): the probes take at most this many items into
-# their projections all together (a probe that would take more counts as not fitting, so the
-# second found still fits; without one found, when the admitted long work is done).
+# probes at 1, 2, 4... s, then bisection below the first that fits: the probes take at most
+# this many items into their projections all together (a probe that would take more counts as
+# not fitting, so the second found still fits; without one found, when the admitted long work
+# is done).
 _SEARCHED_LONGS = 128
 # A long item of at most this many slices joins the running ones at once even past
 # MAX_RUNNING_LONG (up to twice as many running in all): it is done after a few tiles, rather
@@ -450,7 +458,9 @@ class _Turns:
         self._holding: list[float] = []  # a heap of the deadlines of those that never run
         self._waiting = waiting
         self._most = most
-        self.examined = 0  # items taken into the projection (running, then joined)
+        # Items taken into the projection (running, then joined), those that only hold a
+        # place counted as _HOLDER_SHARE of one.
+        self.examined: float = 0
         self.exhausted = False
         self.rest_finish = False
         # The items that finished by their deadline, and when; those that did not, and of them
@@ -552,7 +562,12 @@ class _Turns:
             if self.examined >= self._most:
                 self.exhausted = True  # (the projection ends here: `share` is not needed)
                 return
-            self.examined += 1
+            # One that cannot finish by its deadline from here only holds a place until then
+            # (or none, past it): a push and a pop, a fraction of what an item at stake costs.
+            # Counted as a whole item, a flood of such cheap hopeless requests made every
+            # projection give up, and every long request behind them was refused.
+            at_stake = share.left <= share.deadline - self.now
+            self.examined += 1 if at_stake else _HOLDER_SHARE
             if share.deadline > self.now:
                 self._start(share)
             else:  # its deadline passed while it was queued (a 504, never computed)
@@ -1067,7 +1082,7 @@ class DynamicBatcher(Generic[T, R]):
             turns.run()
             return turns
 
-        spent = 0  # items taken into the projections, for the search's bound
+        spent: float = 0  # items taken into the projections, for the search's bound
 
         def fits(at: float, most: float) -> bool | None:
             """Whether arriving `at` seconds from now it would be admitted (None: the
@@ -1079,8 +1094,8 @@ class DynamicBatcher(Generic[T, R]):
                 return None
             if not turns.finishes(pending.seq):
                 return False
-            if not turns.missed:
-                return True
+            if turns.missed <= turns.hopeless:
+                return True  # (those could not finish even alone: missed without it too)
             if baseline is None:
                 # What the worker does without it (_whose_turn): the least work left first
                 # while that meets every deadline that can be met alone, else the earliest
