@@ -124,14 +124,15 @@ join by deadline, and long items are admitted by deadline:
 - Its Retry-After is the first whole second at which the same request would be admitted as the
   projection goes on without it (probes at 1, 2, 4... s, then bisection), its probes taking at
   most _SEARCHED_LONGS items in all; else when a fast path above would admit it (last in line, or
-  all the admitted work done); at most 60. Every second it names is one at which it would be
-  admitted (an upper bound of the first). It is recomputed at each refusal from the pace measured
-  then, so the instants named move as the pace does, by its change times the work ahead: the 60,
-  39 and 29 a review saw 2 s apart were the cap (with 60 s of work ahead in arrival order), then a
-  pace falling as the first tiles were measured (1.22 to 1.02 device seconds per estimated second
-  in the first 12 s here, a 3072^2 warm-up and the early tiles of 8192^2 analyzes, whose
-  share_done lags then races, weighing less and less). With the estimates right, it falls exactly
-  as time passes.
+  all the admitted work done); at most 60. Every second below 60 it names is one at which it would
+  be admitted (an upper bound of the first); 60 says none sooner was found, and where the
+  projection gave up, no search is made (when the admitted long work would be done, at most 60).
+  It is recomputed at each refusal from the pace measured then, so the instants named move as the
+  pace does, by its change times the work ahead: the 60, 39 and 29 a review saw 2 s apart were the
+  cap (with 60 s of work ahead in arrival order), then a pace falling as the first tiles were
+  measured (1.22 to 1.02 device seconds per estimated second in the first 12 s here, a 3072^2
+  warm-up and the early tiles of 8192^2 analyzes, whose share_done lags then races, weighing less
+  and less). With the estimates right, it falls exactly as time passes.
 - An item that cannot finish by its deadline even alone is admitted as before (the estimate
   may be wrong) and abandoned at its deadline (504, naming the tiles done), but it gets a
   tile only while no running item that can still finish is there: it costs nobody their
