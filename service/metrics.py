@@ -109,7 +109,8 @@ class Metrics:
             "deadline_unreachable (a long request that would miss its deadline beside those "
             "admitted), deadline, disconnected, shutting_down, too_large, inflight_bytes, "
             "unauthorized; below the application: header_too_large (431), header_timeout "
-            "(408), read_timeout, body_too_slow (the minimum body rate), connections (the "
+            "(408), read_timeout, body_too_slow (the minimum body rate), chunk_framing (400: a "
+            "chunk-size line too long, or chunks too small on average), connections (the "
             "connection cap).",
             ["reason"],
             registry=reg,

@@ -25,6 +25,13 @@ what the parser may have:
   connection is parsed; the app already holds the request, so its next receive() raises a 431
   (TrailersTooLarge), which the app answers as it answers its own refusals (its access log
   says 431), and the connection closes after that answer.
+- a chunked body's framing: each chunk costs Python time here (reading where the body ends),
+  whatever its size, and llhttp takes a size line of any length. A size line (hex digits,
+  leading zeros, extensions, CRLF) past MAX_CHUNK_SIZE_LINE (4 KiB), and a body past
+  FREE_CHUNKS (1,024) chunks whose data averages under MIN_CHUNK_AVERAGE (256 bytes) a chunk,
+  get a 400 the same way (ChunksRefused, from the app's receive()). Before, a 240 KB read of
+  1-byte chunks held the event loop 131 ms (plain uvicorn: 23 ms), now 1 ms and refused; and
+  32 KiB/s of an endless extension held a connection and the app's request for ever.
 - header deadline (SDPA_READ_TIMEOUT_S, default 15 s): a request's headers must be complete
   within it of their first byte, however steadily they trickle; else a 408 problem+json and the
   connection closes.
@@ -36,11 +43,12 @@ what the parser may have:
 - minimum body rate (SDPA_MIN_BODY_RATE, default 32 KiB/s; 0 = none), as Apache
   mod_reqtimeout's body=...,MinRate=...: a body must arrive within SDPA_READ_TIMEOUT_S of the
   app's first read of it, extended by one second for every SDPA_MIN_BODY_RATE bytes it
-  brought; the time the server itself does not read (the app has not read what it was given,
-  the request waits behind another) does not count. Past it the connection closes, as the idle
-  timer does mid-body. Without it, a byte every few seconds held a connection whose request
-  the app holds for ever, and the cap never closes those: 2,048 of them, about 205 B/s in all,
-  locked everyone out; now that takes SDPA_MIN_BODY_RATE x SDPA_MAX_CONNECTIONS (64 MiB/s).
+  brought (of a chunked body, its chunks' data, not their framing); the time the server itself
+  does not read (the app has not read what it was given, the request waits behind another)
+  does not count. Past it the connection closes, as the idle timer does mid-body. Without it,
+  a byte every few seconds held a connection whose request the app holds for ever, and the
+  cap never closes those: 2,048 of them, about 205 B/s in all, locked everyone out; now that
+  takes SDPA_MIN_BODY_RATE x SDPA_MAX_CONNECTIONS (64 MiB/s).
 - an answer given before its request's body was read (an early 413, 401 or 503): the rest of
   that body is never parsed, nor anything after it. The answer is written and the sending
   side closed, what the client still sends is read and dropped for linger_s (2 s) at most, and
@@ -87,8 +95,8 @@ what the parser may have:
 
 Refusals count in sdpa_rejected_total by reason: header_too_large (431, trailers included),
 header_timeout (408 at the header deadline), read_timeout (the idle timer), body_too_slow (the
-minimum body rate), connections (the cap: a connection closed to make room, or a newcomer
-refused).
+minimum body rate), chunk_framing (400: a chunked body's framing), connections (the cap: a
+connection closed to make room, or a newcomer refused).
 
 Why this layer and not uvicorn's h11 protocol with its limit (h11_max_incomplete_event_size):
 h11 bounds a head's bytes (a 400, no metric) and parses one request at a time, but counts no
@@ -186,6 +194,19 @@ _NOT_CRLF: Final = re.compile(rb"[^\r\n]")
 # its 400 without waiting for a line end.
 REQUEST_LINE_PROBE: Final = 16
 _HEX_PREFIX: Final = re.compile(rb"[0-9A-Fa-f]*")
+# A whole size line of up to 16 digits and no extension, as clients send it: read in one match
+# (C) instead of byte by byte in Python.
+_WHOLE_SIZE_LINE: Final = re.compile(rb"([0-9A-Fa-f]{1,16})\r\n")
+# A chunk-size line (hex digits, extensions, CRLF) longer than this is refused: llhttp takes
+# leading zeros and an extension without end, which held a connection for ever as "body" that
+# never brought the app a byte. A size line a client sends is a few bytes.
+MAX_CHUNK_SIZE_LINE: Final = 4096
+# Each chunk costs Python time here (about 1-3 us) whatever its size; a body of 1-byte chunks
+# held the event loop 147 ms per 240 KB read (plain uvicorn: 24.5 ms). Past FREE_CHUNKS chunks,
+# the data of a body's chunks must average MIN_CHUNK_AVERAGE bytes, which bounds that time per
+# byte read (httpx and curl send chunks of KiBs).
+FREE_CHUNKS: Final = 1024
+MIN_CHUNK_AVERAGE: Final = 256
 
 
 class ChunkedBodyEnd:
@@ -195,43 +216,69 @@ class ChunkedBodyEnd:
     Only the framing is read (size lines, data lengths, the trailer section); the parser
     validates everything. On input it refuses, the parser's error closes the connection before
     this count matters. Trailer lines are released whole (a value arrives in one piece) and
-    counted, in bytes and lines, so that the protocol bounds them like a head's.
+    counted, in bytes and lines, so that the protocol bounds them like a head's. It refuses
+    (`refused`, and takes no more) a size line past MAX_CHUNK_SIZE_LINE and chunks too small
+    on average (FREE_CHUNKS, MIN_CHUNK_AVERAGE); `data_bytes` counts the chunks' data alone,
+    which is what the body's minimum rate credits.
     """
 
     _SIZE_LINE, _DATA, _TRAILERS = range(3)
+    SIZE_LINE_TOO_LONG: Final = "size_line"
+    CHUNKS_TOO_SMALL: Final = "small_chunks"
 
     def __init__(self) -> None:
         self._state = self._SIZE_LINE
         self._left = 0  # bytes of the current chunk's data and its CRLF still to come
         self._digits = bytearray()  # the size line's hex digits, leading zeros left out
         self._in_digits = True  # no other byte of the size line seen yet
+        self._line = 0  # bytes of the current size line taken
+        self._scanned = 0  # bytes of a held partial trailer line known to hold no line end
+        self.chunks = 0  # non-final chunks begun
+        self._declared = 0  # their sizes, summed
+        self.data_bytes = 0  # chunk data taken (no framing)
         self.trailer_bytes = 0
         self.trailer_lines = 0
         self.done = False
+        self.refused: str | None = None
 
     def take(self, buf: bytes | bytearray, start: int, end: int) -> int:
         """How many bytes of buf[start:end] the parser may have: up to the body's end, and in
-        the trailer section up to the last complete line."""
+        the trailer section up to the last complete line; none past a refusal."""
         pos = start
-        while pos < end and not self.done:
+        while pos < end and not self.done and self.refused is None:
             if self._state == self._DATA:
-                step = min(self._left, end - pos)
-                self._left -= step
+                left = self._left
+                step = min(left, end - pos)
+                if left > 2:
+                    self.data_bytes += min(step, left - 2)  # not its CRLF
+                self._left = left - step
                 pos += step
                 if not self._left:
                     self._state = self._SIZE_LINE
                 continue
-            newline = buf.find(b"\n", pos, end)
             if self._state == self._TRAILERS:
+                # A partial line is held and searched again with more bytes: only these are.
+                newline = buf.find(b"\n", pos + self._scanned, end)
                 if newline < 0:
+                    self._scanned = end - pos
                     break  # a partial trailer line waits for the rest of it
+                self._scanned = 0
                 line = newline + 1 - pos
                 self.trailer_bytes += line
                 pos = newline + 1
                 self.done = line == 2  # the empty line (CRLF) that ends the section
                 self.trailer_lines += not self.done
                 continue
+            if not self._line:
+                pos = self._take_whole_chunks(buf, pos, end)
+                if self._state != self._SIZE_LINE or pos == end or self.refused is not None:
+                    continue
+            newline = buf.find(b"\n", pos, end)
             line_end = end if newline < 0 else newline + 1
+            self._line += line_end - pos
+            if self._line > MAX_CHUNK_SIZE_LINE:
+                self.refused = self.SIZE_LINE_TOO_LONG
+                break
             if self._in_digits:  # what follows them (an extension) is the parser's alone
                 run = _HEX_PREFIX.match(buf, pos, line_end)
                 digits = run[0] if run else b""
@@ -245,11 +292,49 @@ class ChunkedBodyEnd:
                 size = int(self._digits or b"0", 16)
                 self._digits.clear()
                 self._in_digits = True
-                if size:
-                    self._state, self._left = self._DATA, size + 2  # data, then CRLF
-                else:
-                    self._state = self._TRAILERS
+                self._end_size_line(size)
         return pos - start
+
+    def _take_whole_chunks(self, buf: bytes | bytearray, pos: int, end: int) -> int:
+        """The fast path, from the start of a size line: chunks whose size line is whole and
+        plain, in a loop of locals (1-byte chunks cost 2.6 us each through take's general
+        loop); where the first size line is not so, nothing is taken."""
+        chunks, declared, data = self.chunks, self._declared, 0
+        while True:
+            whole = _WHOLE_SIZE_LINE.match(buf, pos, end)
+            if whole is None:
+                break
+            size = int(whole[1], 16)
+            pos = whole.end()
+            if not size:
+                self._state = self._TRAILERS
+                break
+            chunks += 1
+            declared += size
+            if chunks > FREE_CHUNKS and declared < chunks * MIN_CHUNK_AVERAGE:
+                self.refused = self.CHUNKS_TOO_SMALL
+                break
+            if end - pos < size + 2:  # the data (and its CRLF) goes on in a later read
+                data += min(size, end - pos)
+                self._state, self._left = self._DATA, size + 2 - (end - pos)
+                pos = end
+                break
+            data += size
+            pos += size + 2
+        self.chunks, self._declared = chunks, declared
+        self.data_bytes += data
+        return pos
+
+    def _end_size_line(self, size: int) -> None:
+        self._line = 0
+        if not size:
+            self._state = self._TRAILERS
+            return
+        self._state, self._left = self._DATA, size + 2  # data, then CRLF
+        self.chunks += 1
+        self._declared += size
+        if self.chunks > FREE_CHUNKS and self._declared < self.chunks * MIN_CHUNK_AVERAGE:
+            self.refused = self.CHUNKS_TOO_SMALL
 
 
 def is_chunked(transfer_encoding: bytes) -> bool:
@@ -282,6 +367,15 @@ class TrailersTooLarge(ServiceError):
 
     status = 431
     title = "Request Header Fields Too Large"
+
+
+class ChunksRefused(ServiceError):
+    """400, raised from the receive() of a request whose chunked body's framing passed its
+    bounds (a size line past MAX_CHUNK_SIZE_LINE, chunks too small on average): the app
+    answers it as it answers TrailersTooLarge."""
+
+    status = 400
+    title = "Bad request"
 
 
 class _Evictable:
@@ -680,7 +774,11 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         """Feed the parser the current request's body from buf[pos:end], up to its end."""
         chunked = self._chunked
         if chunked is not None:
+            data_before = chunked.data_bytes
             taken = chunked.take(buf, pos, end)
+            if chunked.refused is not None:
+                self._refuse_chunks(chunked.refused)
+                return end - pos
             if chunked.trailer_lines > self.max_headers:
                 self._refuse_trailers(
                     f"the request's trailer section has more than {self.max_headers} lines "
@@ -696,11 +794,14 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
                 )
                 return end - pos
             done = chunked.done
+            # Only data is progress (the minimum rate): framing (size lines, extensions, leading
+            # zeros) brought the app nothing.
+            self._body_bytes += chunked.data_bytes - data_before
         else:
             taken = min(self._body_left, end - pos)
             self._body_left -= taken
             done = not self._body_left
-        self._body_bytes += taken
+            self._body_bytes += taken
         if taken and not self._feed(buf, pos, pos + taken):
             return end - pos
         if done == self._in_body:
@@ -929,17 +1030,39 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._close_with(problem_bytes(431, "Request Header Fields Too Large", detail))
 
     def _refuse_trailers(self, detail: str) -> None:
-        """A chunked body's trailer section passed its bound. The app holds the request
-        already: its next receive() raises a 431 (TrailersTooLarge), which it answers as it
-        answers its own refusals (its access log says 431), and the connection closes after
+        """A chunked body's trailer section passed its bound: a 431 (TrailersTooLarge), as
+        _refuse_body tells."""
+        self._refuse_body("header_too_large", TrailersTooLarge(detail))
+
+    def _refuse_chunks(self, refused: str) -> None:
+        """A chunked body's framing passed its bounds (ChunkedBodyEnd): a 400 (ChunksRefused),
+        as _refuse_body tells."""
+        if refused == ChunkedBodyEnd.SIZE_LINE_TOO_LONG:
+            detail = (
+                f"a chunk-size line of the request's chunked body exceeds {MAX_CHUNK_SIZE_LINE} "
+                "bytes (its hex digits, leading zeros and extensions); send each chunk's size "
+                "in hex without padding or extensions"
+            )
+        else:
+            detail = (
+                f"the request's chunked body has more than {FREE_CHUNKS} chunks of under "
+                f"{MIN_CHUNK_AVERAGE} bytes of data each on average; send its data in larger "
+                "chunks (KiBs each), or with a Content-Length"
+            )
+        self._refuse_body("chunk_framing", ChunksRefused(detail))
+
+    def _refuse_body(self, reason: str, error: ServiceError) -> None:
+        """A chunked body passed a bound of its framing or trailer section. The app holds the
+        request already: its next receive() raises `error`, which it answers as it answers its
+        own refusals (its access log says the error's status), and the connection closes after
         that answer (_linger). Nothing more of the connection is parsed."""
-        self._count("header_too_large")
+        self._count(reason)
         self._input_closed = True
         cycle = self.cycle
         if cycle.response_started:  # answering already: it sees the connection close
             self._close()
             return
-        self._refusal = (cycle, TrailersTooLarge(detail))
+        self._refusal = (cycle, error)
         cycle.message_event.set()  # a receive() waiting now returns, and raises it
 
     def _refuse_upgrade_with_body(self) -> None:

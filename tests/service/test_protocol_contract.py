@@ -36,6 +36,9 @@ from service.errors import ServiceError, problem_payload
 from service.metrics import Metrics
 from service.middleware.access_log import AccessLogMiddleware
 from service.middleware.connections import (
+    FREE_CHUNKS,
+    MAX_CHUNK_SIZE_LINE,
+    MIN_CHUNK_AVERAGE,
     ChunkedBodyEnd,
     GuardedHttpToolsProtocol,
     guarded_protocol,
@@ -675,6 +678,154 @@ def test_a_trailer_section_past_its_bound_is_answered_431_by_the_app_then_closed
     with caplog.at_level(logging.INFO, logger="sdpa.access"):
         run(scenario)
     assert [r.json_fields["status"] for r in caplog.records if r.name == "sdpa.access"] == [431]
+
+
+def chunks_of(size: int, count: int) -> bytes:
+    return (b"%x\r\n" % size + b"c" * size + b"\r\n") * count
+
+
+CHUNKED_HEAD = b"POST /t HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n"
+
+
+def test_a_body_of_tiny_chunks_is_answered_400_by_the_app_after_the_free_chunks() -> None:
+    """Before: each chunk cost about 3 us of Python whatever its size, and a read was handled
+    in one step: a 240 KB read of 1-byte chunks held the event loop 131 ms (plain uvicorn's:
+    23 ms), and a body could go on so without end. Now past FREE_CHUNKS chunks their data must
+    average MIN_CHUNK_AVERAGE bytes: the parser gets no more than that, and the app's body read
+    raises a 400 naming the rule, which it answers; nothing after is parsed."""
+
+    async def scenario(loop: asyncio.AbstractEventLoop) -> None:
+        reader = BodyReader()
+        protocol, transport = connect(lingering(guarded()), reader, loop)
+        protocol.data_received(CHUNKED_HEAD)
+        await turns()
+        spy = protocol.parser = ParserSpy(protocol.parser)
+        protocol.data_received(chunks_of(1, 40000) + b"0\r\n\r\n" + GET % 2)
+        await turns()
+        assert sum(spy.fed) <= FREE_CHUNKS * len(chunks_of(1, 1))
+        assert transport.responses() == [b"HTTP/1.1 400 Bad Request"]
+        detail = problem(transport)["detail"]
+        assert f"more than {FREE_CHUNKS} chunks" in detail
+        assert f"{MIN_CHUNK_AVERAGE} bytes" in detail
+        assert counter(protocol.metrics, "sdpa_rejected_total", reason="chunk_framing") == 1
+        assert reader.bodies == []
+        assert transport.eof_written  # answered, the sending side closed: lingering
+
+    run(scenario)
+
+
+@pytest.mark.parametrize(
+    ("body", "data"),
+    [
+        (chunks_of(1, FREE_CHUNKS), FREE_CHUNKS),  # the free chunks, however small
+        (chunks_of(MIN_CHUNK_AVERAGE, 3 * FREE_CHUNKS), MIN_CHUNK_AVERAGE * 3 * FREE_CHUNKS),
+        # A big chunk pays for small ones after it: the average is what is bounded.
+        (
+            chunks_of(MIN_CHUNK_AVERAGE * 4 * FREE_CHUNKS, 1) + chunks_of(1, 3 * FREE_CHUNKS),
+            MIN_CHUNK_AVERAGE * 4 * FREE_CHUNKS + 3 * FREE_CHUNKS,
+        ),
+    ],
+    ids=["free", "average", "amortized"],
+)
+def test_a_chunked_body_within_the_chunk_rule_is_read_whole(body: bytes, data: int) -> None:
+    async def scenario(loop: asyncio.AbstractEventLoop) -> None:
+        reader = BodyReader()
+        protocol, transport = connect(guarded(), reader, loop)
+        protocol.data_received(CHUNKED_HEAD)
+        stream = body + b"0\r\n\r\n"
+        for start in range(0, len(stream), 65536):  # a socket read at a time
+            protocol.data_received(stream[start : start + 65536])
+            await turns()
+        assert [len(got) for got in reader.bodies] == [data]
+        assert transport.responses() == [b"HTTP/1.1 200 OK"]
+        assert counter(protocol.metrics, "sdpa_rejected_total", reason="chunk_framing") == 0
+
+    run(scenario)
+
+
+@pytest.mark.parametrize(
+    ("size_line", "accepted"),
+    [
+        (b"0" * (MAX_CHUNK_SIZE_LINE - 3) + b"1\r\n", True),  # at the bound: its CRLF counts
+        (b"0" * (MAX_CHUNK_SIZE_LINE - 2) + b"1\r\n", False),
+        (b"1;" + b"e" * (MAX_CHUNK_SIZE_LINE - 4) + b"\r\n", True),
+        (b"1;" + b"e" * 100_000, False),  # no line end yet: refused all the same
+    ],
+    ids=["zeros-at-bound", "zeros-past", "extension-at-bound", "extension-without-end"],
+)
+def test_a_chunk_size_line_past_its_bound_is_answered_400(size_line: bytes, accepted: bool) -> None:
+    """Before: llhttp took leading zeros and an extension without end, and their bytes counted
+    as body for the minimum rate and the idle timer: 32 KiB/s of them held a connection and
+    the app's request for ever while the app got no byte."""
+
+    async def scenario(loop: asyncio.AbstractEventLoop) -> None:
+        reader = BodyReader()
+        protocol, transport = connect(lingering(guarded()), reader, loop)
+        protocol.data_received(CHUNKED_HEAD)
+        await turns()
+        for start in range(0, len(size_line), 1000):  # trickled: the bound spans reads
+            protocol.data_received(size_line[start : start + 1000])
+        if accepted:
+            protocol.data_received(b"x\r\n0\r\n\r\n")
+        await turns()
+        if accepted:
+            assert reader.bodies == [b"x"]
+            assert transport.responses() == [b"HTTP/1.1 200 OK"]
+        else:
+            assert reader.bodies == []
+            assert transport.responses() == [b"HTTP/1.1 400 Bad Request"]
+            assert f"exceeds {MAX_CHUNK_SIZE_LINE} bytes" in problem(transport)["detail"]
+            assert counter(protocol.metrics, "sdpa_rejected_total", reason="chunk_framing") == 1
+
+    run(scenario)
+
+
+def test_only_chunk_data_counts_toward_the_minimum_body_rate() -> None:
+    """Chunks of 1 data byte behind 300 bytes of extension, every 10 ms or slower: 30 KB/s on
+    the wire, at most 100 B/s of data, under the minimum of 400 B/s. Before, the framing counted
+    and the body went on; now the connection closes at the body's deadline (about 67 ms)."""
+
+    async def scenario(loop: asyncio.AbstractEventLoop) -> None:
+        protocol, transport = connect(
+            guarded(read_timeout_s=0.05, min_body_rate=400), HeldApp(), loop
+        )
+        protocol.data_received(CHUNKED_HEAD)
+        for _ in range(30):  # 0.3 s at least: the deadline is long past
+            if transport.closed:
+                break
+            protocol.data_received(b"1;" + b"e" * 300 + b"\r\nx\r\n")
+            await asyncio.sleep(0.01)
+        assert transport.closed
+        assert counter(protocol.metrics, "sdpa_rejected_total", reason="body_too_slow") == 1
+
+    run(scenario)
+
+
+class ScanCounter(bytearray):
+    """Bytes that count what find() searches in them."""
+
+    searched = 0
+
+    def find(self, sub: Any, start: Any = None, end: Any = None) -> int:  # type: ignore[override]
+        ScanCounter.searched += (len(self) if end is None else end) - (start or 0)
+        return super().find(sub, start, end)
+
+
+def test_a_trailer_line_trickled_a_byte_at_a_time_is_searched_once() -> None:
+    """Before, a partial trailer line held was searched from its start on every read: a line
+    of n bytes trickled cost n**2 / 2 (257 ms for 32,000 one-byte reads); now only the new
+    bytes are searched, as for a head."""
+    framing = ChunkedBodyEnd()
+    held = ScanCounter(b"1\r\nx\r\n0\r\nX-T: ")
+    held = held[framing.take(held, 0, len(held)) :]
+    line = b"a" * 5000 + b"\r\n\r\n"
+    ScanCounter.searched = 0
+    for byte in line:
+        held = ScanCounter(held + bytes([byte]))
+        held = ScanCounter(held[framing.take(held, 0, len(held)) :])
+    assert framing.done
+    assert framing.trailer_lines == 1
+    assert ScanCounter.searched <= 2 * len(line)
 
 
 class EarlyAnswer:
