@@ -67,7 +67,9 @@ what the parser may have:
   (backpressure: no queue, no 4xx), and feeds the next request as answers complete. Each such
   pause counts in sdpa_connection_reads_paused_total. A request's body is fed only while the
   app has read what it was given before (uvicorn's 64 KiB high-water mark), so the body of a
-  request waiting behind another does not grow either.
+  request waiting behind another does not grow either. A pipelined request refused at its
+  head (431, 408, an upgrade with a body, unparsable) while answers before it are pending is
+  answered after them, in order (RFC 9112 section 9.3.2), and nothing more is read meanwhile.
 - send timeout (SDPA_SEND_TIMEOUT_S, default 60 s): when the client stops reading and the write
   buffer passes its high-water mark, a timer starts; it stops when the client reads again. When
   it fires, the connection is aborted and the pending response freed.
@@ -490,6 +492,9 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         # A trailer section past its bound: the request whose receive() raises it.
         self._refusal: tuple[RequestResponseCycle, ServiceError] | None = None
         self._head_refused = False  # an upgrade request with a body (400): no cycle was made
+        # A refusal of a request pipelined behind others, written once their answers are
+        # (_after_answers).
+        self._deferred: Callable[[], None] | None = None
         # Where the connection cap finds this connection (_Evictable), if anywhere.
         self._evictable = _evictable_of(self.server_state)
         self._filed: collections.OrderedDict[GuardedHttpToolsProtocol, None] | None = None
@@ -672,7 +677,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         """Feed the parser what it may have of buf now; return how many bytes it took."""
         pos, end = 0, len(buf)
         self._blocked = False
-        while pos < end and not self.transport.is_closing():
+        while pos < end and not self.transport.is_closing() and not self._input_closed:
             if self._in_body:
                 cycle = self.cycle
                 if len(cycle.body) > HIGH_WATER_LIMIT and not cycle.response_complete:
@@ -828,11 +833,18 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         finally:
             if isinstance(data, memoryview):
                 data.release()  # a bytearray cannot grow while a view of it lives
-        return not self.transport.is_closing()
+        # Closed, or refused behind answers still pending (_after_answers): parse no more.
+        return not self.transport.is_closing() and not self._input_closed
 
     def _parser_error(self) -> None:
         msg = "Invalid HTTP request received."
         self.logger.warning(msg)
+        if self._unanswered:
+            self._after_answers(lambda: self._send_400(msg))
+            return
+        self._send_400(msg)
+
+    def _send_400(self, msg: str) -> None:
         self.send_400_response(msg)  # and closes
         self._count_closing()
 
@@ -960,6 +972,11 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         if self.transport.is_closing():
             self._count_closing()  # uvicorn closed it after its answer (Connection: close)
             return
+        if self._deferred is not None and not self._unanswered:
+            refuse, self._deferred = self._deferred, None
+            self._unset_keepalive_if_required()  # uvicorn's timer, armed just now: closing
+            refuse()
+            return
         if self._in_body and not self._unanswered:
             self._linger()  # answered before its body was read
             return
@@ -1010,8 +1027,28 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._cancel_head_timer()
         self._cancel_read_timer()
         self._held = bytearray()
+        if self._unanswered:
+            self._after_answers(lambda: self._write_and_close(response))
+            return
+        self._write_and_close(response)
+
+    def _write_and_close(self, response: bytes) -> None:
         self.transport.write(response)
         self._close()
+
+    def _after_answers(self, refuse: Callable[[], None]) -> None:
+        """A request pipelined behind others is refused (its head too large, too slow, an
+        upgrade with a body, unparsable) while their answers are pending. Those go first (RFC
+        9112 section 9.3.2: a client pairs answers with its requests in order; written at once,
+        the refusal read as the first request's answer and that answer was lost). So nothing
+        more is parsed or read, and `refuse` runs once the last of them is sent; if one of
+        them closes the connection (Connection: close, shutdown), it is never said."""
+        self._input_closed = True
+        self._held = bytearray()
+        self._deferred = refuse
+        if self._reading:
+            self._reading = False
+            self.transport.pause_reading()
 
     def _refuse_header_bytes(self) -> None:
         self._count("header_too_large")

@@ -1025,6 +1025,68 @@ def test_pipelined_requests_past_the_bound_wait_unparsed_with_reading_paused() -
     run(scenario)
 
 
+@pytest.mark.parametrize(
+    ("pipelined", "refusal"),
+    [
+        (b"GET /2 HTTP/1.1\r\nX: " + b"a" * 2000, b"HTTP/1.1 431 Request Header Fields Too Large"),
+        (
+            b"GET /2 HTTP/1.1\r\n" + b"X: a\r\n" * 20,
+            b"HTTP/1.1 431 Request Header Fields Too Large",
+        ),
+        (
+            b"POST /2 HTTP/1.1\r\nConnection: Upgrade\r\nUpgrade: h2c\r\n"
+            b"Content-Length: 2\r\n\r\nhi",
+            b"HTTP/1.1 400 Bad Request",
+        ),
+        (b"GET /2 HTTP/1.1\r\nHo", b"HTTP/1.1 408 Request Timeout"),  # its head's deadline
+        (b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03", b"HTTP/1.1 400 Bad Request"),
+    ],
+    ids=["header-bytes", "header-lines", "upgrade-with-body", "head-deadline", "unparsable"],
+)
+def test_a_pipelined_request_s_refusal_is_written_after_the_answers_before_it(
+    pipelined: bytes, refusal: bytes
+) -> None:
+    """Before: the refusal was written, and the connection closed, while the app computed the
+    request before it: the client read the refusal as that request's answer, and the answer
+    was lost (RFC 9112 section 9.3.2 wants answers in request order). Now nothing more is read
+    and the refusal follows the answers before it."""
+
+    async def scenario(loop: asyncio.AbstractEventLoop) -> None:
+        app = HeldApp()
+        protocol, transport = connect(guarded(read_timeout_s=0.05), app, loop)
+        protocol.data_received(GET % 1 + GET % 3 + pipelined)
+        await asyncio.sleep(0.1)  # past the pipelined head's deadline
+        protocol.data_received(GET % 4)  # never parsed
+        await turns()
+        assert transport.responses() == []
+        assert not transport.closed
+        assert not transport.reading
+        for _ in range(2):  # /1, then /3 (which started once /1 was answered)
+            app.release_all()
+            await turns()
+        assert transport.responses() == [b"HTTP/1.1 200 OK", b"HTTP/1.1 200 OK", refusal]
+        assert transport.closed
+        assert [path for path, _, _ in app.requests] == ["/1", "/3"]
+
+    run(scenario)
+
+
+def test_a_pipelined_refusal_behind_an_answer_that_closes_is_never_written() -> None:
+    async def scenario(loop: asyncio.AbstractEventLoop) -> None:
+        app = HeldApp()
+        protocol, transport = connect(guarded(), app, loop)
+        protocol.data_received(
+            b"GET /1 HTTP/1.1\r\nConnection: close\r\n\r\nGET /2 HTTP/1.1\r\nX: " + b"a" * 2000
+        )
+        await turns()
+        app.release_all()
+        await turns()
+        assert transport.responses() == [b"HTTP/1.1 200 OK"]
+        assert transport.closed
+
+    run(scenario)
+
+
 def test_a_client_that_leaves_mid_pipeline_is_not_written_to(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
