@@ -651,11 +651,14 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._settle()
 
     def _on_app_read(self) -> None:
-        """uvicorn resumes reading: the app asked for its body (receive()), or an answer
-        completed. The body's clock starts at the app's first read of it (a client that
-        expects 100-continue sends nothing before; a pipelined request's body is not read
-        before its turn), and the held bytes are fed (soon, not from inside uvicorn)."""
-        if self._in_body and not self._body_asked:
+        """uvicorn resumes reading: an app asked for its body (receive()), or an answer
+        completed. The body's clock starts at its own app's first read of it (a client that
+        expects 100-continue sends nothing before), and the held bytes are fed (soon, not from
+        inside uvicorn). A receive() of an earlier request's app (the disconnect watch while
+        it computes) resumes the same flow: a request pipelined behind it, whose app has not
+        started, is not the oldest unanswered, and its clock waits for its turn."""
+        unanswered = self._unanswered
+        if self._in_body and not self._body_asked and unanswered and unanswered[0] is self.cycle:
             self._body_asked = True
             self._sync_body_clock()
         if self._pump_soon is None and self._held:

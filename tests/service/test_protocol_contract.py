@@ -958,6 +958,54 @@ def test_the_body_clock_runs_only_while_the_app_asked_for_it_and_the_server_read
     run(scenario)
 
 
+def test_the_body_clock_of_a_pipelined_request_waits_for_its_own_app() -> None:
+    """The app of /1 watches for a disconnect while it computes (a receive(), as
+    service/api/disconnect.py does), which resumes the connection's reading. Before, that
+    started the clock of /2's body, pipelined behind it and not yet read by any app: a body
+    trickled at 100 B/s, under the minimum of 1,000 B/s, was closed while it waited its turn.
+    Now its clock starts when its own app reads it."""
+
+    async def scenario(loop: asyncio.AbstractEventLoop) -> None:
+        release = asyncio.Event()
+        bodies: list[bytes] = []
+        watchers: list[asyncio.Task[Any]] = []
+
+        async def app(scope: Any, receive: Any, send: Any) -> None:
+            body, more = b"", True
+            while more:
+                message = await receive()
+                body += message.get("body", b"")
+                more = message.get("more_body", False)
+            bodies.append(body)
+            if scope["path"] == "/1":
+                watchers.append(asyncio.ensure_future(receive()))  # the disconnect watch
+                await release.wait()
+            headers = [(b"content-length", b"0")]
+            await send({"type": "http.response.start", "status": 200, "headers": headers})
+            await send({"type": "http.response.body", "body": b""})
+
+        protocol, transport = connect(guarded(read_timeout_s=0.05, min_body_rate=1000), app, loop)
+        protocol.data_received(
+            b"POST /1 HTTP/1.1\r\nContent-Length: 0\r\n\r\n"
+            b"POST /2 HTTP/1.1\r\nContent-Length: 40\r\n\r\n"
+        )
+        await turns()
+        assert watchers
+        for _ in range(30):  # while /1 computes: a byte every 10 ms or slower
+            protocol.data_received(b"x")
+            await asyncio.sleep(0.01)
+        assert not transport.closed
+        release.set()
+        await turns()
+        protocol.data_received(b"y" * 10)  # /2's app reads now: the rest at once
+        await turns()
+        assert bodies == [b"", b"x" * 30 + b"y" * 10]
+        assert transport.responses() == [b"HTTP/1.1 200 OK", b"HTTP/1.1 200 OK"]
+        assert counter(protocol.metrics, "sdpa_rejected_total", reason="body_too_slow") == 0
+
+    run(scenario)
+
+
 @pytest.mark.parametrize("framing", [b"Content-Length: %d\r\n", b"Transfer-Encoding: chunked\r\n"])
 def test_an_upgrade_request_with_a_body_gets_400_and_its_body_is_never_a_request(
     framing: bytes,
