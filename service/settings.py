@@ -84,8 +84,9 @@ class Settings(BaseSettings):
     # app holds (never closed to make room) takes min_body_rate bytes a second, so holding all
     # of max_connections takes min_body_rate x max_connections: 64 MiB/s (537 Mbit/s) at the
     # defaults, where one byte every few seconds per connection used to do. A client that
-    # reconnects still holds a connection for read_timeout_s per request head it sends, as a
-    # client that stalls always could.
+    # reconnects still holds a connection for up to twice read_timeout_s per connection (silent
+    # until just before the idle timer, then one byte of a head, which has read_timeout_s to
+    # complete), as a client that stalls always could.
     min_body_rate: int = Field(default=32 * 1024, ge=0, le=1024 * 1024 * 1024)
 
     # Comma-separated keys, or a JSON list. Empty = authentication off.
