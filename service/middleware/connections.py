@@ -27,11 +27,13 @@ what the parser may have:
   says 431), and the connection closes after that answer.
 - a chunked body's framing: each chunk costs Python time here (reading where the body ends),
   whatever its size, and llhttp takes a size line of any length. A size line (hex digits,
-  leading zeros, extensions, CRLF) past MAX_CHUNK_SIZE_LINE (4 KiB), and a body past
-  FREE_CHUNKS (1,024) chunks whose data averages under MIN_CHUNK_AVERAGE (256 bytes) a chunk,
-  get a 400 the same way (ChunksRefused, from the app's receive()). Before, a 240 KB read of
-  1-byte chunks held the event loop 131 ms (plain uvicorn: 23 ms), now 1 ms and refused; and
-  32 KiB/s of an endless extension held a connection and the app's request for ever.
+  leading zeros, extensions, CRLF) past MAX_CHUNK_SIZE_LINE (4 KiB), and a body whose chunks
+  past the first FREE_CHUNKS (1,024) bring under MIN_CHUNK_AVERAGE (64 bytes) of data each on
+  average, get a 400 the same way (ChunksRefused, from the app's receive()). Before, a 240 KB
+  read of 1-byte chunks held the event loop 131 ms (plain uvicorn: 23 ms), now 1 ms and
+  refused; and 32 KiB/s of an endless extension held a connection and the app's request for
+  ever. A body llhttp cannot frame (a size that is not hex, data without its CRLF, a
+  Transfer-Encoding other than chunked) gets a 400 the same way (BadBodyFraming), uncounted.
 - header deadline (SDPA_READ_TIMEOUT_S, default 15 s): a request's headers must be complete
   within it of their first byte, however steadily they trickle; else a 408 problem+json and the
   connection closes.
@@ -203,12 +205,14 @@ _WHOLE_SIZE_LINE: Final = re.compile(rb"([0-9A-Fa-f]{1,16})\r\n")
 # leading zeros and an extension without end, which held a connection for ever as "body" that
 # never brought the app a byte. A size line a client sends is a few bytes.
 MAX_CHUNK_SIZE_LINE: Final = 4096
-# Each chunk costs Python time here (about 1-3 us) whatever its size; a body of 1-byte chunks
-# held the event loop 147 ms per 240 KB read (plain uvicorn: 24.5 ms). Past FREE_CHUNKS chunks,
-# the data of a body's chunks must average MIN_CHUNK_AVERAGE bytes, which bounds that time per
-# byte read (httpx and curl send chunks of KiBs).
+# Each chunk costs Python time here (about 1 us on the fast path, 2-3 us otherwise) whatever
+# its size; a body of 1-byte chunks held the event loop 147 ms per 240 KB read (plain uvicorn:
+# 24.5 ms). The first FREE_CHUNKS chunks are free; the data of the chunks past them must
+# average MIN_CHUNK_AVERAGE bytes, which bounds that time per byte read (about 16 ns a byte, 2 s
+# of a core for a 128 MiB body). A client streaming a file sends chunks of KiBs; one that sends
+# each piece of a generator as a chunk (httpx, requests and aiohttp do) must join small pieces.
 FREE_CHUNKS: Final = 1024
-MIN_CHUNK_AVERAGE: Final = 256
+MIN_CHUNK_AVERAGE: Final = 64
 
 
 class ChunkedBodyEnd:
@@ -313,7 +317,7 @@ class ChunkedBodyEnd:
                 break
             chunks += 1
             declared += size
-            if chunks > FREE_CHUNKS and declared < chunks * MIN_CHUNK_AVERAGE:
+            if declared < (chunks - FREE_CHUNKS) * MIN_CHUNK_AVERAGE:
                 self.refused = self.CHUNKS_TOO_SMALL
                 break
             if end - pos < size + 2:  # the data (and its CRLF) goes on in a later read
@@ -335,7 +339,7 @@ class ChunkedBodyEnd:
         self._state, self._left = self._DATA, size + 2  # data, then CRLF
         self.chunks += 1
         self._declared += size
-        if self.chunks > FREE_CHUNKS and self._declared < self.chunks * MIN_CHUNK_AVERAGE:
+        if self._declared < (self.chunks - FREE_CHUNKS) * MIN_CHUNK_AVERAGE:
             self.refused = self.CHUNKS_TOO_SMALL
 
 
@@ -369,6 +373,15 @@ class TrailersTooLarge(ServiceError):
 
     status = 431
     title = "Request Header Fields Too Large"
+
+
+class BadBodyFraming(ServiceError):
+    """400, raised from the receive() of a request whose body llhttp could not frame (a chunk
+    size that is not hex, data without its CRLF, a Transfer-Encoding other than chunked): the
+    app answers it as it answers TrailersTooLarge."""
+
+    status = 400
+    title = "Bad request"
 
 
 class ChunksRefused(ServiceError):
@@ -473,6 +486,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         # Content-Length body the parser may still have, or a chunked framing.
         self._body_left = 0
         self._chunked: ChunkedBodyEnd | None = None
+        self._transfer_coded = False  # the request has a Transfer-Encoding (chunked or not)
         # Requests parsed and not yet answered (the pipelining bound), and idleness (the cap).
         # Oldest first: the one the app answers now, then those waiting behind it.
         self._unanswered: collections.deque[RequestResponseCycle] = collections.deque()
@@ -827,8 +841,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         data = buf if whole else memoryview(buf)[pos:stop]
         try:
             self.parser.feed_data(data)
-        except httptools.HttpParserError:
-            self._parser_error()
+        except httptools.HttpParserError as error:
+            self._parser_error(error)
         except httptools.HttpParserUpgrade:
             # An Upgrade (h2c, websocket) or CONNECT request, which llhttp ends at its head
             # (on_headers_complete took care of it): nothing after it is parsed.
@@ -839,12 +853,28 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         # Closed, or refused behind answers still pending (_after_answers): parse no more.
         return not self.transport.is_closing() and not self._input_closed
 
-    def _parser_error(self) -> None:
+    def _parser_error(self, error: httptools.HttpParserError) -> None:
         msg = "Invalid HTTP request received."
         self.logger.warning(msg)
-        if self._unanswered:
-            self._after_answers(lambda: self._send_400(msg))
+        if self._in_body and self._transfer_coded:
+            # Its body is malformed (its chunk framing, a Transfer-Encoding llhttp cannot
+            # read): the app holds that request, and answers it from its body's read, in its
+            # turn. Deferred like a refused head instead, it waited for its own answer, which
+            # never came: the app waited for a body never fed, and the connection was held
+            # for ever.
+            detail = (
+                f"the request's body is not valid HTTP/1.1 framing ({error}); send it with a "
+                "Content-Length, or as chunks of hex sizes, with no other Transfer-Encoding"
+            )
+            self._refuse_body(None, BadBodyFraming(detail))
             return
+        if self._unanswered and not self._in_body:  # a head behind answers still pending
+            self._after_answers(
+                lambda: self._write_and_linger(problem_bytes(400, "Bad Request", msg))
+            )
+            return
+        # (An error inside a body without a Transfer-Encoding, which llhttp reads as opaque
+        # bytes, is not expected: 400 and close, every request unanswered told it is gone.)
         self._send_400(msg)
 
     def _send_400(self, msg: str) -> None:
@@ -912,8 +942,9 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             self._unanswered.append(cycle)
         self._in_body = True  # until on_message_complete, in this very call when bodiless
         self._body_bytes, self._body_asked, self._body_spent_s = 0, False, 0.0
-        if self._chunked is not None:
-            # Its trailer section may pass its bound after the app has the request.
+        if self._transfer_coded:
+            # Its framing may be refused after the app has the request (its chunk rules, its
+            # trailer section's bound, a coding llhttp cannot read): its body read says so.
             cycle.receive = self._refusable_receive(cycle)  # type: ignore[method-assign]
         if upgrade:
             # An Upgrade (h2c, websocket) or CONNECT request without a body: the service speaks
@@ -929,10 +960,12 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     def _frame_body(self) -> None:
         """Read how the current request's body ends from its headers (uvicorn's list, names in
         lower case)."""
-        self._chunked, self._body_left = None, 0
+        self._chunked, self._body_left, self._transfer_coded = None, 0, False
         for name, value in self.headers:
-            if name == b"transfer-encoding" and is_chunked(value):
-                self._chunked = ChunkedBodyEnd()
+            if name == b"transfer-encoding":
+                self._transfer_coded = True
+                if is_chunked(value):
+                    self._chunked = ChunkedBodyEnd()
             elif name == b"content-length":
                 # Past 18 digits it reads as 10**18 bytes: a body that no stream ends either.
                 self._body_left = parse_length(value) or 0
@@ -1031,13 +1064,21 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._cancel_read_timer()
         self._held = bytearray()
         if self._unanswered:
-            self._after_answers(lambda: self._write_and_close(response))
+            self._after_answers(lambda: self._write_and_linger(response))
             return
         self._write_and_close(response)
 
     def _write_and_close(self, response: bytes) -> None:
         self.transport.write(response)
         self._close()
+
+    def _write_and_linger(self, response: bytes) -> None:
+        """A refusal deferred behind the answers before it: those may still sit in the kernel's
+        send queue, and what the client pipelined after the refused head is unread; closed at
+        once, the kernel resets the connection and drops them (the answers it waited for were
+        lost). Written, then the connection lingers as after an early answer."""
+        self.transport.write(response)
+        self._linger()
 
     def _after_answers(self, refuse: Callable[[], None]) -> None:
         """A request pipelined behind others is refused (its head too large, too slow, an
@@ -1085,18 +1126,20 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             )
         else:
             detail = (
-                f"the request's chunked body has more than {FREE_CHUNKS} chunks of under "
-                f"{MIN_CHUNK_AVERAGE} bytes of data each on average; send its data in larger "
-                "chunks (KiBs each), or with a Content-Length"
+                f"the request's chunked body's chunks past its first {FREE_CHUNKS} bring under "
+                f"{MIN_CHUNK_AVERAGE} bytes of data each on average; join small pieces into "
+                "chunks of KiBs, or send the body with a Content-Length"
             )
         self._refuse_body("chunk_framing", ChunksRefused(detail))
 
-    def _refuse_body(self, reason: str, error: ServiceError) -> None:
-        """A chunked body passed a bound of its framing or trailer section. The app holds the
-        request already: its next receive() raises `error`, which it answers as it answers its
-        own refusals (its access log says the error's status), and the connection closes after
-        that answer (_linger). Nothing more of the connection is parsed."""
-        self._count(reason)
+    def _refuse_body(self, reason: str | None, error: ServiceError) -> None:
+        """A body is malformed, or a chunked body passed a bound of its framing or trailer
+        section. The app holds the request already: its next receive() raises `error`, which
+        it answers as it answers its own refusals (its access log says the error's status),
+        and the connection closes after that answer (_linger). Nothing more of the connection
+        is parsed. Counted under `reason`, if any."""
+        if reason is not None:
+            self._count(reason)
         self._input_closed = True
         cycle = self.cycle
         if cycle.response_started:  # answering already: it sees the connection close

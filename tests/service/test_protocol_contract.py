@@ -690,9 +690,11 @@ CHUNKED_HEAD = b"POST /t HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n"
 def test_a_body_of_tiny_chunks_is_answered_400_by_the_app_after_the_free_chunks() -> None:
     """Before: each chunk cost about 3 us of Python whatever its size, and a read was handled
     in one step: a 240 KB read of 1-byte chunks held the event loop 131 ms (plain uvicorn's:
-    23 ms), and a body could go on so without end. Now past FREE_CHUNKS chunks their data must
-    average MIN_CHUNK_AVERAGE bytes: the parser gets no more than that, and the app's body read
-    raises a 400 naming the rule, which it answers; nothing after is parsed."""
+    23 ms), and a body could go on so without end. Now the chunks past the first FREE_CHUNKS
+    must bring MIN_CHUNK_AVERAGE bytes of data each on average: the parser gets no more than
+    the first chunk past that (by hand, the first count c with c bytes under 64 (c - 1024):
+    1,041), and the app's body read raises a 400 naming the rule, which it answers; nothing
+    after is parsed."""
 
     async def scenario(loop: asyncio.AbstractEventLoop) -> None:
         reader = BodyReader()
@@ -702,10 +704,11 @@ def test_a_body_of_tiny_chunks_is_answered_400_by_the_app_after_the_free_chunks(
         spy = protocol.parser = ParserSpy(protocol.parser)
         protocol.data_received(chunks_of(1, 40000) + b"0\r\n\r\n" + GET % 2)
         await turns()
-        assert sum(spy.fed) <= FREE_CHUNKS * len(chunks_of(1, 1))
+        first_refused = FREE_CHUNKS * MIN_CHUNK_AVERAGE // (MIN_CHUNK_AVERAGE - 1) + 1
+        assert sum(spy.fed) <= first_refused * len(chunks_of(1, 1))
         assert transport.responses() == [b"HTTP/1.1 400 Bad Request"]
         detail = problem(transport)["detail"]
-        assert f"more than {FREE_CHUNKS} chunks" in detail
+        assert f"past its first {FREE_CHUNKS}" in detail
         assert f"{MIN_CHUNK_AVERAGE} bytes" in detail
         assert counter(protocol.metrics, "sdpa_rejected_total", reason="chunk_framing") == 1
         assert reader.bodies == []
@@ -718,6 +721,9 @@ def test_a_body_of_tiny_chunks_is_answered_400_by_the_app_after_the_free_chunks(
     ("body", "data"),
     [
         (chunks_of(1, FREE_CHUNKS), FREE_CHUNKS),  # the free chunks, however small
+        # The free chunks are free: large ones after them need not pay for them (a review
+        # found a generator's first small pieces made the rest of a body a 400).
+        (chunks_of(1, FREE_CHUNKS) + chunks_of(65536, 4), FREE_CHUNKS + 4 * 65536),
         (chunks_of(MIN_CHUNK_AVERAGE, 3 * FREE_CHUNKS), MIN_CHUNK_AVERAGE * 3 * FREE_CHUNKS),
         # A big chunk pays for small ones after it: the average is what is bounded.
         (
@@ -725,7 +731,7 @@ def test_a_body_of_tiny_chunks_is_answered_400_by_the_app_after_the_free_chunks(
             MIN_CHUNK_AVERAGE * 4 * FREE_CHUNKS + 3 * FREE_CHUNKS,
         ),
     ],
-    ids=["free", "average", "amortized"],
+    ids=["free", "free-then-large", "average", "amortized"],
 )
 def test_a_chunked_body_within_the_chunk_rule_is_read_whole(body: bytes, data: int) -> None:
     async def scenario(loop: asyncio.AbstractEventLoop) -> None:
@@ -1097,11 +1103,13 @@ def test_a_pipelined_request_s_refusal_is_written_after_the_answers_before_it(
     """Before: the refusal was written, and the connection closed, while the app computed the
     request before it: the client read the refusal as that request's answer, and the answer
     was lost (RFC 9112 section 9.3.2 wants answers in request order). Now nothing more is read
-    and the refusal follows the answers before it."""
+    and the refusal follows the answers before it; then the connection lingers (its sending
+    side closed, what the client pipelined read and dropped) before it closes: closed at once
+    with those bytes unread, the kernel resets it and may drop the answers still queued."""
 
     async def scenario(loop: asyncio.AbstractEventLoop) -> None:
         app = HeldApp()
-        protocol, transport = connect(guarded(read_timeout_s=0.05), app, loop)
+        protocol, transport = connect(lingering(guarded(read_timeout_s=0.05)), app, loop)
         protocol.data_received(GET % 1 + GET % 3 + pipelined)
         await asyncio.sleep(0.1)  # past the pipelined head's deadline
         protocol.data_received(GET % 4)  # never parsed
@@ -1113,8 +1121,72 @@ def test_a_pipelined_request_s_refusal_is_written_after_the_answers_before_it(
             app.release_all()
             await turns()
         assert transport.responses() == [b"HTTP/1.1 200 OK", b"HTTP/1.1 200 OK", refusal]
+        assert transport.eof_written
+        assert not transport.closed
+        protocol.data_received(GET % 5)  # read and dropped
+        await asyncio.sleep(0.1)  # past the linger
         assert transport.closed
+        assert transport.responses() == [b"HTTP/1.1 200 OK", b"HTTP/1.1 200 OK", refusal]
         assert [path for path, _, _ in app.requests] == ["/1", "/3"]
+
+    run(scenario)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"zz\r\nab\r\n0\r\n\r\n",  # a size that is not hex
+        b"3 \r\nabc\r\n0\r\n\r\n",  # a space after the size
+        b"1\r\nxY",  # data without its CRLF
+    ],
+    ids=["not-hex", "space", "no-crlf"],
+)
+def test_a_malformed_body_is_answered_400_by_the_app_then_the_connection_lingers(
+    body: bytes,
+) -> None:
+    """llhttp refuses a body's framing after the app holds its request. A review found that
+    refusal deferred as if it were a head's, behind the request's own answer, which never
+    came: the app waited for a body never fed, and the connection was held, unevictable, for
+    ever (2,048 such connections of 100 bytes locked everyone out). Now the app's body read
+    raises a 400 (BadBodyFraming), the app answers it, and the connection lingers, then
+    closes."""
+
+    async def scenario(loop: asyncio.AbstractEventLoop) -> None:
+        reader = BodyReader()
+        protocol, transport = connect(lingering(guarded()), reader, loop)
+        protocol.data_received(CHUNKED_HEAD + body)
+        await turns()
+        assert transport.responses() == [b"HTTP/1.1 400 Bad Request"]
+        assert "not valid HTTP/1.1 framing" in problem(transport)["detail"]
+        assert reader.bodies == []
+        assert transport.eof_written
+        await asyncio.sleep(0.1)  # past the linger
+        assert transport.closed
+
+    run(scenario)
+
+
+def test_a_malformed_body_pipelined_behind_a_held_request_is_answered_in_its_turn() -> None:
+    """/1 is computing when /2's chunked body turns out malformed: /1 is answered 200, then
+    /2's app reads its body and answers the 400, then the connection lingers and closes."""
+
+    async def scenario(loop: asyncio.AbstractEventLoop) -> None:
+        reader = BodyReader()
+        app = HeldApp()
+
+        async def route(scope: Any, receive: Any, send: Any) -> None:
+            target = app if scope["path"] == "/1" else reader
+            await target(scope, receive, send)
+
+        protocol, transport = connect(lingering(guarded()), route, loop)
+        protocol.data_received(GET % 1 + CHUNKED_HEAD + b"zz\r\nab\r\n")
+        await turns()
+        assert transport.responses() == []
+        app.release_all()
+        await turns()
+        assert transport.responses() == [b"HTTP/1.1 200 OK", b"HTTP/1.1 400 Bad Request"]
+        await asyncio.sleep(0.1)  # past the linger
+        assert transport.closed
 
     run(scenario)
 
