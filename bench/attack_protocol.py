@@ -9,6 +9,7 @@ and how long the server takes to exit when SIGTERM comes in the middle of the at
     .venv/bin/python bench/attacks.py sigterm        # ~90 s: SIGTERM during each attack
     .venv/bin/python bench/attacks.py slow-body      # ~45 s: 2,048 bodies, a byte / 5 s each
     .venv/bin/python bench/attacks.py cap-flood      # ~20 s: connections churned at the cap
+    .venv/bin/python bench/attacks.py tiny-chunks    # ~20 s: chunked bodies of 1-byte chunks
     .venv/bin/python bench/attacks.py all
 
 For every attack a bystander (its own keep-alive connection, a fresh one whenever the server
@@ -35,6 +36,11 @@ cap-flood: the default cap; two threads open connections that send nothing, as f
 with at most twice the cap open, for 8 s; each newcomer at the cap closes the connection waiting
 longest (O(1), not a scan of every connection: 4.4 ms per newcomer at 2,048 did); printed: the
 connections opened and closed by the server per second, and the keep-alive bystander.
+
+tiny-chunks: two clients send POST /v1/attention with a chunked body of 1-byte chunks (6 wire
+bytes each) as fast as the server reads, for 8 s, reconnecting after each answer; printed: the
+answers, the bytes sent, and the bystander (each chunk costs the protocol layer Python time
+whatever its size: before the chunk rule a 240 KB read held the event loop 131 ms).
 
 Every loop is bounded in time and count; the server listens on 127.0.0.1. Importable: each
 attack is a function that starts its own server (bench/attacks.py runs them).
@@ -467,6 +473,63 @@ def cap_flood(seconds: float = 8.0) -> None:
         print(log_summary(server.log()))
 
 
+def tiny_chunk_client(
+    server: BenchServer, stop: threading.Event, answers: collections.Counter[str], sent: list[int]
+) -> None:
+    """POST bodies of 1-byte chunks until `stop`, a new connection after each answer."""
+    head = (
+        b"POST /v1/attention HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
+        b"Transfer-Encoding: chunked\r\n\r\n"
+    )
+    chunks = b"1\r\n \r\n" * 10_000  # 60 KB a send
+    while not stop.is_set():
+        try:
+            sock = socket.create_connection(address(server), timeout=1)
+        except OSError:
+            answers["connect failed"] += 1
+            stop.wait(0.1)
+            continue
+        with sock:
+            sock.sendall(head)
+            for _ in range(2_000):  # at most 120 MB a request; the answer ends it long before
+                if stop.is_set():
+                    break
+                try:
+                    sock.sendall(chunks)
+                    sent[0] += len(chunks)
+                except TimeoutError:
+                    pass  # the server stopped reading: see whether it answered
+                except OSError:
+                    pass  # it answered and closed
+                reply = read_answer(sock)
+                if reply != b"?":
+                    answers[status_of(reply)[:40]] += 1
+                    break
+
+
+def tiny_chunks(seconds: float = 8.0) -> None:
+    with attacked_server({}) as server:
+        print(f"== 2 clients sending bodies of 1-byte chunks, {seconds:g} s")
+        answers: collections.Counter[str] = collections.Counter()
+        sent = [0]
+        stop = threading.Event()
+        with Bystander(server.url, small=False) as bystander:
+            clients = [
+                threading.Thread(target=tiny_chunk_client, args=(server, stop, answers, sent))
+                for _ in range(2)
+            ]
+            for client in clients:
+                client.start()
+            time.sleep(seconds)
+            stop.set()
+            for client in clients:
+                client.join(timeout=10)
+        refused = metric(server, 'sdpa_rejected_total{reason="chunk_framing"}')
+        print(f"answers: {dict(answers)}; sent {sent[0] / MiB:.1f} MiB; chunk_framing {refused:g}")
+        print(bystander.summary())
+        print(log_summary(server.log()))
+
+
 ATTACKS: dict[str, Callable[[], None]] = {
     "huge-header": huge_header,
     "many-headers": many_headers,
@@ -475,4 +538,5 @@ ATTACKS: dict[str, Callable[[], None]] = {
     "sigterm": sigterm,
     "slow-body": slow_body,
     "cap-flood": cap_flood,
+    "tiny-chunks": tiny_chunks,
 }

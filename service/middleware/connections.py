@@ -133,7 +133,7 @@ from service.errors import PROBLEM_JSON, ServiceError, problem_payload
 from service.wire.lengths import parse_length
 
 if TYPE_CHECKING:
-    from uvicorn._types import ASGIReceiveEvent
+    from uvicorn._types import ASGIReceiveEvent, ASGISendEvent
 
     from service.metrics import Metrics
 
@@ -946,6 +946,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             # Its framing may be refused after the app has the request (its chunk rules, its
             # trailer section's bound, a coding llhttp cannot read): its body read says so.
             cycle.receive = self._refusable_receive(cycle)  # type: ignore[method-assign]
+        if self._transfer_coded or self._body_left:
+            cycle.send = self._send_saying_close(cycle)  # type: ignore[method-assign, assignment]
         if upgrade:
             # An Upgrade (h2c, websocket) or CONNECT request without a body: the service speaks
             # HTTP/1.1 only (serve() runs uvicorn with ws="none") and answers it as a plain
@@ -987,6 +989,31 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             return message
 
         return receive_or_refuse
+
+    def _send_saying_close(
+        self, cycle: RequestResponseCycle
+    ) -> Callable[[ASGISendEvent], Coroutine[Any, Any, None]]:
+        """The cycle's send(), which says `Connection: close` in an answer the app starts
+        before its body was read (an early 401, 413 or 503): the connection ends after that
+        answer (_linger), and a client not told so sent its next request on it and got no
+        answer. uvicorn closes at once an answer that says so; that close is left to the
+        linger instead (closed with the body's bytes unread, the kernel may reset the
+        connection before the client reads the answer)."""
+        send = cycle.send
+
+        async def send_saying_close(message: ASGISendEvent) -> None:
+            if message["type"] != "http.response.start" or cycle is not self.cycle:
+                await send(message)
+                return
+            if not self._in_body:  # the body was read whole: keep-alive as usual
+                await send(message)
+                return
+            keep_alive = cycle.keep_alive
+            headers = [*message.get("headers", ()), (b"connection", b"close")]
+            await send({**message, "headers": headers})
+            cycle.keep_alive = keep_alive  # (uvicorn read the header as a close at the end)
+
+        return send_saying_close
 
     def on_message_complete(self) -> None:
         if self._head_refused:

@@ -850,7 +850,8 @@ def test_an_answer_given_before_the_body_was_read_ends_the_connection_after_a_li
     """Before: the rest of a 1 TB body was fed to the parser for as long as the client sent a
     byte now and then. Now the answer is written, the sending side closed, what the client
     still sends dropped unparsed (a request smuggled in it too), and the connection closes
-    after linger_s."""
+    after linger_s. The answer says `Connection: close` (a review found a client told nothing
+    sent its next request on the connection, and got no answer)."""
 
     async def scenario(loop: asyncio.AbstractEventLoop) -> None:
         app = EarlyAnswer()
@@ -859,6 +860,8 @@ def test_an_answer_given_before_the_body_was_read_ends_the_connection_after_a_li
         protocol.data_received(b"POST /1 HTTP/1.1\r\nContent-Length: 1000000000000\r\n\r\n{")
         await turns()
         assert transport.responses() == [b"HTTP/1.1 413 Request Entity Too Large"]
+        head = bytes(transport.written).split(b"\r\n\r\n", 1)[0].lower()
+        assert head.count(b"\r\nconnection: close") == 1
         assert transport.eof_written
         assert not transport.closed
         fed = sum(spy.fed)
