@@ -185,6 +185,18 @@ def many_headers() -> None:
     header_attack("many header lines", b"X-N: v\r\n", 256 * MiB)
 
 
+def reconnect(
+    server: BenchServer, stop: threading.Event, answers: collections.Counter[str]
+) -> socket.socket | None:
+    """A new connection to the server; None (counted, after a short wait) when none is made."""
+    try:
+        return socket.create_connection(address(server), timeout=1)
+    except OSError:
+        answers["connect failed"] += 1
+        stop.wait(0.1)
+        return None
+
+
 def trickler(
     server: BenchServer,
     stop: threading.Event,
@@ -193,11 +205,8 @@ def trickler(
 ) -> None:
     """Send one byte of HEAD every period_s; reconnect whenever the server closes."""
     while not stop.is_set():
-        try:
-            sock = socket.create_connection(address(server), timeout=1)
-        except OSError:
-            answers["connect failed"] += 1
-            stop.wait(0.1)
+        sock = reconnect(server, stop, answers)
+        if sock is None:
             continue
         with sock:
             for byte in HEAD * 1000:  # bounded: the loop ends on stop or a close long before
@@ -483,11 +492,8 @@ def tiny_chunk_client(
     )
     chunks = b"1\r\n \r\n" * 10_000  # 60 KB a send
     while not stop.is_set():
-        try:
-            sock = socket.create_connection(address(server), timeout=1)
-        except OSError:
-            answers["connect failed"] += 1
-            stop.wait(0.1)
+        sock = reconnect(server, stop, answers)
+        if sock is None:
             continue
         with sock:
             sock.sendall(head)
