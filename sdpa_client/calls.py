@@ -148,6 +148,7 @@ class Endpoints(Generic[AttentionOut, AnalyzeOut, InfoOut, ProbeOut]):
         encoding: Encoding = "base64",
         request_id: str | None = None,
         temperature: float | None = None,
+        tag: str | None = None,
     ) -> AttentionOut:
         """Compute softmax(q kᵀ · scale + masks) v on the server (POST /v1/attention).
 
@@ -176,6 +177,8 @@ class Endpoints(Generic[AttentionOut, AnalyzeOut, InfoOut, ProbeOut]):
                 data (raw bytes after a JSON header, no base64 at all).
             request_id: sent as X-Request-ID, to find this call in the server's log.
             temperature: T > 0 means scale = 1/(T·sqrt(D)); not together with scale.
+            tag: labels the request's attention-health metrics on the server (1-64 of
+                A-Z a-z 0-9 _ . : / -), e.g. "mymodel/layer3"; None = "default".
 
         Returns:
             An `AttentionResponse`: output [..., H, N_q, D_v], weights, diagnostics and meta
@@ -200,6 +203,7 @@ class Endpoints(Generic[AttentionOut, AnalyzeOut, InfoOut, ProbeOut]):
                     key_padding_mask=key_padding_mask, attn_mask=attn_mask, scale=scale,
                     temperature=temperature, return_weights=return_weights,
                     diagnostics=diagnostics, timeout_ms=timeout_ms, binary=encoding == "base64",
+                    tag=tag,
                 )  # fmt: skip
                 return Call(
                     "POST", INFER_PATH, None, parse_infer_response, timeout_ms=timeout_ms,
@@ -215,6 +219,7 @@ class Endpoints(Generic[AttentionOut, AnalyzeOut, InfoOut, ProbeOut]):
                 "diagnostics": diagnostics,
                 "response_encoding": encoding,
                 "timeout_ms": optional_float(timeout_ms),
+                **({} if tag is None else {"tag": tag}),
             }
             return Call(
                 "POST", "/v1/attention", body, _read_attention,

@@ -100,6 +100,7 @@ def build_infer_request(
     diagnostics: str = "summary",
     timeout_ms: float | None = None,
     binary: bool = True,
+    tag: str | None = None,
 ) -> tuple[bytes, dict[str, str]]:
     """The body and headers of a v2 infer request with `SDPAClient.attention`'s arguments.
 
@@ -134,6 +135,8 @@ def build_infer_request(
         parameters["scale"] = float(scale)
     if temperature is not None:
         parameters["temperature"] = float(temperature)
+    if tag is not None:
+        parameters["tag"] = tag
     if timeout_ms is not None:
         parameters["timeout"] = max(1, round(timeout_ms * 1000))  # microseconds
     header = json.dumps(
