@@ -68,11 +68,14 @@ def diagnostics_json(diagnostics: Diagnostics | None) -> dict[str, Any] | None:
     return {"summary": summary, "per_head": per_head, "per_row": per_row}
 
 
-def attention_numbers(outcome: AttentionOutcome) -> tuple[int, int]:
+def attention_numbers(outcome: AttentionOutcome, *, return_output: bool) -> tuple[int, int]:
     """How many numbers the response carries: (in the output and weights, in the diagnostics).
-    The tensors go out in the request's encoding, the diagnostics always as JSON lists."""
+    The tensors go out in the request's encoding, the diagnostics always as JSON lists; the
+    output only with `return_output`."""
     result = outcome.result
-    tensors = result.output.numel() + (0 if result.weights is None else result.weights.numel())
+    tensors = (result.output.numel() if return_output else 0) + (
+        0 if result.weights is None else result.weights.numel()
+    )
     statistics = 0
     diagnostics = result.diagnostics
     if diagnostics is not None:
@@ -86,12 +89,16 @@ def attention_numbers(outcome: AttentionOutcome) -> tuple[int, int]:
 
 
 def encode_attention(
-    outcome: AttentionOutcome, *, encoding: EncodingName, meta: dict[str, Any]
+    outcome: AttentionOutcome,
+    *,
+    encoding: EncodingName,
+    meta: dict[str, Any],
+    return_output: bool = True,
 ) -> bytes:
-    """The /v1/attention response body."""
+    """The /v1/attention response body; its output is null without `return_output`."""
     result = outcome.result
     payload = {
-        "output": encode_tensor(result.output, encoding=encoding),
+        "output": encode_tensor(result.output, encoding=encoding) if return_output else None,
         "weights": None
         if result.weights is None
         else encode_tensor(result.weights, encoding=encoding),

@@ -125,16 +125,24 @@ def attention_work_hint(path: str) -> str:
 
 
 def response_bytes(
-    spec: InputSpec, *, encoding: str, return_weights: bool, diagnostics: str
+    spec: InputSpec,
+    *,
+    encoding: str,
+    return_weights: bool,
+    diagnostics: str,
+    return_output: bool = True,
 ) -> int:
     """An upper estimate of the response's size in `encoding` ("json", "base64", or v2's raw
-    "binary" data), before anything is computed."""
+    "binary" data), before anything is computed. Without `return_output` the output is not
+    sent: it counts no bytes."""
     itemsize = spec.dtype.itemsize
     per_number = {"base64": itemsize * 4 / 3, "binary": itemsize}.get(
         encoding, _JSON_BYTES[max(itemsize, 4)]
     )
     rows = spec.batch * spec.heads * spec.n_q
-    numbers = rows * spec.d_v + (rows * spec.n_kv if return_weights else 0)
+    numbers = (rows * spec.d_v if return_output else 0) + (
+        rows * spec.n_kv if return_weights else 0
+    )
     size = numbers * per_number
     # Statistics are JSON lists on v1; binary tensors on v2 when its answer is binary.
     stat_bytes = (
@@ -156,7 +164,9 @@ def answer_working_bytes(
     decoded inputs, the result tensors, and while they are encoded both the encoder's copy (the
     base64 text, or orjson's growing buffer) and the finished answer. A binary answer (v2) is
     written from the result tensors themselves: no copy. The in-flight limit reserves this
-    before compute; once encoded, the request holds only its answer."""
+    before compute; once encoded, the request holds only its answer. The output tensor counts
+    among the results even when it is not sent (return_output false): the compute makes it
+    all the same; only its encoding is saved (response_bytes counts it then as nothing)."""
     itemsize = spec.dtype.itemsize
     rows = spec.batch * spec.heads * spec.n_q
     kv_rows = spec.batch * spec.kv_heads * spec.n_kv
@@ -170,19 +180,33 @@ def answer_working_bytes(
 
 
 def check_response_size(
-    spec: InputSpec, *, encoding: str, return_weights: bool, diagnostics: str, settings: Settings
+    spec: InputSpec,
+    *,
+    encoding: str,
+    return_weights: bool,
+    diagnostics: str,
+    settings: Settings,
+    return_output: bool = True,
 ) -> int:
     """The response must fit SDPA_MAX_RESPONSE_BYTES in the encoding it would be sent in.
     -> its estimated size."""
     size = response_bytes(
-        spec, encoding=encoding, return_weights=return_weights, diagnostics=diagnostics
+        spec,
+        encoding=encoding,
+        return_weights=return_weights,
+        diagnostics=diagnostics,
+        return_output=return_output,
     )
     if size <= settings.max_response_bytes:
         return size
     advice = []
     if encoding == "json":
         as_base64 = response_bytes(
-            spec, encoding="base64", return_weights=return_weights, diagnostics=diagnostics
+            spec,
+            encoding="base64",
+            return_weights=return_weights,
+            diagnostics=diagnostics,
+            return_output=return_output,
         )
         advice.append(f'response_encoding "base64" (about {as_base64 / MB:.3g} MB)')
     if return_weights:

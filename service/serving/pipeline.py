@@ -158,7 +158,7 @@ async def attention(body: bytes, call: Call) -> Reply:
     decoded = time.monotonic()
     outcome, batch, meta = await run_prepared(request, call, AttentionOutcome)
     computed = time.monotonic()
-    tensors, statistics = attention_numbers(outcome)
+    tensors, statistics = attention_numbers(outcome, return_output=request.return_output)
     as_json = request.encoding == "json"
     content = await off_loop_if(
         not encode_inline(
@@ -169,6 +169,7 @@ async def attention(body: bytes, call: Call) -> Reply:
         outcome,
         encoding=request.encoding,
         meta=meta,
+        return_output=request.return_output,
     )
     timing = answered(request, call, outcome, batch, len(content), decoded, computed)
     return Reply(content=content, server_timing=timing, batch_size=batch.batch_size)

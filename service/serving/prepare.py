@@ -62,6 +62,8 @@ class PreparedRequest:
     timeout_ms: float | None
     response_bytes: int = 0  # the answer's estimated size (0: a small, fixed-size answer)
     tag: str | None = None  # labels the request's health metrics (service.serving.health)
+    # Whether the answer carries the output (v1 return_output; v2: "output" among the outputs).
+    return_output: bool = True
     # What the request holds at its peak from compute to send (limits.answer_working_bytes):
     # reserved against SDPA_MAX_INFLIGHT_BYTES before it is computed.
     working_bytes: int = 0
@@ -136,6 +138,7 @@ def prepare_attention(
         settings=settings,
         cost=cost,
         tag=req.tag,
+        return_output=req.return_output,
     )
 
 
@@ -172,10 +175,12 @@ def prepare_attention_job(
     cost: CostModel,
     tag: str | None = None,
     sized_as: SizedAs | None = None,
+    return_output: bool = True,
 ) -> PreparedRequest:
     """A decoded attention job -> validated once and within every limit. Both protocols' doors
     (v1 JSON, v2) come through here. The answer is sized in `encoding`, or in `sized_as` when
-    given (v2's raw "binary" data). Raises InvalidRequest / SdpaError (422)."""
+    given (v2's raw "binary" data), with the output only when `return_output`. Raises
+    InvalidRequest / SdpaError (422)."""
     prepared = prepare(job)
     spec = prepared.spec
     check_attention_limits(spec, return_weights=job.return_weights, settings=settings)
@@ -190,6 +195,7 @@ def prepare_attention_job(
         return_weights=job.return_weights,
         diagnostics=job.diagnostics,
         settings=settings,
+        return_output=return_output,
     )
     working = answer_working_bytes(
         spec,
@@ -205,6 +211,7 @@ def prepare_attention_job(
         response_bytes=size,
         working_bytes=working,
         tag=tag,
+        return_output=return_output,
     )
 
 

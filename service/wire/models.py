@@ -450,6 +450,12 @@ class AttentionRequest(_MaskFields):
         "SDPA_MAX_WEIGHTS_ELEMENTS); diagnostics alone need O(N) memory.",
     )
     diagnostics: DiagnosticsLevel = "summary"
+    return_output: bool = Field(
+        default=True,
+        description="false: the answer's output is null, neither encoded nor sent (for a "
+        "caller that wants the diagnostics or weights alone); the response-size limit then "
+        "counts no output bytes.",
+    )
     response_encoding: Encoding | None = Field(
         default=None, description="null = the encoding q came in ('data'/list: json, b64: base64)."
     )
@@ -597,7 +603,9 @@ class AttentionMeta(_Out):
 
 
 class AttentionResponse(_Out):
-    output: TensorOut
+    output: TensorOut | None = Field(
+        description="[..., H, N_q, D_v]; null with return_output false."
+    )
     weights: TensorOut | None
     diagnostics: DiagnosticsOut | None
     meta: AttentionMeta

@@ -173,6 +173,37 @@ def test_alias_route_gives_the_same_answer(client: httpx.Client) -> None:
     assert first["diagnostics"] == second["diagnostics"]
 
 
+@pytest.mark.parametrize("route", ["/v1/attention", "/attention"])
+def test_without_return_output_the_output_is_null_and_the_rest_unchanged(
+    client: httpx.Client, route: str
+) -> None:
+    """return_output false: "output" is null; the weights and diagnostics are those of the same
+    request with its output, and those of sdpa_core called directly."""
+    case = CASES[1]  # float64, causal, weights, diagnostics "full", base64 answer
+    body, direct_kwargs = build(case, seed=7)
+    whole = client.post(route, json=body)
+    bare = client.post(route, json={**body, "return_output": False})
+    assert whole.status_code == bare.status_code == 200, bare.text
+    got = bare.json()
+    assert set(got) == {"output", "weights", "diagnostics", "meta"}
+    assert got["output"] is None
+    assert whole.json()["output"] is not None
+    assert got["weights"] == whole.json()["weights"]
+    assert got["diagnostics"] == whole.json()["diagnostics"]
+    expected = attention(**direct_kwargs)
+    torch.testing.assert_close(from_wire(got["weights"]), expected.weights)
+    assert_diagnostics_equal(got["diagnostics"], expected.diagnostics)
+    assert len(bare.content) < len(whole.content)
+
+
+def test_return_output_must_be_a_boolean(client: httpx.Client) -> None:
+    body, _ = build(CASES[0], seed=3)
+    response = client.post("/v1/attention", json={**body, "return_output": "no"})
+    assert response.status_code == 422
+    (error,) = response.json()["errors"]
+    assert error["loc"] == ["body", "return_output"]
+
+
 def test_server_timing_and_request_id(client: httpx.Client) -> None:
     body, _ = build(CASES[0], seed=5)
     response = client.post("/v1/attention", json=body, headers={"X-Request-ID": "req-42"})

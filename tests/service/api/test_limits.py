@@ -81,6 +81,20 @@ def test_a_response_over_the_limit_is_refused_with_base64_suggested() -> None:
     assert len(as_base64.content) <= 64 * 1024
 
 
+def test_an_output_not_asked_for_counts_nothing_against_the_response_limit() -> None:
+    """Output [1, 1, 64, 64] as JSON lists: 4,096 numbers of up to 16 bytes, with the 4 KiB
+    envelope about 70 KB, over 64 KiB: refused naming the limit. Without return_output the
+    answer is the envelope alone, and served."""
+    body = {**qkv(64, 64), "response_encoding": "json", "diagnostics": "none"}
+    with in_process_client(small_settings(max_response_bytes=64 * 1024)) as client:
+        whole = client.post("/v1/attention", json=body)
+        bare = client.post("/v1/attention", json={**body, "return_output": False})
+    assert whole.status_code == 422, whole.text
+    assert "SDPA_MAX_RESPONSE_BYTES" in whole.json()["errors"][0]["msg"]
+    assert bare.status_code == 200, bare.text
+    assert bare.json()["output"] is None
+
+
 def test_info_reports_the_limits_and_the_measured_cost_model(client: httpx.Client) -> None:
     info = client.get("/v1/info").json()
     assert info["limits"]["max_request_flops"] == 1e6

@@ -10,10 +10,11 @@ import math
 import numpy as np
 import torch
 
-from sdpa_core import analyze_scaling, attention
+from sdpa_core import PER_HEAD_FIELDS, analyze_scaling, attention
 from service.runtime.batcher import BatchResult
 from service.runtime.jobs import AnalyzeOutcome, AttentionOutcome, Outcome
 from service.serving.encode import (
+    attention_numbers,
     encode_analyze,
     encode_attention,
     response_meta,
@@ -55,6 +56,23 @@ def test_an_attention_outcome_in_base64_and_its_diagnostics() -> None:
     assert lse[0][0][2] is None  # -inf is null in JSON
     assert result.row_stats is not None
     assert np.float32(lse[0][0][0]) == result.row_stats.lse[0, 0, 0].numpy()
+
+
+def test_an_output_not_asked_for_is_null_and_counts_no_numbers() -> None:
+    gen = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(2, 3, 4, 5, generator=gen) for _ in range(3))
+    result = attention(q, k, v, return_weights=True, diagnostics="summary")
+    outcome = AttentionOutcome(result=result, compute_ms=1.0, device="cpu")
+    meta = meta_of(outcome)
+    whole = json.loads(encode_attention(outcome, encoding="json", meta=meta))
+    bare = json.loads(encode_attention(outcome, encoding="json", meta=meta, return_output=False))
+    assert bare["output"] is None
+    assert whole["output"]["shape"] == [2, 3, 4, 5]
+    assert {**bare, "output": whole["output"]} == whole
+    # The weights [2, 3, 4, 4] are the only tensor left; the per-head statistics [2, 3] stay.
+    statistics = len(PER_HEAD_FIELDS) * 2 * 3
+    assert attention_numbers(outcome, return_output=False) == (2 * 3 * 4 * 4, statistics)
+    assert attention_numbers(outcome, return_output=True) == (2 * 3 * 4 * (4 + 5), statistics)
 
 
 def test_an_analysis_outcome_lists_every_strategy_statistic() -> None:

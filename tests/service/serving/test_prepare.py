@@ -186,3 +186,18 @@ def test_a_response_over_the_limit_is_refused_with_the_cheaper_encodings() -> No
     assert "no weights" in error.msg
     as_base64 = body(q=x, k=x, v=x, return_weights=True, response_encoding="base64")
     assert prepare_attention(as_base64, limit, COST).encoding == "base64"
+
+
+def test_an_output_not_asked_for_is_neither_sized_nor_held_for_its_encoding() -> None:
+    """Output [1, 2, 16, 8] as JSON lists: 256 numbers at up to 16 bytes each, 4,096 bytes of
+    the answer's estimate. Without return_output the estimate drops by exactly that, and the
+    in-flight reservation by twice that (the encoder's copy and the finished answer); the
+    output tensor itself still counts: the compute makes it either way."""
+    x = b64_tensor(np.zeros((1, 2, 16, 8), dtype=np.float32))
+    fields = {"q": x, "k": x, "v": x, "response_encoding": "json", "diagnostics": "none"}
+    whole = prepare_attention(body(**fields), SETTINGS, COST)
+    bare = prepare_attention(body(**fields, return_output=False), SETTINGS, COST)
+    assert (whole.return_output, bare.return_output) == (True, False)
+    assert whole.response_bytes - bare.response_bytes == 256 * 16
+    assert bare.response_bytes == 4096  # the envelope alone
+    assert whole.working_bytes - bare.working_bytes == 2 * 256 * 16

@@ -38,6 +38,7 @@ def test_defaults_follow_the_http_api() -> None:
     assert req.diagnostics == "summary"
     assert req.return_weights is False
     assert req.response_encoding is None
+    assert req.return_output is True
     assert req.q == Q
 
 
@@ -45,6 +46,19 @@ def test_a_typo_is_refused_and_explained() -> None:
     ((loc, msg),) = errors_of({**BASE, "casual": True})
     assert loc == ("body", "casual")
     assert "did you mean 'causal'" in msg
+    ((loc, msg),) = errors_of({**BASE, "return_outputs": False})
+    assert loc == ("body", "return_outputs")
+    assert "did you mean 'return_output'" in msg
+
+
+def test_return_output_is_documented_in_the_schema() -> None:
+    assert (
+        validate_request({**BASE, "return_output": False}, AttentionRequest).return_output is False
+    )
+    schema = AttentionRequest.model_json_schema()["properties"]["return_output"]
+    assert schema["type"] == "boolean"
+    assert schema["default"] is True
+    assert "null" in schema["description"]
 
 
 def test_a_field_of_another_endpoint_is_refused_without_a_useless_hint() -> None:
@@ -70,6 +84,9 @@ def test_causal_options(causal: Any) -> None:
         ("causal", "bottom-right"),
         ("return_weights", "yes"),
         ("return_weights", 1),
+        ("return_output", "false"),
+        ("return_output", 0),
+        ("return_output", None),
         ("diagnostics", "all"),
         ("response_encoding", "msgpack"),
         ("scale", float("inf")),
