@@ -19,7 +19,7 @@ from service.api.errors import v2_error_response
 from service.api.openapi import json_ref, v2_error_doc, v2_infer_request_body
 from service.serving import pipeline_v2
 from service.serving.pipeline import Call
-from service.serving.prepare_v2 import PER_ROW_OUTPUTS
+from service.serving.prepare_v2 import PER_HEAD_OUTPUTS, PER_ROW_OUTPUTS
 from service.version import VERSION
 from service.wire.codec import dumps
 from service.wire.v2_models import EXTENSIONS, MODEL_NAME, MODEL_VERSION, SERVER_NAME
@@ -57,6 +57,15 @@ MODEL_METADATA: Final[dict[str, Any]] = {
                 "shape": [-1, -1, -1],
             }
             for name in PER_ROW_OUTPUTS
+        ),
+        # With diagnostics "summary" or "full": the summary's statistics per head, [B, H].
+        *(
+            {
+                "name": name,
+                "datatype": "INT64" if stat == "masked_rows" else "FP32",
+                "shape": [-1, -1],
+            }
+            for name, stat in PER_HEAD_OUTPUTS.items()
         ),
     ],
 }

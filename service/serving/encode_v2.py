@@ -1,9 +1,11 @@
 """Encode a v2 infer outcome: the response's JSON header and its binary data.
 
 The outputs are those the request named (service.serving.prepare_v2), each as binary data or a
-JSON list. Response parameters carry the meta fields (path, device, batch_size, queue_ms,
-compute_ms, ...) and, with diagnostics "summary" or "full", the summary statistics under their
-v1 names (non-finite values as null, since JSON has no infinity).
+JSON list. The per-row and per-head statistics travel in the accumulation dtype (FP32, or FP64
+for FP64 inputs), their counts as INT64. Response parameters carry the meta fields (path,
+device, batch_size, queue_ms, compute_ms, ...) and, with diagnostics "summary" or "full", the
+summary statistics under their v1 names (non-finite values as null, since JSON has no
+infinity).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import torch
 
 from sdpa_core import AttentionResult
 from service.runtime.jobs import AttentionOutcome
-from service.serving.prepare_v2 import PreparedInfer
+from service.serving.prepare_v2 import PER_HEAD_OUTPUTS, PreparedInfer
 from service.wire.codec import dumps, finite_or_none
 from service.wire.v2_codec import EncodedOutput, encode_output
 from service.wire.v2_models import MODEL_NAME, MODEL_VERSION
@@ -33,13 +35,20 @@ class InferAnswer:
         return len(self.header) + sum(buffer.nbytes for buffer in self.buffers)
 
 
-def _tensor(result: AttentionResult, name: str) -> torch.Tensor:
+def _tensor(result: AttentionResult, name: str, *, stat_dtype: torch.dtype) -> torch.Tensor:
+    """The result tensor of output `name`; `stat_dtype`: the per-head statistics' float dtype."""
     if name == "output":
         return result.output
     if name == "weights":
         if result.weights is None:  # prepare_v2 asked for them: our bug, a 500
             raise RuntimeError("the weights were requested but not computed")
         return result.weights
+    if name in PER_HEAD_OUTPUTS:
+        if result.diagnostics is None:
+            raise RuntimeError(f"the per-head statistic {name!r} was requested but not computed")
+        per_head: torch.Tensor = getattr(result.diagnostics.per_head, PER_HEAD_OUTPUTS[name])
+        # sdpa_core pools them in float64 ([..., H]); they travel as the per-row ones do.
+        return per_head.to(stat_dtype) if per_head.is_floating_point() else per_head
     if result.diagnostics is None or result.diagnostics.per_row is None:
         raise RuntimeError(f"the per-row statistic {name!r} was requested but not computed")
     tensor: torch.Tensor = getattr(result.diagnostics.per_row, name)
@@ -50,7 +59,11 @@ def json_output_numbers(outcome: AttentionOutcome, prepared: PreparedInfer) -> i
     """How many numbers the response writes as JSON lists (binary outputs cost no encoding:
     they are sent from the result tensors)."""
     result = outcome.result
-    return sum(_tensor(result, name).numel() for name, binary in prepared.outputs if not binary)
+    return sum(
+        _tensor(result, name, stat_dtype=torch.float64).numel()
+        for name, binary in prepared.outputs
+        if not binary
+    )
 
 
 def infer_parameters(
@@ -72,8 +85,9 @@ def encode_infer(
 ) -> InferAnswer:
     """The response to a v2 infer request."""
     result = outcome.result
+    stat_dtype = prepared.request.prepared.spec.accum_dtype
     outputs: list[EncodedOutput] = [
-        encode_output(name, _tensor(result, name), binary=binary)
+        encode_output(name, _tensor(result, name, stat_dtype=stat_dtype), binary=binary)
         for name, binary in prepared.outputs
     ]
     response: dict[str, Any] = {"model_name": MODEL_NAME, "model_version": MODEL_VERSION}

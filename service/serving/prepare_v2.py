@@ -2,9 +2,11 @@
 plus what the v2 response needs (which outputs, in which form).
 
 The output rule: what the request names in `outputs` is what is computed and returned (naming
-"weights" asks for the weights, naming a per-row statistic asks for diagnostics "full"); with
-no `outputs`, the response holds "output" (and the per-row statistics when diagnostics is
-"full"), never the n^2 weights.
+"weights" asks for the weights, naming a per-row statistic asks for diagnostics "full", and a
+list without "output" leaves the output out of the answer); with no `outputs`, the response
+holds "output" (and the per-row statistics when diagnostics is "full"), never the n^2 weights.
+The per-head statistics ("<stat>_per_head", [..., H]) are part of the summary: a request names
+them with diagnostics "summary" or "full".
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import Final
 
 import torch
 
-from sdpa_core import PER_ROW_FIELDS
+from sdpa_core import PER_HEAD_FIELDS, PER_ROW_FIELDS
 from service.errors import MAX_LOC_TEXT, FieldError, InvalidRequest, clip
 from service.runtime.jobs import AttentionJob
 from service.runtime.policy import CostModel
@@ -25,9 +27,18 @@ from service.wire.json_arrays import Pieces
 from service.wire.v2_codec import decode_inputs, split_header
 from service.wire.v2_models import InferRequest, RequestParameters, array_slot, parse_infer_request
 
-# The per-row statistics a request may name as outputs (diagnostics "full"), then all outputs.
+# The per-row statistics a request may name as outputs (diagnostics "full"), the per-head ones
+# (diagnostics "summary" or "full"; output name -> statistic), then all outputs.
 PER_ROW_OUTPUTS: Final = PER_ROW_FIELDS
-OUTPUT_NAMES: Final = ("output", "weights", *PER_ROW_OUTPUTS)
+PER_HEAD_SUFFIX: Final = "_per_head"
+PER_HEAD_OUTPUTS: Final[dict[str, str]] = {
+    f"{name}{PER_HEAD_SUFFIX}": name for name in PER_HEAD_FIELDS
+}
+OUTPUT_NAMES: Final = ("output", "weights", *PER_ROW_OUTPUTS, *PER_HEAD_OUTPUTS)
+_KNOWN_OUTPUTS: Final = (
+    f"the model computes output, weights, the per-row statistics {', '.join(PER_ROW_OUTPUTS)}, "
+    f"and <stat>{PER_HEAD_SUFFIX} for each per-head statistic {', '.join(PER_HEAD_FIELDS)}"
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,13 +65,16 @@ def _outputs(req: InferRequest, params: RequestParameters) -> tuple[tuple[str, b
     for out in req.outputs:
         if out.name not in OUTPUT_NAMES:
             name = clip(out.name, MAX_LOC_TEXT)
-            raise _invalid(
-                f"unknown output {name!r}: the model computes {', '.join(OUTPUT_NAMES)}",
-                "outputs",
-                name,
-            )
+            raise _invalid(f"unknown output {name!r}: {_KNOWN_OUTPUTS}", "outputs", name)
         if out.name in seen:
             raise _invalid(f"output {out.name!r} is requested twice", "outputs", out.name)
+        if out.name in PER_HEAD_OUTPUTS and params.diagnostics == "none":
+            raise _invalid(
+                f"output {out.name!r} is a per-head statistic of the summary: it needs "
+                'parameter \'diagnostics\' "summary" or "full", not "none"',
+                "outputs",
+                out.name,
+            )
         seen.add(out.name)
         binary = None if out.parameters is None else out.parameters.binary_data
         plan.append((out.name, default_binary if binary is None else binary))
@@ -98,7 +112,7 @@ def prepare_infer(
     q = tensors["q"]
     for name, binary in outputs:
         # BF16 results travel as binary data only (tritonclient cannot read BF16 JSON); the
-        # per-row statistics are float32 or wider.
+        # per-row and per-head statistics are float32 or wider.
         if not binary and name in ("output", "weights") and q.dtype == torch.bfloat16:
             raise _invalid(
                 f"output {name!r}: BF16 travels only as binary data; ask for it with "
@@ -134,6 +148,7 @@ def prepare_infer(
         settings=settings,
         cost=cost,
         tag=params.tag,
+        return_output="output" in named,
     )
     return PreparedInfer(
         request=prepared,

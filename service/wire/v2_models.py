@@ -59,6 +59,10 @@ INPUT_DATATYPES: Final[dict[str, tuple[str, ...]]] = {
 }
 REQUIRED_INPUTS: Final = ("q", "k", "v")
 
+# The most outputs a request may name: each output once (service.serving.prepare_v2 refuses a
+# name twice), with room for statistics to come; a test holds it above the number of outputs.
+MAX_OUTPUTS: Final = 64
+
 # A tag labels the request's health metrics (the same rule as v1's tag field).
 TAG_PATTERN: Final = r"^[A-Za-z0-9_.:/-]{1,64}$"
 # Deadlines up to an hour, in microseconds as tritonclient sends them (0: the server's default).
@@ -99,8 +103,10 @@ class OutputParameters(RequestModel):
 
 class RequestedOutput(RequestModel):
     name: str = Field(
-        description="output, weights, or a per-row statistic (entropy, normalized_entropy, "
-        "max_weight, effective_keys, sink_share, lse, visible_keys)."
+        description="output, weights, a per-row statistic (entropy, normalized_entropy, "
+        "max_weight, effective_keys, sink_share, lse, visible_keys: [..., H, N_q]), or a "
+        "per-head one, <stat>_per_head for each statistic of the summary (entropy_per_head, "
+        "masked_rows_per_head, ...: [..., H]; with diagnostics summary or full)."
     )
     parameters: OutputParameters | None = None
 
@@ -147,9 +153,10 @@ class InferRequest(RequestModel):
     inputs: list[InferInput] = Field(min_length=1, max_length=len(INPUT_DATATYPES))
     outputs: list[RequestedOutput] | None = Field(
         default=None,
-        max_length=16,
-        description="What to compute and return; absent: output (and the per-row statistics "
-        "with diagnostics full), never the weights.",
+        max_length=MAX_OUTPUTS,
+        description="What to compute and return (a list without output: no output in the "
+        "answer); absent: output (and the per-row statistics with diagnostics full), never the "
+        "weights.",
     )
 
 
