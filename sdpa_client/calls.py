@@ -90,8 +90,13 @@ def json_of(response: httpx.Response) -> Any:
         ) from exc
 
 
-def _read_attention(response: httpx.Response) -> AttentionResponse:
-    return parse_attention_response(json_of(response))
+def _attention_reader(
+    protocol: Protocol, *, return_output: bool
+) -> Callable[[httpx.Response], AttentionResponse]:
+    """How an attention answer is read: v1's JSON or v2's, with or without its output."""
+    if protocol == "v2":
+        return lambda response: parse_infer_response(response, return_output=return_output)
+    return lambda response: parse_attention_response(json_of(response), return_output=return_output)
 
 
 def _read_analyze(response: httpx.Response) -> AnalyzeResponse:
@@ -149,6 +154,7 @@ class Endpoints(Generic[AttentionOut, AnalyzeOut, InfoOut, ProbeOut]):
         request_id: str | None = None,
         temperature: float | None = None,
         tag: str | None = None,
+        return_output: bool = True,
     ) -> AttentionOut:
         """Compute softmax(q kᵀ · scale + masks) v on the server (POST /v1/attention).
 
@@ -179,10 +185,16 @@ class Endpoints(Generic[AttentionOut, AnalyzeOut, InfoOut, ProbeOut]):
             temperature: T > 0 means scale = 1/(T·sqrt(D)); not together with scale.
             tag: labels the request's attention-health metrics on the server (1-64 of
                 A-Z a-z 0-9 _ . : / -), e.g. "mymodel/layer3"; None = "default".
+            return_output: False leaves the output out of the answer (the server neither
+                encodes nor sends it), for a caller who wants the diagnostics (or weights)
+                alone; the result's `output` is then None. v1 sends `return_output: false`
+                (only then, so that a server older than the field still takes the request); v2
+                names the outputs it wants, without "output".
 
         Returns:
-            An `AttentionResponse`: output [..., H, N_q, D_v], weights, diagnostics and meta
-            (from AsyncSDPAClient, a coroutine that returns it).
+            An `AttentionResponse`: output [..., H, N_q, D_v] (None without return_output),
+            weights, diagnostics and meta (from AsyncSDPAClient, a coroutine that returns it).
+            On either protocol, diagnostics.per_head holds every per-head statistic.
 
         Raises:
             SDPAValidationError: 422, the server refused the inputs (shapes, masks, dtypes,
@@ -197,16 +209,17 @@ class Endpoints(Generic[AttentionOut, AnalyzeOut, InfoOut, ProbeOut]):
         """
 
         def make() -> Call[AttentionResponse]:
+            read = _attention_reader(self.protocol, return_output=return_output)
             if self.protocol == "v2":
                 content, headers = build_infer_request(
                     q, k, v, causal=causal, key_lengths=key_lengths,
                     key_padding_mask=key_padding_mask, attn_mask=attn_mask, scale=scale,
                     temperature=temperature, return_weights=return_weights,
                     diagnostics=diagnostics, timeout_ms=timeout_ms, binary=encoding == "base64",
-                    tag=tag,
+                    tag=tag, return_output=return_output,
                 )  # fmt: skip
                 return Call(
-                    "POST", INFER_PATH, None, parse_infer_response, timeout_ms=timeout_ms,
+                    "POST", INFER_PATH, None, read, timeout_ms=timeout_ms,
                     request_id=request_id, retryable=True, content=content, headers=headers,
                 )  # fmt: skip
             body = {
@@ -220,9 +233,10 @@ class Endpoints(Generic[AttentionOut, AnalyzeOut, InfoOut, ProbeOut]):
                 "response_encoding": encoding,
                 "timeout_ms": optional_float(timeout_ms),
                 **({} if tag is None else {"tag": tag}),
+                **({} if return_output else {"return_output": False}),
             }
             return Call(
-                "POST", "/v1/attention", body, _read_attention,
+                "POST", "/v1/attention", body, read,
                 timeout_ms=timeout_ms, request_id=request_id, retryable=True,
             )  # fmt: skip
 

@@ -85,7 +85,7 @@ class _Connection(Generic[HttpT, TransportT, SleepT]):
             protocol: "v1" (default) or "v2": `attention` through the Open Inference Protocol
                 (POST /v2/models/attention/infer) with binary tensor data, the fast path: no
                 base64, and BF16 as its raw bits. The answer is the same AttentionResponse
-                (without per-head statistics, which v2 does not carry).
+                (its per-head statistics as the v2 outputs "<stat>_per_head").
 
         Raises:
             ValueError: a base_url that is not an http:// or https:// URL, or an unknown

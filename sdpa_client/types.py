@@ -141,7 +141,8 @@ class DiagnosticsReport:
     Attributes:
         summary: scalars pooled over the request; a plain dict when the server (of another
             version) does not send every statistic this client knows.
-        per_head: the summary's statistics per head, arrays [..., H].
+        per_head: the summary's statistics per head, arrays [..., H] (masked_rows int64); on
+            v2 in the datatype the server sent (float32, float64 for float64 inputs).
         per_row: with diagnostics="full", arrays [..., H, N_q] (`fields.PER_ROW_STAT_NAMES`);
             otherwise None. The log-sum-exp of a fully masked row (per_row["lse"]) is -inf.
     """
@@ -156,13 +157,13 @@ class AttentionResponse:
     """The answer of POST /v1/attention (bfloat16 results come back as float32).
 
     Attributes:
-        output: [..., H, N_q, D_v].
+        output: [..., H, N_q, D_v]; None when not asked for (return_output=False).
         weights: [..., H, N_q, N_kv] when asked for with return_weights, else None.
         diagnostics: None when asked for with diagnostics="none".
         meta: how the server ran it.
     """
 
-    output: AnyArray
+    output: AnyArray | None
     weights: AnyArray | None
     diagnostics: DiagnosticsReport | None
     meta: ResponseMeta
@@ -259,11 +260,13 @@ def _parse_diagnostics(obj: object) -> DiagnosticsReport | None:
     )
 
 
-def parse_attention_response(payload: object) -> AttentionResponse:
+def parse_attention_response(payload: object, *, return_output: bool = True) -> AttentionResponse:
     """Read the JSON answer of POST /v1/attention.
 
     Args:
         payload: the decoded JSON body.
+        return_output: whether the request asked for the output; only then must the answer
+            hold it (without, an absent or null output reads as None).
 
     Returns:
         The answer, its tensors decoded.
@@ -271,11 +274,14 @@ def parse_attention_response(payload: object) -> AttentionResponse:
     Raises:
         SDPAProtocolError: the payload is not such an answer.
     """
-    if not isinstance(payload, dict) or "output" not in payload:
+    if not isinstance(payload, dict):
+        raise _malformed("attention: not a JSON object")
+    output = payload.get("output")
+    if output is None and return_output:
         raise _malformed("attention: no 'output' in response")
     weights = payload.get("weights")
     return AttentionResponse(
-        output=decode_tensor(payload["output"], param="output"),
+        output=None if output is None else decode_tensor(output, param="output"),
         weights=None if weights is None else decode_tensor(weights, param="weights"),
         diagnostics=_parse_diagnostics(payload.get("diagnostics")),
         meta=ResponseMeta.from_json(payload.get("meta")),

@@ -4,8 +4,8 @@ The service also speaks KServe's v2 REST protocol with Triton's binary tensor da
 (POST /v2/models/attention/infer). With binary data (the default) a request is a JSON header
 followed by the tensors' raw little-endian bytes, and so is the answer: no base64, and BF16
 travels as its raw bits. The answer is read into the same `AttentionResponse` as v1's: the
-output, the weights and the per-row statistics from the named outputs, the summary statistics
-and the meta fields from the response parameters (v2 carries no per-head statistics).
+output, the weights, the per-row statistics and the per-head ones ("<stat>_per_head") from the
+named outputs, the summary statistics and the meta fields from the response parameters.
 
 Needs numpy only, like the rest of the package.
 """
@@ -22,7 +22,12 @@ import numpy as np
 
 from sdpa_client.codec import AnyArray, is_torch_tensor, to_numpy
 from sdpa_client.errors import SDPAProtocolError
-from sdpa_client.fields import COUNT_STATS, PER_ROW_STAT_NAMES, SUMMARY_STAT_NAMES
+from sdpa_client.fields import (
+    COUNT_STATS,
+    PER_HEAD_STAT_NAMES,
+    PER_ROW_STAT_NAMES,
+    SUMMARY_STAT_NAMES,
+)
 from sdpa_client.types import (
     AttentionResponse,
     DiagnosticsReport,
@@ -32,6 +37,8 @@ from sdpa_client.types import (
 
 INFER_PATH: Final = "/v2/models/attention/infer"
 HEADER_LENGTH: Final = "Inference-Header-Content-Length"
+# A per-head statistic's output is named "<stat>_per_head" (entropy_per_head, ...): [..., H].
+PER_HEAD_SUFFIX: Final = "_per_head"
 _DATATYPE_OF_WIRE: Final = {
     "float16": "FP16",
     "bfloat16": "BF16",
@@ -101,8 +108,13 @@ def build_infer_request(
     timeout_ms: float | None = None,
     binary: bool = True,
     tag: str | None = None,
+    return_output: bool = True,
 ) -> tuple[bytes, dict[str, str]]:
     """The body and headers of a v2 infer request with `SDPAClient.attention`'s arguments.
+
+    The outputs it names: "output" (unless return_output is False), "weights" (with
+    return_weights), the per-row statistics (diagnostics "full") and every per-head one,
+    "<stat>_per_head" (diagnostics "summary" or "full").
 
     Returns:
         (body bytes, headers): with binary data, the JSON header, then the tensors' bytes, and
@@ -125,9 +137,11 @@ def build_infer_request(
         parts.append(entry)
     if attn_mask is not None:
         parts.append(_tensor_input("attn_mask", attn_mask, binary=binary))
-    names = ["output", *(["weights"] if return_weights else [])]
+    names = [*(["output"] if return_output else []), *(["weights"] if return_weights else [])]
     if diagnostics == "full":
         names += PER_ROW_STAT_NAMES
+    if diagnostics != "none":
+        names += [f"{name}{PER_HEAD_SUFFIX}" for name in PER_HEAD_STAT_NAMES]
     parameters: dict[str, Any] = {"diagnostics": diagnostics}
     if causal is not False:
         parameters["causal"] = causal
@@ -173,8 +187,15 @@ def _output_array(out: Mapping[str, Any], body: bytes, offset: int) -> tuple[Any
     return np.asarray(values, dtype=_LITTLE_ENDIAN[datatype]).reshape(shape), offset
 
 
-def parse_infer_response(response: httpx.Response) -> AttentionResponse:
+def parse_infer_response(
+    response: httpx.Response, *, return_output: bool = True
+) -> AttentionResponse:
     """Read a v2 infer answer (JSON, or a JSON header with binary data) as an AttentionResponse.
+
+    Args:
+        response: the answer.
+        return_output: whether the request asked for "output"; only then must the answer hold
+            it (without, the result's output is None unless the server sent one anyway).
 
     Raises:
         SDPAProtocolError: the answer is not such a response.
@@ -190,19 +211,26 @@ def parse_infer_response(response: httpx.Response) -> AttentionResponse:
         params: dict[str, Any] = dict(header.get("parameters") or {})
     except (KeyError, ValueError, TypeError) as exc:
         raise _malformed(f"cannot read the answer ({exc!r})") from exc
-    if "output" not in arrays:
+    if return_output and "output" not in arrays:
         raise _malformed("no 'output' in response")
     summary = {name: params.pop(name) for name in list(params) if name in SUMMARY_STAT_NAMES}
-    per_row = {name: arr for name, arr in arrays.items() if name not in ("output", "weights")}
-    for name in COUNT_STATS & set(per_row):
-        per_row[name] = per_row[name].astype(np.int64)
+    per_head: dict[str, AnyArray] = {}
+    per_row: dict[str, AnyArray] = {}
+    for name, arr in arrays.items():
+        if name.endswith(PER_HEAD_SUFFIX):
+            per_head[name.removesuffix(PER_HEAD_SUFFIX)] = arr
+        elif name not in ("output", "weights"):
+            per_row[name] = arr
+    for stats in (per_head, per_row):
+        for name in COUNT_STATS & set(stats):
+            stats[name] = stats[name].astype(np.int64)
     diagnostics = None
-    if summary or per_row:
+    if summary or per_head or per_row:
         diagnostics = DiagnosticsReport(
-            summary=_parse_summary(summary), per_head={}, per_row=per_row or None
+            summary=_parse_summary(summary), per_head=per_head, per_row=per_row or None
         )
     return AttentionResponse(
-        output=arrays["output"],
+        output=arrays.get("output"),
         weights=arrays.get("weights"),
         diagnostics=diagnostics,
         meta=ResponseMeta.from_json(params),

@@ -44,8 +44,13 @@ from sdpa_client import (
     decode_tensor,
     encode_body,
     encode_tensor,
+    parse_attention_response,
     parse_retry_after,
 )
+from sdpa_client.calls import RequestBuilder
+from sdpa_client.errors import SDPAProtocolError
+from sdpa_client.fields import PER_HEAD_STAT_NAMES, PER_ROW_STAT_NAMES
+from sdpa_client.v2 import build_infer_request
 
 Handler = Callable[[httpx.Request], httpx.Response]
 LE = {"float16": "<f2", "float32": "<f4", "float64": "<f8", "bool": "u1"}
@@ -96,7 +101,7 @@ def attention_server(seen: list[dict[str, Any]]) -> Handler:
         enc = body["response_encoding"]
         heads = q.shape[-3]
         payload = {
-            "output": array_to_wire(out, enc),
+            "output": array_to_wire(out, enc) if body.get("return_output", True) else None,
             "weights": array_to_wire(weights, enc) if body["return_weights"] else None,
             "diagnostics": {
                 "summary": SUMMARY,
@@ -549,6 +554,131 @@ def test_non_json_error_body() -> None:
     assert ei.value.status == 502
     assert "bad gateway" in ei.value.detail
     assert ei.value.errors == []
+
+
+# ---- only what was asked for: return_output, v2's per-head outputs ----------------------------
+
+
+def test_v1_sends_return_output_only_when_false_and_reads_a_null_output() -> None:
+    seen: list[dict[str, Any]] = []
+    with client_for(attention_server(seen)) as client:
+        whole = client.attention(*small_qkv())
+        bare = client.attention(*small_qkv(), return_output=False)
+    assert "return_output" not in seen[0]["body"]  # a server older than the field takes it
+    assert seen[1]["body"]["return_output"] is False
+    assert whole.output is not None
+    assert bare.output is None
+    assert bare.diagnostics is not None
+    np.testing.assert_array_equal(bare.diagnostics.per_head["entropy"], [[0.5, 0.5]])
+
+
+def test_a_missing_output_is_malformed_only_when_it_was_asked_for() -> None:
+    for payload in ({"output": None, "weights": None, "diagnostics": None}, {"weights": None}):
+        with pytest.raises(SDPAProtocolError, match="no 'output'"):
+            parse_attention_response(payload)
+        assert parse_attention_response(payload, return_output=False).output is None
+    q, k, v = small_qkv()
+
+    def no_output(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, json={"output": None, "weights": None, "diagnostics": None})
+
+    with client_for(no_output) as client, pytest.raises(SDPAProtocolError):
+        client.attention(q, k, v)
+
+
+def v2_server(seen: list[dict[str, Any]]) -> Handler:
+    """/v2/models/attention/infer answering each named output with binary data: "output" the
+    float64 reference, a per-head statistic [B, H] filled with its position in the list (FP32;
+    masked_rows INT64), the summary as parameters."""
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        length = int(request.headers["inference-header-content-length"])
+        header = json.loads(request.content[:length])
+        seen.append(header)
+        shapes = {inp["name"]: inp["shape"] for inp in header["inputs"]}
+        b, h = shapes["q"][:2]
+        entries, chunks = [], []
+        for i, out in enumerate(header["outputs"]):
+            name = out["name"]
+            if name == "output":
+                q, k, v = small_qkv()
+                array, datatype = reference_attention(q, k, v)[0].astype("<f4"), "FP32"
+            elif name == "masked_rows_per_head":
+                array, datatype = np.full((b, h), i, dtype="<i8"), "INT64"
+            else:
+                array, datatype = np.full((b, h), i + 0.5, dtype="<f4"), "FP32"
+            raw = array.tobytes()
+            entries.append({"name": name, "datatype": datatype, "shape": list(array.shape),
+                            "parameters": {"binary_data_size": len(raw)}})  # fmt: skip
+            chunks.append(raw)
+        params = {**SUMMARY, "path": "chunked", "device": "cpu"}
+        reply = json.dumps({"model_name": "attention", "model_version": "1",
+                            "parameters": params, "outputs": entries}).encode()  # fmt: skip
+        return httpx.Response(
+            200,
+            content=reply + b"".join(chunks),
+            headers={"inference-header-content-length": str(len(reply))},
+        )
+
+    return handle
+
+
+@pytest.mark.parametrize("return_output", [True, False])
+@pytest.mark.parametrize("diagnostics", ["none", "summary", "full"])
+def test_v2_names_the_outputs_asked_for_and_reads_the_per_head_ones(
+    diagnostics: str, return_output: bool
+) -> None:
+    seen: list[dict[str, Any]] = []
+    with client_for(v2_server(seen), protocol="v2") as client:
+        level: Any = diagnostics
+        result = client.attention(*small_qkv(), diagnostics=level, return_output=return_output)
+    names = [out["name"] for out in seen[0]["outputs"]]
+    per_head_names = [f"{stat}_per_head" for stat in PER_HEAD_STAT_NAMES]
+    expected = [
+        *(["output"] if return_output else []),
+        *(PER_ROW_STAT_NAMES if diagnostics == "full" else ()),
+        *(per_head_names if diagnostics != "none" else ()),
+    ]
+    assert names == expected
+    assert (result.output is not None) == return_output
+    if diagnostics == "none":
+        return
+    diag = result.diagnostics
+    assert diag is not None
+    assert list(diag.per_head) == list(PER_HEAD_STAT_NAMES)
+    for stat in PER_HEAD_STAT_NAMES:
+        value = diag.per_head[stat]
+        assert value.shape == (1, 2), stat
+        at = names.index(f"{stat}_per_head")
+        if stat == "masked_rows":
+            assert value.dtype == np.int64
+            np.testing.assert_array_equal(value, [[at, at]])
+        else:
+            np.testing.assert_array_equal(value, [[at + 0.5, at + 0.5]])
+    assert (diag.per_row is None) == (diagnostics == "summary")
+    assert isinstance(diag.summary, SummaryStats)
+
+
+def test_v2_reads_an_answer_without_output_only_when_it_was_not_asked_for() -> None:
+    def without_output(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, json={"model_name": "attention", "outputs": []})
+
+    with client_for(without_output, protocol="v2") as client:
+        assert client.attention(*small_qkv(), return_output=False).output is None
+        with pytest.raises(SDPAProtocolError, match="no 'output'"):
+            client.attention(*small_qkv())
+
+
+def test_the_request_builder_carries_return_output_on_either_protocol() -> None:
+    q, k, v = small_qkv()
+    v1 = RequestBuilder().attention(q, k, v, return_output=False)
+    assert v1.body is not None
+    assert v1.body["return_output"] is False
+    assert "return_output" not in (RequestBuilder().attention(q, k, v).body or {})
+    body, headers = build_infer_request(q, k, v, diagnostics="none", return_output=False,
+                                        return_weights=True)  # fmt: skip
+    header = json.loads(body[: int(headers["Inference-Header-Content-Length"])])
+    assert [out["name"] for out in header["outputs"]] == ["weights"]
 
 
 # ---- async ------------------------------------------------------------------------------------
