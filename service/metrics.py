@@ -30,9 +30,13 @@ _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
 # Statistics in [0, 1]: buckets 0.05 apart, 0 included (a head with no saturated row, or no
 # weight on its sink, lands exactly in le="0.0").
 UNIT_BUCKETS: Final = tuple(round(i * 0.05, 2) for i in range(21))
-# max |scaled score|: log-spaced, powers of 2 from 1/4 to 16384. Healthy heads sit around 1-10;
+# QK-Clip's threshold on a head's max logit (Kimi K2, MuonClip, arXiv 2507.20534): the cap tau
+# = 100 its training enforced per head; runs without it saw values above 1000.
+QK_CLIP_TAU: Final = 100.0
+# max |scaled score|: log-spaced, powers of 2 from 1/4 to 16384, plus QK_CLIP_TAU so that the
+# share of heads above it is exact (SdpaAttentionLogitQkClip). Healthy heads sit around 1-10;
 # ViT-22B's and Wortsman et al.'s logit growth runs to the thousands before divergence.
-LOGIT_BUCKETS: Final = tuple(2.0**e for e in range(-2, 15))
+LOGIT_BUCKETS: Final = tuple(sorted((*(2.0**e for e in range(-2, 15)), QK_CLIP_TAU)))
 
 HEALTH_SOURCES: Final = ("requested", "sampled")
 
@@ -154,6 +158,30 @@ class Metrics:
             buckets=LOGIT_BUCKETS,
             registry=reg,
         )
+        # Per head: the latest request of a tag that computed diagnostics, one series per head
+        # index below SDPA_HEALTH_MAX_HEADS (a layer x head heatmap of a model the tap sends,
+        # one tag per layer). Over the request's sequences: entropy and sink share are the
+        # means over the head's rows that see a key, the logit the max.
+        self.attention_head_entropy_normalized = Gauge(
+            "sdpa_attention_head_entropy_normalized",
+            "Mean normalized row entropy (H / log visible keys) of each head, in the tag's "
+            "latest request.",
+            ["tag", "head"],
+            registry=reg,
+        )
+        self.attention_head_sink_share = Gauge(
+            "sdpa_attention_head_sink_share",
+            "Mean share of a row's attention on its first SDPA_HEALTH_SINK_TOKENS keys, of each "
+            "head, in the tag's latest request.",
+            ["tag", "head"],
+            registry=reg,
+        )
+        self.attention_head_logit_abs_max = Gauge(
+            "sdpa_attention_head_logit_abs_max",
+            "Largest |scaled score| of each head, in the tag's latest request.",
+            ["tag", "head"],
+            registry=reg,
+        )
         self.attention_masked_rows_total = Counter(
             "sdpa_attention_masked_rows_total",
             "Query rows that saw no key (output 0), in requests that computed diagnostics.",
@@ -185,8 +213,9 @@ class Metrics:
             registry=reg,
         )
 
-    def forget_tag(self, tag: str) -> None:
-        """Remove every health series labelled `tag` (its slot goes to another tag)."""
+    def forget_tag(self, tag: str, *, heads: int) -> None:
+        """Remove every health series labelled `tag` (its slot goes to another tag), the
+        per-head ones of head indices below `heads` included."""
         for collector in (
             self.attention_entropy_normalized,
             self.attention_max_weight,
@@ -198,6 +227,17 @@ class Metrics:
             collector.remove(tag)  # a no-op for a series never observed
         for source in HEALTH_SOURCES:
             self.health_observations_total.remove(tag, source)
+        for gauge in self.head_gauges():
+            for head in range(heads):
+                gauge.remove(tag, str(head))
+
+    def head_gauges(self) -> tuple[Gauge, Gauge, Gauge]:
+        """The per-head gauges {tag, head}: entropy (normalized), sink share, max logit."""
+        return (
+            self.attention_head_entropy_normalized,
+            self.attention_head_sink_share,
+            self.attention_head_logit_abs_max,
+        )
 
     def track_device_memory(self, read_bytes: Callable[[], float]) -> None:
         """Export sdpa_device_memory_allocated_bytes, read at each scrape (CUDA: the bytes of

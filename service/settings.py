@@ -98,10 +98,17 @@ class Settings(BaseSettings):
     # diagnostics whose summary is still computed for the metrics, when the device is idle;
     # the key positions whose share of a row's attention is sink_share; how many distinct
     # request tags label the health metrics before the rest count as "other" (each tag is a
-    # set of series in Prometheus: the bound keeps its memory bounded).
+    # set of series in Prometheus: the bound keeps its memory bounded). The tap sends one tag
+    # per layer ("{model}/layer{i}"): 256 tags hold 8 models of 32 layers, or one 32-layer
+    # model several times over beside the clients' own tags. A tag costs 128 series (five
+    # histograms' buckets, sums, counts and _created; three counters) plus 3 per head it
+    # exports (sdpa_attention_head_*{tag,head}): 164 for a 12-head layer, 224 for a 32-head
+    # one. Heads at index health_max_heads and beyond are not exported per head (0: no
+    # per-head series), so 256 tags cost at most 256 x (128 + 3 x 64) = 81,920 series.
     health_sample_rate: float = Field(default=0.01, ge=0.0, le=1.0)
     health_sink_tokens: int = Field(default=4, ge=0, le=1 << 20)
-    health_max_tags: int = Field(default=64, ge=1, le=10_000)
+    health_max_tags: int = Field(default=256, ge=1, le=10_000)
+    health_max_heads: int = Field(default=64, ge=0, le=1024)
 
     log_level: Literal["debug", "info", "warning", "error", "critical"] = "info"
     drain_timeout_s: float = Field(default=30.0, ge=0.0, le=3600.0)

@@ -21,6 +21,12 @@ TAG_IDLE_BEFORE_EVICTION_S (its series are removed and the eviction counted in
 sdpa_health_tags_evicted_total), else it is counted as "other". So the first tags a client
 sends no longer hold their slots until a restart, and a client sending new tags in a stream can
 only take slots of tags nobody used for that long: tags in use keep their series.
+
+Per head: besides the histograms (one observation per (sequence, head)), the gauges
+sdpa_attention_head_*{tag, head} hold each head's statistics in the tag's latest request, for
+a layer x head heatmap of a model whose every layer the tap sends under its own tag. Only
+heads at an index below SDPA_HEALTH_MAX_HEADS have such series (a 32-head layer fits the
+default of 64 twice over); a head that sees no key in a request keeps its previous values.
 """
 
 from __future__ import annotations
@@ -90,6 +96,37 @@ def observe_many(child: Histogram, values: npt.NDArray[Any]) -> None:
     child._sum.inc(float(finite.sum(dtype=np.float64)))
 
 
+@dataclass(frozen=True, slots=True)
+class LatestHeads:
+    """One request's statistics per head index (each [H]), pooled over its sequences."""
+
+    entropy: npt.NDArray[np.float64]  # mean normalized entropy over the head's rows seeing a key
+    sink: npt.NDArray[np.float64]  # mean sink share over the same rows
+    logit: npt.NDArray[np.float64]  # max |scaled score| over the sequences (-inf: none seen)
+    seen: npt.NDArray[np.bool_]  # some row of the head, in some sequence, saw a key
+
+
+def latest_heads(
+    rows: npt.NDArray[Any],
+    *,
+    entropy: npt.NDArray[Any],
+    sink: npt.NDArray[Any],
+    logit: npt.NDArray[Any],
+) -> LatestHeads:
+    """Per head, over the sequences: each argument is [S, H], rows[s, h] the rows of head h in
+    sequence s that see a key. A sequence's per-head means weigh by those rows, so that the
+    result is the mean over all the head's rows in the request (the summary's definition, per
+    head); with no masked rows, the plain mean over the sequences."""
+    total = rows.sum(axis=0)  # [H]
+    weights = rows / np.maximum(total, 1)  # [S, H]; 0 where a head saw nothing
+    return LatestHeads(
+        entropy=(entropy * weights).sum(axis=0, dtype=np.float64),
+        sink=(sink * weights).sum(axis=0, dtype=np.float64),
+        logit=np.where(rows > 0, logit, -np.inf).max(axis=0, initial=-np.inf).astype(np.float64),
+        seen=total > 0,
+    )
+
+
 class HealthMonitor:
     """Observes diagnostics into the health metrics and keeps the bounded queue of samples.
 
@@ -105,6 +142,7 @@ class HealthMonitor:
         diagnose: Diagnose,
         sample_rate: float,
         max_tags: int,
+        max_heads: int = 64,  # SDPA_HEALTH_MAX_HEADS's default (a test keeps them equal)
         rng: random.Random | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -112,6 +150,7 @@ class HealthMonitor:
         self._diagnose = diagnose
         self._sample_rate = sample_rate
         self._max_tags = max_tags
+        self._max_heads = max_heads
         # The tags holding a slot -> when each was last used, least recently used first.
         self._tags: collections.OrderedDict[str, float] = collections.OrderedDict()
         self._clock = clock
@@ -139,7 +178,7 @@ class HealthMonitor:
             if now - last_used < TAG_IDLE_BEFORE_EVICTION_S:
                 return OTHER_TAG
             del self._tags[idlest]
-            self._metrics.forget_tag(idlest)
+            self._metrics.forget_tag(idlest, heads=self._max_heads)
             self._metrics.health_tags_evicted_total.inc()
         self._tags[tag] = now
         return tag
@@ -149,21 +188,47 @@ class HealthMonitor:
     def observe(self, diagnostics: Diagnostics, *, n_q: int, tag: str, source: Source) -> None:
         """Feed one request's diagnostics to the health metrics: each histogram once per
         (sequence, head) that has a row seeing at least one key (a fully masked head has no
-        attention to judge: its rows count in masked_rows only)."""
+        attention to judge: its rows count in masked_rows only), and the per-head gauges with
+        the request's statistics of each head below max_heads that saw a key."""
         m = self._metrics
         per_head = diagnostics.per_head
-        series = (
-            (m.attention_entropy_normalized, per_head.normalized_entropy),
-            (m.attention_max_weight, per_head.max_weight),
-            (m.attention_saturated_fraction, per_head.saturated_fraction),
-            (m.attention_sink_share, per_head.sink_share),
-            (m.attention_logit_abs_max, per_head.score_abs_max_scaled),
+        heads = per_head.masked_rows.shape[-1] if per_head.masked_rows.dim() else 1
+        # Each statistic as [S, H] (S: the request's sequences, its leading dims flattened).
+        rows = n_q - per_head.masked_rows.reshape(-1, heads).cpu().numpy()  # rows seeing a key
+        entropy, max_weight, saturated, sink, logit = (
+            t.reshape(-1, heads).cpu().numpy()
+            for t in (
+                per_head.normalized_entropy,
+                per_head.max_weight,
+                per_head.saturated_fraction,
+                per_head.sink_share,
+                per_head.score_abs_max_scaled,
+            )
         )
-        seen = per_head.masked_rows.reshape(-1).cpu().numpy() < n_q  # heads with attention
-        for histogram, values in series:
-            observe_many(histogram.labels(tag=tag), values.reshape(-1).cpu().numpy()[seen])
+        seen = rows.reshape(-1) > 0  # (sequence, head) pairs with attention
+        for histogram, values in (
+            (m.attention_entropy_normalized, entropy),
+            (m.attention_max_weight, max_weight),
+            (m.attention_saturated_fraction, saturated),
+            (m.attention_sink_share, sink),
+            (m.attention_logit_abs_max, logit),
+        ):
+            observe_many(histogram.labels(tag=tag), values.reshape(-1)[seen])
+        self._set_heads(tag, latest_heads(rows, entropy=entropy, sink=sink, logit=logit))
         m.attention_masked_rows_total.labels(tag=tag).inc(diagnostics.summary.masked_rows)
         m.health_observations_total.labels(tag=tag, source=source).inc()
+
+    def _set_heads(self, tag: str, heads: LatestHeads) -> None:
+        """The per-head gauges of `tag`: one label lookup and set per gauge and head."""
+        limit = min(len(heads.seen), self._max_heads)
+        gauges = self._metrics.head_gauges()
+        entropy, sink, logit = (
+            a[:limit].tolist() for a in (heads.entropy, heads.sink, heads.logit)
+        )
+        for head in np.flatnonzero(heads.seen[:limit]).tolist():
+            label = str(head)
+            for gauge, value in zip(gauges, (entropy[head], sink[head], logit[head]), strict=True):
+                gauge.labels(tag, label).set(value)
 
     def count_nonfinite(self) -> None:
         """A request was refused for NaN/Inf in an input."""
@@ -247,6 +312,10 @@ class HealthMonitor:
         # The tag may have lost its slot while the sample waited: its series must not return.
         tag = sample.tag if sample.tag in self._tags else OTHER_TAG
         self.observe(diagnostics, n_q=sample.prepared.spec.n_q, tag=tag, source="sampled")
+        if tag != OTHER_TAG and tag not in self._tags:
+            # Evicted (on the event loop) while this thread observed: what it wrote after the
+            # eviction's removal would stay for good, with no slot left to remove it.
+            self._metrics.forget_tag(tag, heads=self._max_heads)
 
 
 def _input_bytes(prepared: PreparedJob) -> int:
