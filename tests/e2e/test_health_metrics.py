@@ -23,7 +23,7 @@ from tests.support.live_server import LiveServer, live_server
 
 SINK_TOKENS = 2
 UNIT = [round(i * 0.05, 2) for i in range(21)]  # the documented buckets, written out
-LOGIT = [2.0**e for e in range(-2, 15)]
+LOGIT = sorted([2.0**e for e in range(-2, 15)] + [100.0])  # and QK-Clip's tau
 HISTOGRAMS = {
     "sdpa_attention_entropy_normalized": UNIT,
     "sdpa_attention_max_weight": UNIT,
@@ -153,6 +153,33 @@ def test_requested_diagnostics_move_each_histogram_as_by_hand(sampling_server: L
     assert value(after, obs, tag="known", source="requested") == 1
     assert value(after, obs, tag="known", source="sampled") == 0
     assert value(after, "sdpa_attention_masked_rows_total", tag="known") == 0
+
+
+def test_the_per_head_gauges_hold_the_latest_requests_heads_as_by_hand(
+    sampling_server: LiveServer,
+) -> None:
+    """sdpa_attention_head_*{tag, head}: each head of the tag's latest request."""
+    url = sampling_server.url
+    tag = "lm/layer0"
+    assert post(url, scores_request([SINK, SINK]) | {"tag": tag}).status_code == 200
+    heads = [UNIFORM, ONE_HOT, SINK]
+    assert post(url, scores_request(heads) | {"tag": tag}).status_code == 200
+    after = scrape(url)
+    gauges = {
+        "sdpa_attention_head_entropy_normalized": "sdpa_attention_entropy_normalized",
+        "sdpa_attention_head_sink_share": "sdpa_attention_sink_share",
+        "sdpa_attention_head_logit_abs_max": "sdpa_attention_logit_abs_max",
+    }
+    for gauge, statistic in gauges.items():
+        exported = {
+            dict(labels)["head"]: v
+            for (name, labels), v in after.items()
+            if name == gauge and ("tag", tag) in labels
+        }
+        want = {str(h): by_hand(scores)[statistic] for h, scores in enumerate(heads)}
+        assert exported.keys() == want.keys(), gauge
+        for head, v in want.items():
+            assert exported[head] == pytest.approx(v, rel=1e-9, abs=1e-12), (gauge, head)
 
 
 def test_masked_rows_are_counted_and_a_fully_masked_head_is_not_observed(
