@@ -36,9 +36,21 @@ ALERTS = {
     "SdpaAttentionSaturationSurge",
     "SdpaAttentionSinkTakeover",
     "SdpaAttentionLogitBlowUp",
+    "SdpaAttentionLogitQkClip",
+    "SdpaAttentionSinkRateShift",
     "SdpaNonFiniteInputs",
     "SdpaQueueBacklog",
     "SdpaP99LatencyHigh",
+}
+RECORDS = {"sdpa:attention_sink_rate:ratio15m"}
+# Where each attention-health alert's signal and threshold come from, cited in its runbook.
+SOURCES = {
+    "SdpaAttentionEntropyCollapse": "arXiv 2303.06296",  # Zhai et al., ICML 2023
+    "SdpaAttentionSaturationSurge": "arXiv 1706.03762",  # Vaswani et al. 2017
+    "SdpaAttentionSinkTakeover": "arXiv 2309.17453",  # StreamingLLM
+    "SdpaAttentionLogitBlowUp": "arXiv 2302.05442",  # ViT-22B
+    "SdpaAttentionLogitQkClip": "arXiv 2507.20534",  # Kimi K2, QK-Clip
+    "SdpaAttentionSinkRateShift": "arXiv 2410.10781",  # Gu et al., ICLR 2025
 }
 
 
@@ -61,7 +73,7 @@ def test_promtool_check_rules() -> None:
         [promtool(), "check", "rules", str(RULES)], capture_output=True, text=True, timeout=60
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert f"SUCCESS: {len(ALERTS)} rules found" in proc.stdout
+    assert f"SUCCESS: {len(ALERTS) + len(RECORDS)} rules found" in proc.stdout
 
 
 @pytest.mark.parametrize(
@@ -82,13 +94,43 @@ def rules() -> list[dict[str, Any]]:
     return [rule for group in load_yaml(RULES)["groups"] for rule in group["rules"]]
 
 
+def alerts() -> dict[str, dict[str, Any]]:
+    return {rule["alert"]: rule for rule in rules() if "alert" in rule}
+
+
 def test_every_alert_is_there_with_a_runbook_and_a_severity() -> None:
-    by_name = {rule["alert"]: rule for rule in rules()}
+    by_name = alerts()
     assert set(by_name) == ALERTS
+    assert {rule["record"] for rule in rules() if "record" in rule} == RECORDS
     for name, rule in by_name.items():
         assert rule["annotations"]["runbook"].strip(), name
         assert rule["annotations"]["summary"].strip(), name
         assert rule["labels"]["severity"] in {"warning", "critical"}, name
+
+
+def test_every_health_alert_cites_its_source_and_the_thresholds_are_the_literatures() -> None:
+    by_name = alerts()
+    for name, source in SOURCES.items():
+        assert source in by_name[name]["annotations"]["runbook"], name
+    collapse = by_name["SdpaAttentionEntropyCollapse"]["annotations"]["runbook"]
+    assert "H / log(visible keys)" in collapse
+    assert "ICML 2023" in collapse
+    # QK-Clip's tau is a bucket bound of the logit histogram: the share above it is exact.
+    assert 'sdpa_attention_logit_abs_max_bucket{le="100.0"}' in by_name[
+        "SdpaAttentionLogitQkClip"
+    ]["expr"]
+    record = next(r for r in rules() if r.get("record") == "sdpa:attention_sink_rate:ratio15m")
+    assert 'sdpa_attention_sink_share_bucket{le="0.3"}' in record["expr"]  # Gu et al.'s 0.3
+
+
+def test_every_recording_rule_has_a_promtool_test() -> None:
+    tested = set()
+    for path in (MONITORING / "tests").glob("*.yml"):
+        for case in load_yaml(path)["tests"]:
+            for check in case.get("promql_expr_test", []):
+                if check.get("exp_samples"):
+                    tested |= metric_names(check["expr"])
+    assert tested >= RECORDS
 
 
 def test_every_alert_has_a_unit_test_that_fires_it() -> None:
@@ -250,6 +292,9 @@ def test_every_dashboard_query_names_an_exported_metric(server: LiveServer) -> N
         "sdpa_attention_saturated_fraction_sum",
         "sdpa_attention_max_weight_sum",
         "sdpa_attention_logit_abs_max_bucket",
+        "sdpa_attention_head_entropy_normalized",
+        "sdpa_attention_head_sink_share",
+        "sdpa_attention_head_logit_abs_max",
         "sdpa_attention_masked_rows_total",
         "sdpa_nonfinite_inputs_total",
         "sdpa_health_observations_total",
@@ -262,9 +307,11 @@ def test_every_dashboard_query_names_an_exported_metric(server: LiveServer) -> N
 
 
 def test_every_alert_and_the_autoscaler_name_exported_metrics(server: LiveServer) -> None:
-    exported = exported_names(server.url)
+    """... or a series a recording rule records."""
+    exported = exported_names(server.url) | RECORDS
     for rule in rules():
+        name = rule.get("alert") or rule["record"]
         names = metric_names(rule["expr"])
-        assert names, rule["alert"]
-        assert names <= exported, (rule["alert"], names - exported)
+        assert names, name
+        assert names <= exported, (name, names - exported)
     assert metric_names(autoscaler_query()) == {"sdpa_backlog_seconds"}
