@@ -3,11 +3,13 @@
 A live server gets requests of known attention (tagged), a rejected one, a non-finite one and a
 long one abandoned at its deadline; Debian's `prometheus` (2.x) scrapes it every second and
 loads deploy/monitoring/sdpa.rules.yml.
-Then every query of the Grafana dashboard is evaluated by that Prometheus ($__rate_interval and
-$tag filled in as Grafana would): each returns data, and the health panels return the values
-computed by hand. The panels are drawn from those query results with matplotlib (headless) into
-a PNG; with UPDATE_SCREENSHOTS=1 it is written to docs/monitoring-dashboard.png (the README's
-screenshot).
+Then every query of the Grafana dashboard is evaluated by that Prometheus ($__rate_interval,
+$tag and $model filled in as Grafana would: $model is the first value of its variable's
+label_values query after its regex): each returns data, and the health panels, per tag and per
+layer and head of the model "tiny" (tags "tiny/layer{i}", as the tap sends them), return the
+values computed by hand. The panels are drawn from those query results with matplotlib
+(headless) into a PNG; with UPDATE_SCREENSHOTS=1 it is written to docs/monitoring-dashboard.png
+(the README's screenshot).
 
 Skips without the prometheus binary (Debian: apt-get install prometheus).
 """
@@ -17,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import time
@@ -27,6 +30,7 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
+import yaml
 
 from tests.e2e.test_health_metrics import (
     ONE_HOT,
@@ -110,7 +114,11 @@ def traffic(server: LiveServer, prometheus: str) -> tuple[float, float]:
         assert post(url, scores_request([SINK]) | {"tag": "sinky"}).status_code == 200
         body = scores_request([SINK]) | {"tag": "sampled", "diagnostics": "none"}
         assert post(url, body).status_code == 200
-        sent += 3
+        # A model of three layers, as the tap names them (layer 10: the rows sort as numbers).
+        for layer, heads in TINY.items():
+            body = scores_request(heads) | {"tag": f"tiny/layer{layer}"}
+            assert post(url, body).status_code == 200
+        sent += 3 + len(TINY)
         time.sleep(0.05)
     # One refused for size (413, rejected_total{reason="too_large"}), one for NaN (422).
     big = httpx.post(
@@ -134,9 +142,59 @@ def traffic(server: LiveServer, prometheus: str) -> tuple[float, float]:
     return start, time.time()
 
 
-def grafana_expr(expr: str) -> str:
-    """An expression as Grafana sends it: its variables filled in."""
-    return expr.replace("$__rate_interval", RATE_INTERVAL).replace("$tag", ".*")
+# The tap's tags of a model "tiny": layer -> its heads' row scores.
+TINY = {0: [UNIFORM, ONE_HOT, SINK], 1: [SINK, UNIFORM], 10: [ONE_HOT]}
+
+
+def dashboard() -> dict[str, Any]:
+    loaded: dict[str, Any] = json.loads(
+        (MONITORING / "sdpa-dashboard.json").read_text(encoding="utf-8")
+    )
+    return loaded
+
+
+def variable_options(prometheus: str, variable: dict[str, Any]) -> list[str]:
+    """A query variable's options as Grafana computes them: label_values(metric, label) from
+    Prometheus, then the variable's regex (its capture group, when it has one), deduplicated
+    and, with sort 1, sorted alphabetically."""
+    found = re.fullmatch(r"label_values\((\w+),\s*(\w+)\)", variable["query"]["query"])
+    assert found, variable["query"]
+    metric, label = found.groups()
+    response = httpx.get(
+        f"{prometheus}/api/v1/label/{label}/values", params={"match[]": metric}, timeout=10.0
+    )
+    values: list[str] = response.json()["data"]
+    if variable.get("regex"):
+        pattern = re.compile(variable["regex"].strip("/"))
+        matches = [pattern.search(value) for value in values]
+        values = [m.group(1) if m.groups() else m.group(0) for m in matches if m]
+    options = list(dict.fromkeys(values))
+    return sorted(options) if variable.get("sort") == 1 else options
+
+
+@pytest.fixture(scope="module")
+def variables(prometheus: str, traffic: tuple[float, float]) -> dict[str, str]:
+    """Each template variable's value: "All" (its allValue) where it has one, else its first
+    option, as Grafana picks when nothing is selected."""
+    values = {"__rate_interval": RATE_INTERVAL}
+    for variable in dashboard()["templating"]["list"]:
+        if variable["type"] != "query":
+            continue
+        if variable.get("includeAll"):
+            values[variable["name"]] = variable["allValue"]
+        else:
+            options = variable_options(prometheus, variable)
+            assert options, variable["name"]
+            values[variable["name"]] = options[0]
+    return values
+
+
+def grafana_expr(expr: str, variables: dict[str, str]) -> str:
+    """An expression as Grafana sends it: its variables ($name, ${name}) filled in."""
+    for name in sorted(variables, key=len, reverse=True):  # $model before a $mod
+        expr = expr.replace("${" + name + "}", variables[name])
+        expr = expr.replace("$" + name, variables[name])
+    return expr
 
 
 def query(prometheus: str, expr: str) -> list[dict[str, Any]]:
@@ -148,14 +206,14 @@ def query(prometheus: str, expr: str) -> list[dict[str, Any]]:
 
 
 def panels() -> list[dict[str, Any]]:
-    dashboard = json.loads((MONITORING / "sdpa-dashboard.json").read_text(encoding="utf-8"))
-    return [p for p in dashboard["panels"] if p["type"] != "row"]
+    return [p for p in dashboard()["panels"] if p["type"] != "row"]
 
 
-def test_every_dashboard_query_returns_data(prometheus: str, traffic: tuple[float, float]) -> None:
+def test_every_dashboard_query_returns_data(prometheus: str, variables: dict[str, str]) -> None:
+    assert variables["model"] == "tiny"  # the only model: "tiny/layer{i}"
     for panel in panels():
         for target in panel["targets"]:
-            result = query(prometheus, grafana_expr(target["expr"]))
+            result = query(prometheus, grafana_expr(target["expr"], variables))
             assert result, (panel["title"], target["expr"])
 
 
@@ -164,11 +222,11 @@ def by_tag(result: list[dict[str, Any]]) -> dict[str, float]:
 
 
 def test_health_panels_show_the_values_computed_by_hand(
-    prometheus: str, traffic: tuple[float, float]
+    prometheus: str, variables: dict[str, str]
 ) -> None:
     """Every observation of a tag has the same value here, so a panel's mean is that value."""
-    sink = next(p for p in panels() if p["title"].startswith("Sink share"))
-    values = by_tag(query(prometheus, grafana_expr(sink["targets"][0]["expr"])))
+    sink = next(p for p in panels() if p["title"].startswith("Sink share ("))
+    values = by_tag(query(prometheus, grafana_expr(sink["targets"][0]["expr"], variables)))
     hand = {"sinky": by_hand(SINK), "sampled": by_hand(SINK)}
     for tag, stats in hand.items():
         assert values[tag] == pytest.approx(stats["sdpa_attention_sink_share"], rel=1e-9)
@@ -177,7 +235,7 @@ def test_health_panels_show_the_values_computed_by_hand(
     assert values["mixed"] == pytest.approx(want, rel=1e-9)
 
     saturated = next(p for p in panels() if p["title"].startswith("Saturated"))
-    values = by_tag(query(prometheus, grafana_expr(saturated["targets"][0]["expr"])))
+    values = by_tag(query(prometheus, grafana_expr(saturated["targets"][0]["expr"], variables)))
     assert values["mixed"] == pytest.approx(0.5)  # one head of two is one-hot
     assert values["sinky"] == 0.0
 
@@ -185,20 +243,52 @@ def test_health_panels_show_the_values_computed_by_hand(
     assert {r["metric"]["source"] for r in sources} == {"sampled"}
 
 
+def test_the_per_model_heatmaps_show_each_layer_and_head_as_by_hand(
+    prometheus: str, variables: dict[str, str]
+) -> None:
+    """One cell per layer and head of "tiny", labelled with zero-padded numbers so that the
+    rows sort as numbers (L01 before L10), each the head's value in its layer's requests."""
+    statistic = {
+        "Normalized entropy by layer and head": "sdpa_attention_entropy_normalized",
+        "Sink share by layer and head": "sdpa_attention_sink_share",
+        "Max |scaled score| by layer and head": "sdpa_attention_logit_abs_max",
+    }
+    for title, name in statistic.items():
+        panel = next(p for p in panels() if p["title"] == title)
+        assert panel["type"] == "heatmap"
+        result = query(prometheus, grafana_expr(panel["targets"][0]["expr"], variables))
+        cells = {(r["metric"]["layer"], r["metric"]["head"]): float(r["value"][1]) for r in result}
+        want = {
+            (f"{layer:02d}", f"{head:02d}"): by_hand(scores)[name]
+            for layer, heads in TINY.items()
+            for head, scores in enumerate(heads)
+        }
+        assert cells.keys() == want.keys(), title
+        for cell, value in want.items():
+            assert cells[cell] == pytest.approx(value, rel=1e-9, abs=1e-12), (title, cell)
+        legend = panel["targets"][0]["legendFormat"]
+        rows = [legend.replace("{{layer}}", la).replace("{{head}}", he) for la, he in cells]
+        assert sorted(rows)[-1] == "L10 H00"  # layer 10 after layers 0 and 1
+
+
 def test_the_alert_rules_load_and_stay_quiet_on_healthy_traffic(
     prometheus: str, traffic: tuple[float, float]
 ) -> None:
     groups = httpx.get(f"{prometheus}/api/v1/rules", timeout=10.0).json()["data"]["groups"]
     rules = [rule for group in groups for rule in group["rules"]]
-    assert len(rules) == 7
+    in_file = yaml.safe_load((MONITORING / "sdpa.rules.yml").read_text(encoding="utf-8"))
+    assert len(rules) == sum(len(group["rules"]) for group in in_file["groups"])
     assert all(rule["health"] == "ok" for rule in rules), rules
     # A third of the heads are one-hot, every query 60 logits: the logit and collapse alerts
     # may go pending (their `for` is minutes away); nothing can have fired yet.
-    assert all(rule["state"] != "firing" for rule in rules)
+    assert all(rule.get("state") != "firing" for rule in rules)
+    # The sink rate is recorded per tag: "sinky" sends one head, which sinks (11/15 > 0.3).
+    recorded = by_tag(query(prometheus, "sdpa:attention_sink_rate:ratio15m"))
+    assert recorded["sinky"] == 1.0
 
 
 def test_the_dashboard_panels_render(
-    prometheus: str, traffic: tuple[float, float], tmp_path: Path
+    prometheus: str, traffic: tuple[float, float], variables: dict[str, str], tmp_path: Path
 ) -> None:
     import matplotlib
 
@@ -212,8 +302,24 @@ def test_the_dashboard_panels_render(
     fig, axes = plt.subplots(rows, cols, figsize=(15, 2.6 * rows), squeeze=False)
     for ax, panel in zip(axes.flat, shown, strict=False):
         drawn = 0
-        if panel["type"] == "heatmap":  # the distribution at the end, per bucket
-            result = query(prometheus, grafana_expr(panel["targets"][0]["expr"]))
+        target = panel["targets"][0]
+        if panel["type"] == "heatmap" and target.get("format") != "heatmap":
+            # Layer x head at the end: rows as Grafana sorts them, one column a head.
+            result = query(prometheus, grafana_expr(target["expr"], variables))
+            cells = {
+                (r["metric"]["layer"], r["metric"]["head"]): float(r["value"][1]) for r in result
+            }
+            layers = sorted({layer for layer, _ in cells})
+            heads = sorted({head for _, head in cells})
+            grid = np.full((len(layers), len(heads)), np.nan)
+            for (layer, head), cell in cells.items():
+                grid[layers.index(layer), heads.index(head)] = cell
+            ax.imshow(grid, aspect="auto", cmap="viridis")
+            ax.set_yticks(range(len(layers)), [f"L{layer}" for layer in layers])
+            ax.set_xticks(range(len(heads)), [f"H{head}" for head in heads])
+            drawn = len(cells)
+        elif panel["type"] == "heatmap":  # the distribution at the end, per bucket
+            result = query(prometheus, grafana_expr(target["expr"], variables))
             cumulative = sorted((float(r["metric"]["le"]), float(r["value"][1])) for r in result)
             finite = [(le, n) for le, n in cumulative if math.isfinite(le)]
             counts = [n - (finite[i - 1][1] if i else 0.0) for i, (_, n) in enumerate(finite)]
@@ -224,7 +330,7 @@ def test_the_dashboard_panels_render(
             response = httpx.get(
                 f"{prometheus}/api/v1/query_range",
                 params={
-                    "query": grafana_expr(target["expr"]),
+                    "query": grafana_expr(target["expr"], variables),
                     "start": start,
                     "end": end,
                     "step": SCRAPE_S,
