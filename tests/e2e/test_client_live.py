@@ -96,6 +96,27 @@ def test_attention_equals_sdpa_core(client: SDPAClient, encoding: str) -> None:
     assert result.meta.request_id
 
 
+@pytest.mark.parametrize("encoding", ["base64", "json"])
+def test_diagnostics_without_the_output(client: SDPAClient, encoding: str) -> None:
+    """return_output=False: the answer has no output, and its diagnostics are sdpa_core's."""
+    q, k, v = qkv((2, 3, 12, 8), seed=4)
+    result = client.attention(
+        q, k, v, causal="bottom_right", diagnostics="summary", return_output=False,
+        encoding=encoding,  # type: ignore[arg-type]
+    )  # fmt: skip
+    ref = attention(*torch_of(q, k, v), causal="bottom_right", diagnostics="summary")
+    assert result.output is None
+    assert result.diagnostics is not None
+    assert ref.diagnostics is not None
+    assert result.diagnostics.per_row is None
+    for name, expected in ref.diagnostics.summary.as_dict().items():
+        assert result.diagnostics.summary[name] == pytest.approx(expected, rel=1e-6), name
+    for name, expected in ref.diagnostics.per_head.as_dict().items():
+        np.testing.assert_allclose(
+            result.diagnostics.per_head[name], np.asarray(expected), rtol=1e-6, err_msg=name
+        )
+
+
 def test_torch_bfloat16_in_float32_out(client: SDPAClient) -> None:
     q, k, v = (t.to(torch.bfloat16) for t in torch_of(*qkv((1, 2, 8, 16), seed=3)))
     result = client.attention(q, k, v, diagnostics="none")

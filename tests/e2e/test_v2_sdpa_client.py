@@ -108,6 +108,50 @@ def test_mask_options(client: SDPAClient, name: str, encoding: str) -> None:
         assert summary.entropy == pytest.approx(want.rows.entropy[active].mean(), abs=1e-5)
 
 
+def per_head_mean(rows: np.ndarray, visible_keys: np.ndarray) -> np.ndarray:
+    """The mean of a per-row statistic [B, H, N_q] over each head's rows that see a key (0 for
+    a head that sees none): the per-head statistic, from the float64 reference."""
+    active = visible_keys > 0
+    count = active.sum(-1)
+    return np.where(count > 0, (rows * active).sum(-1) / np.maximum(count, 1), 0.0)
+
+
+@pytest.mark.parametrize("encoding", ["base64", "json"], ids=["binary", "json"])
+@pytest.mark.parametrize("name", ["fully_masked", "gqa", "attn_mask_float"])
+def test_diagnostics_alone_with_the_per_head_statistics(
+    client: SDPAClient, server: LiveServer, name: str, encoding: str
+) -> None:
+    """return_output=False with diagnostics "summary": no output comes back; per_head holds
+    every per-head statistic [B, H], the float64 reference's where it is written in the test
+    (mean row entropy and max weight, masked rows per head), and the v1 client's for the same
+    request to float32 rounding."""
+    case = MASK_CASES[name]
+    result = call(client, case, diagnostics="summary", return_output=False, encoding=encoding)
+    assert result.output is None
+    assert result.diagnostics is not None
+    per_head = result.diagnostics.per_head
+    rows = expected(case).rows
+    b, h = rows.visible_keys.shape[:2]
+    assert {value.shape for value in per_head.values()} == {(b, h)}
+    np.testing.assert_allclose(
+        per_head["entropy"], per_head_mean(rows.entropy, rows.visible_keys), atol=1e-5
+    )
+    np.testing.assert_allclose(
+        per_head["max_weight"], per_head_mean(rows.max_weight, rows.visible_keys), atol=1e-5
+    )
+    assert per_head["masked_rows"].dtype == np.int64
+    np.testing.assert_array_equal(per_head["masked_rows"], (rows.visible_keys == 0).sum(-1))
+    with SDPAClient(server.url, api_key=API_KEY) as v1:
+        # base64: the v1 client writes a float mask's -inf in JSON lists as -Infinity, which
+        # the server refuses (JSON has none); v1's lists want null there.
+        by_v1 = call(v1, case, diagnostics="summary", return_output=False, encoding="base64")
+    assert by_v1.output is None
+    assert by_v1.diagnostics is not None
+    assert set(by_v1.diagnostics.per_head) == set(per_head)
+    for stat, want in by_v1.diagnostics.per_head.items():
+        np.testing.assert_allclose(per_head[stat], want, rtol=1e-6, atol=1e-6, err_msg=stat)
+
+
 def test_bad_requests_name_the_input(client: SDPAClient) -> None:
     for case, words in [
         (make_case((1, 2, 4, 8), (1, 2, 4, 4)), "input 'k'"),

@@ -19,6 +19,7 @@ import httpx
 import numpy as np
 import pytest
 
+from tests.e2e.test_v2_sdpa_client import per_head_mean
 from tests.support.app import API_SERVER_ENV
 from tests.support.live_server import LiveServer, live_server
 from tests.support.v2_cases import (
@@ -232,6 +233,58 @@ def test_summary_parameters(client: Any) -> None:
     assert params["max_weight"] == pytest.approx(rows.max_weight[active].mean(), abs=1e-5)
     assert params["grad_health"] == pytest.approx(rows.grad_health[active].mean(), abs=1e-5)
     assert params["path"] == "chunked"  # statistics without weights: O(N) memory
+
+
+@pytest.mark.parametrize("binary", [True, False], ids=["binary", "json"])
+def test_a_request_naming_only_a_per_head_statistic_gets_it_alone(
+    client: Any, binary: bool
+) -> None:
+    """tritonclient asks for "entropy_per_head" alone (diagnostics summary): the answer holds
+    that [B, H] FP32 tensor and no "output", equal to the float64 reference's mean row entropy
+    per head (the second sequence sees no key: 0, and all its rows counted as masked)."""
+    case = make_case((2, 3, 6, 8), (2, 3, 7, 8), key_lengths=np.array([5, 0], dtype=np.int64),
+                     causal="bottom_right", parameters={"diagnostics": "summary"})  # fmt: skip
+    result = infer(client, case, binary=binary, outputs=("entropy_per_head",))
+    assert [o["name"] for o in result.get_response()["outputs"]] == ["entropy_per_head"]
+    assert result.as_numpy("output") is None
+    out = result.get_output("entropy_per_head")
+    assert (out["datatype"], out["shape"]) == ("FP32", [2, 3])
+    got = result.as_numpy("entropy_per_head")
+    rows = expected(case).rows
+    want = per_head_mean(rows.entropy, rows.visible_keys)
+    assert not want[1].any()
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    assert result.get_response()["parameters"]["masked_rows"] == 3 * 6
+
+
+def test_every_per_head_statistic_beside_the_output(client: Any) -> None:
+    """The model's metadata lists a "<stat>_per_head" output for each per-head statistic;
+    asked for together with the output, each comes back [B, H] (masked_rows INT64)."""
+    listed = [o["name"] for o in client.get_model_metadata("attention")["outputs"]]
+    per_head = tuple(name for name in listed if name.endswith("_per_head"))
+    assert {"entropy_per_head", "max_weight_per_head", "masked_rows_per_head"} <= set(per_head)
+    case = make_case((1, 2, 4, 8), causal=True, parameters={"diagnostics": "full"})
+    result = infer(client, case, outputs=("output", *per_head))
+    names = [o["name"] for o in result.get_response()["outputs"]]
+    assert names == ["output", *per_head]
+    want = expected(case)
+    assert_close(result.as_numpy("output"), want.output, "FP32")
+    for name in per_head:
+        assert result.as_numpy(name).shape == (1, 2), name
+    assert result.as_numpy("masked_rows_per_head").dtype == np.int64
+    np.testing.assert_allclose(
+        result.as_numpy("max_weight_per_head"),
+        per_head_mean(want.rows.max_weight, want.rows.visible_keys),
+        rtol=1e-5,
+    )
+
+
+def test_a_per_head_statistic_without_the_summary_is_refused(client: Any) -> None:
+    with pytest.raises(utils.InferenceServerException) as info:
+        infer(client, make_case((1, 2, 4, 8)), outputs=("entropy_per_head",))
+    assert info.value.status() == "400"
+    assert "output 'entropy_per_head'" in info.value.message()
+    assert "parameter 'diagnostics'" in info.value.message()
 
 
 def test_request_id_timeout_priority_and_compression(client: Any) -> None:
