@@ -546,7 +546,7 @@ def to_device(job: AttentionJob, device: torch.device) -> AttentionJob:
     )
 
 
-def result_to_cpu(result: AttentionResult, level: str) -> AttentionResult:
+def result_to_cpu(result: AttentionResult, level: str, *, scale: float) -> AttentionResult:
     rows = result.row_stats
     cpu_rows = None if rows is None else RowStats(**{n: t.cpu() for n, t in rows.as_dict().items()})
     return AttentionResult(
@@ -554,7 +554,7 @@ def result_to_cpu(result: AttentionResult, level: str) -> AttentionResult:
         weights=None if result.weights is None else result.weights.cpu(),
         diagnostics=None
         if cpu_rows is None or level == "none"
-        else summarize(cpu_rows, scale=1.0, level="full" if level == "full" else "summary"),
+        else summarize(cpu_rows, scale=scale, level="full" if level == "full" else "summary"),
         row_stats=cpu_rows,
         path=result.path,
         backend=result.backend,
@@ -570,14 +570,16 @@ def test_gpu_batched_equals_solo_on_device() -> None:
     engine = Engine(device, metrics=Metrics())
     engine.warmup()
     for options in OPTIONS:
-        # A scale of 1.0 for both sides' summaries: compare like with like.
+        # An explicit scale (1.0 unless the option names one), which both sides' summaries use:
+        # the solo result's row statistics are summarized again on the host with it.
         opts = {**options, "scale": options.get("scale", 1.0)}
         jobs = [make_job(gen, lead, n_q, n_kv, **opts) for lead, n_q, n_kv in SHAPES]
         outcomes = engine.run_batch(prepared(jobs))
         for job, outcome in zip(jobs, outcomes, strict=True):
             assert isinstance(outcome, AttentionOutcome), outcome
             assert outcome.device.startswith("cuda")
-            want = result_to_cpu(solo(to_device(job, device)), job.diagnostics)
+            assert job.scale is not None
+            want = result_to_cpu(solo(to_device(job, device)), job.diagnostics, scale=job.scale)
             # GPU kernels change with the mask (flash without, efficient/math with): allow
             # float32 1e-4 there; diagnostics are float32 statistics either way.
             dtype = job.q.dtype
@@ -670,7 +672,7 @@ def test_gpu_long_jobs_and_pinned_copies() -> None:
         outcome = run.outcome()
         assert isinstance(outcome, AttentionOutcome), outcome
         assert outcome.result.output.device.type == "cpu"
-        want = result_to_cpu(solo(to_device(job, device)), job.diagnostics)
+        want = result_to_cpu(solo(to_device(job, device)), job.diagnostics, scale=1.0)
         assert_same_result(outcome.result, want, torch.float32, loose=True)
 
     host = torch.randn(3, 5, 7, generator=gen)
