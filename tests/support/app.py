@@ -8,6 +8,7 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
+import httpx
 from fastapi.testclient import TestClient
 
 from service.app import create_app
@@ -66,3 +67,26 @@ def asgi_scope(method: str, path: str, *, content_length: int = 0) -> dict[str, 
         "root_path": "", "server": ("127.0.0.1", 8000), "client": ("127.0.0.1", 5000),
         "headers": headers,
     }  # fmt: skip
+
+
+# Headers that describe the bytes as they travelled, not as the test client hands them over.
+_FRAMING = frozenset({"content-encoding", "content-length", "transfer-encoding"})
+
+
+def app_transport(app_client: TestClient) -> httpx.MockTransport:
+    """The app as an httpx transport. starlette's TestClient is built on httpx2 when that is
+    installed (its preference; huggingface_hub, which transformers needs, installs it), and an
+    httpx.Client cannot use httpx2's transport: each request goes through the test client
+    instead, whichever package it is built on."""
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        answer = app_client.request(
+            request.method,
+            request.url.raw_path.decode("ascii"),
+            content=request.content,
+            headers=dict(request.headers),
+        )
+        headers = [(k, v) for k, v in answer.headers.multi_items() if k.lower() not in _FRAMING]
+        return httpx.Response(answer.status_code, headers=headers, content=answer.content)
+
+    return httpx.MockTransport(handle)

@@ -1,0 +1,312 @@
+"""AttentionTap: a live model's attention, sampled every n forwards and sent to sdpa-service.
+
+    from sdpa_client.tap import AttentionTap
+
+    with AttentionTap("http://sdpa:8000", model="minilm", every=100) as tap:
+        with tap.attach(model):
+            for batch in batches:
+                model(**batch)
+        tap.flush(timeout_s=30.0)
+        for report in tap.reports:
+            print(report.tag, report.summary["normalized_entropy"])
+
+What the forward's thread does for a sampled attention call: reserve room in the queue (or
+drop and count), copy q, k, v and the mask to host memory, and queue them. Encoding, sending
+and reading the answer happen on the sender thread. The model's own kernel runs unchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import logging
+import re
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Final, Literal, Self
+
+import httpx
+import numpy.typing as npt
+import torch
+
+from sdpa_client.tap.hooks import AttentionCall, attach_hooks
+from sdpa_client.tap.host import HostCopier, nbytes
+from sdpa_client.tap.sender import Poster, Sample, Sender
+from sdpa_client.types import AttentionResponse
+
+logger = logging.getLogger("sdpa_client.tap")
+
+TapProtocol = Literal["v1", "v2"]
+TapDiagnostics = Literal["summary", "full"]
+# The service's tag rule (1-64 of [A-Za-z0-9_.:/-]), leaving room for "/layer{i}".
+_MODEL_NAME: Final = re.compile(r"[A-Za-z0-9_.:/-]{1,48}")
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class LayerReport:
+    """The service's answer for one layer of one sampled forward.
+
+    Attributes:
+        forward: the forward's number, from 0 per attach.
+        layer: the layer index (HF models) or the call's order in the forward.
+        tag: "{model}/layer{layer}", the tag of the health metrics it fed.
+        summary: statistic name -> value, pooled over the layer's sequences and heads.
+        per_head: statistic name -> ndarray [B, H].
+        per_row: with diagnostics="full", statistic name -> ndarray [B, H, N_q]; else None.
+    """
+
+    forward: int
+    layer: int
+    tag: str
+    summary: Mapping[str, Any]
+    per_head: Mapping[str, npt.NDArray[Any]]
+    per_row: Mapping[str, npt.NDArray[Any]] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class TapStats:
+    """Counts since the tap was made. Every sampled call ends answered, failed or dropped.
+
+    Attributes:
+        forwards: forwards run while attached.
+        sampled: attention calls of sampled forwards.
+        sent: samples posted to the service.
+        answered: samples the service answered with diagnostics.
+        dropped: samples not sent: the queue of unsent bytes was full, or the tap closed first.
+        failed: samples that got an error or no answer, or could not be read or copied.
+    """
+
+    forwards: int = 0
+    sampled: int = 0
+    sent: int = 0
+    answered: int = 0
+    dropped: int = 0
+    failed: int = 0
+
+
+@dataclass
+class _Counts:
+    forwards_before: int = 0  # forwards of earlier attaches
+    sampled: int = 0
+    sent: int = 0
+    answered: int = 0
+    dropped: int = 0
+    failed: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def add(self, name: str, n: int = 1) -> None:
+        with self.lock:
+            setattr(self, name, getattr(self, name) + n)
+
+
+class AttentionTap:
+    """Samples a model's attention calls and sends them to sdpa-service for diagnostics."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        model: str = "model",
+        every: int = 100,
+        diagnostics: TapDiagnostics = "summary",
+        api_key: str | None = None,
+        protocol: TapProtocol = "v1",
+        max_queue_bytes: int = 64 << 20,
+        timeout_s: float = 10.0,
+        on_report: Callable[[LayerReport], None] | None = None,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
+        """Open the tap (its sender thread starts; nothing is sent before a sampled forward).
+
+        Args:
+            url: the service, e.g. "http://sdpa:8000".
+            model: the name in the tags "{model}/layer{i}" (1-48 of A-Z a-z 0-9 _ . : / -).
+            every: forward n (from 0 per attach) is sampled when n % every == 0.
+            diagnostics: "summary" (summary and per-head statistics) or "full" (adds per-row).
+            api_key: sent as "Authorization: Bearer <key>".
+            protocol: "v1" (JSON, base64 tensors) or "v2" (Open Inference Protocol, binary).
+            max_queue_bytes: host copies not yet answered, at most; past it samples are dropped.
+            timeout_s: how long one sample may wait for its answer (also the service's deadline).
+            on_report: called with each LayerReport on the sender thread (log it to W&B,
+                TensorBoard...); what it raises is logged, never propagated.
+            transport: an httpx transport in place of the network (tests).
+
+        Raises:
+            ValueError: an argument outside the ranges above.
+        """
+        if not _MODEL_NAME.fullmatch(model):
+            raise ValueError(
+                f"model: 1-48 characters of A-Z a-z 0-9 _ . : / - (it starts the metrics' tag "
+                f"'{{model}}/layer{{i}}'), got {model!r}"
+            )
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ValueError(f"every: an integer >= 1, got {every!r}")
+        if diagnostics not in ("summary", "full"):
+            raise ValueError(f"diagnostics: 'summary' or 'full', got {diagnostics!r}")
+        if protocol not in ("v1", "v2"):
+            raise ValueError(f"protocol: 'v1' or 'v2', got {protocol!r}")
+        if max_queue_bytes < 1:
+            raise ValueError(f"max_queue_bytes: >= 1, got {max_queue_bytes!r}")
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s: > 0, got {timeout_s!r}")
+        self.model = model
+        self.every = every
+        self.diagnostics = diagnostics
+        self.timeout_s = float(timeout_s)
+        self._on_report = on_report
+        self._reports: list[LayerReport] = []
+        self._counts = _Counts()
+        self._copier = HostCopier()
+        self._poster = Poster(
+            url, api_key=api_key, protocol=protocol, diagnostics=diagnostics,
+            timeout_s=self.timeout_s, transport=transport,
+        )  # fmt: skip
+        self._sender = Sender(
+            self._post, max_queue_bytes=max_queue_bytes,
+            on_answer=self._answered, on_failure=self._failed,
+        )  # fmt: skip
+        self._gate_forwards: Callable[[], int] = lambda: 0
+        self._attached = False
+        self._closed = False
+        self._traceparent = _trace_injector()
+
+    # -- the public surface ---------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def attach(self, model: torch.nn.Module) -> Iterator[Self]:
+        """Watch `model` while the block runs; forwards are counted from 0.
+
+        A transformers model gets an attention implementation that wraps its current one (its
+        kernel keeps running); any other module has F.scaled_dot_product_attention intercepted
+        during its sampled forwards.
+
+        Raises:
+            RuntimeError: the tap is closed, or already attached.
+            ValueError: a transformers model that refuses a registered attention function.
+        """
+        if self._closed:
+            raise RuntimeError("attach: the tap is closed")
+        if self._attached:
+            raise RuntimeError("attach: the tap is already attached to a model")
+        self._attached = True
+        try:
+            with attach_hooks(model, self.every, self._capture, self._capture_failed) as gate:
+                self._gate_forwards = lambda: gate.forwards
+                try:
+                    yield self
+                finally:
+                    self._counts.add("forwards_before", gate.forwards)
+                    self._gate_forwards = lambda: 0
+        finally:
+            self._attached = False
+
+    def flush(self, timeout_s: float = 30.0) -> bool:
+        """Wait until every queued sample is answered or has failed.
+
+        Returns:
+            True when nothing is left, False when `timeout_s` passed first.
+        """
+        return self._sender.flush(timeout_s)
+
+    @property
+    def reports(self) -> list[LayerReport]:
+        """The LayerReports received so far, in arrival order (a copy)."""
+        with self._counts.lock:
+            return list(self._reports)
+
+    @property
+    def stats(self) -> TapStats:
+        c = self._counts
+        with c.lock:
+            return TapStats(
+                forwards=c.forwards_before + self._gate_forwards(), sampled=c.sampled,
+                sent=c.sent, answered=c.answered, dropped=c.dropped, failed=c.failed,
+            )  # fmt: skip
+
+    def close(self, timeout_s: float | None = None) -> None:
+        """Wait up to `timeout_s` (default: the tap's timeout_s) for queued samples, count the
+        rest as dropped, and close the connection. Closing twice is harmless."""
+        if self._closed:
+            return
+        self._closed = True
+        unsent = self._sender.close(self.timeout_s if timeout_s is None else timeout_s)
+        self._counts.add("dropped", len(unsent))
+        self._poster.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # -- the forward's thread ---------------------------------------------------------------
+
+    def _capture(self, call: AttentionCall) -> None:
+        self._counts.add("sampled")
+        size = nbytes(call.q, call.k, call.v, call.attn_mask, call.key_padding_mask)
+        if not self._sender.reserve(size):
+            self._counts.add("dropped")
+            return
+        try:
+            host = self._copier.copy(call.q, call.k, call.v, call.attn_mask, call.key_padding_mask)
+            headers = self._traceparent()
+        except BaseException:
+            self._sender.cancel(size)
+            raise  # the hooks' shield counts it as failed, and never lets it reach the model
+        self._sender.put(
+            Sample(
+                forward=call.forward,
+                layer=call.layer,
+                tag=f"{self.model}/layer{call.layer}",
+                host=host,
+                scale=call.scale,
+                causal=call.causal,
+                nbytes=size,
+                headers=headers,
+            )
+        )
+
+    def _capture_failed(self, exc: BaseException) -> None:
+        self._counts.add("failed")
+
+    # -- the sender's thread ---------------------------------------------------------------
+
+    def _post(self, sample: Sample) -> AttentionResponse:
+        self._counts.add("sent")
+        return self._poster.post(sample)
+
+    def _answered(self, sample: Sample, answer: AttentionResponse) -> None:
+        diagnostics = answer.diagnostics
+        if diagnostics is None:
+            self._counts.add("failed")
+            return
+        report = LayerReport(
+            forward=sample.forward, layer=sample.layer, tag=sample.tag,
+            summary=dict(diagnostics.summary), per_head=dict(diagnostics.per_head),
+            per_row=None if diagnostics.per_row is None else dict(diagnostics.per_row),
+        )  # fmt: skip
+        with self._counts.lock:
+            self._counts.answered += 1
+            self._reports.append(report)
+        if self._on_report is not None:
+            self._on_report(report)
+
+    def _failed(self, sample: Sample, exc: BaseException) -> None:
+        self._counts.add("failed")
+        logger.debug("tap: %s of forward %d failed: %r", sample.tag, sample.forward, exc)
+
+
+def _trace_injector() -> Callable[[], dict[str, str]]:
+    """The current trace context as headers (traceparent), when opentelemetry is installed."""
+    try:
+        propagate = importlib.import_module("opentelemetry.propagate")
+    except ImportError:
+        return dict
+
+    def inject() -> dict[str, str]:
+        carrier: dict[str, str] = {}
+        propagate.inject(carrier)
+        return carrier
+
+    return inject
