@@ -98,7 +98,9 @@ def live_server(
     tree = _served_tree if tree is None else tree
     port = free_port()
     child_env = {k: v for k, v in os.environ.items() if not k.startswith("SDPA_")}
-    child_env.update({"SDPA_DEVICE": "cpu", "PYTHONPATH": str(tree), **env})
+    # The tree first, then whatever PYTHONPATH already says (packages installed beside it).
+    python_path = os.pathsep.join(p for p in (str(tree), os.environ.get("PYTHONPATH")) if p)
+    child_env.update({"SDPA_DEVICE": "cpu", "PYTHONPATH": python_path, **env})
     command = [sys.executable, "-m", "service.cli", "serve", "--host", "127.0.0.1",
                "--port", str(port)]  # fmt: skip
     log_path = tmp_path / f"server-{port}.log"
