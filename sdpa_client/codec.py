@@ -127,8 +127,14 @@ def encode_tensor(
         raw = np.ascontiguousarray(arr, dtype=little_endian).tobytes()
         return {"dtype": wire, "shape": shape, "b64": _b64encode(raw)}
     if encoding == "json":
-        values = _bf16_bits_to_float32(arr).tolist() if wire == "bfloat16" else arr.tolist()
-        return {"dtype": wire, "shape": shape, "data": values}
+        floats = _bf16_bits_to_float32(arr) if wire == "bfloat16" else arr
+        if floats.dtype.kind == "f" and np.isneginf(floats).any():
+            # JSON has no -inf (json.dumps would write -Infinity, which the server refuses): the
+            # server reads null as -inf, "not visible" in a float mask.
+            obj = floats.astype(object)
+            obj[np.isneginf(floats)] = None
+            return {"dtype": wire, "shape": shape, "data": obj.tolist()}
+        return {"dtype": wire, "shape": shape, "data": floats.tolist()}
     raise ValueError(f"encoding must be 'base64' or 'json', got {encoding!r}")
 
 

@@ -87,3 +87,19 @@ def test_v2_reads_back_the_per_head_statistics_v1_does(
             else:
                 np.testing.assert_allclose(value, want, rtol=1e-6, atol=1e-6, err_msg=name)
         assert (got.diagnostics.per_row is None) == (diagnostics == "summary")
+
+
+def test_a_float_mask_with_minus_infinity_travels_as_json_too(app_client: TestClient) -> None:
+    """JSON has no -inf: the client writes null, which the server reads as -inf (not visible);
+    the answer equals the base64 one, and a row that sees one key puts all its weight there."""
+    rng = np.random.default_rng(5)
+    q, k, v = (rng.standard_normal((1, 2, 4, 8)).astype(np.float32) for _ in range(3))
+    mask = np.zeros((4, 4), dtype=np.float32)
+    mask[0, 1:] = -np.inf
+    with sdpa_client(app_client) as client:
+        as_json = client.attention(q, k, v, attn_mask=mask, encoding="json", return_weights=True)
+        as_b64 = client.attention(q, k, v, attn_mask=mask, encoding="base64", return_weights=True)
+    assert as_json.weights is not None
+    assert as_b64.weights is not None
+    np.testing.assert_allclose(as_json.weights, as_b64.weights, rtol=1e-6, atol=1e-7)
+    np.testing.assert_array_equal(as_json.weights[0, :, 0], [[1, 0, 0, 0]] * 2)
