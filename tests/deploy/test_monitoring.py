@@ -116,9 +116,10 @@ def test_every_health_alert_cites_its_source_and_the_thresholds_are_the_literatu
     assert "H / log(visible keys)" in collapse
     assert "ICML 2023" in collapse
     # QK-Clip's tau is a bucket bound of the logit histogram: the share above it is exact.
-    assert 'sdpa_attention_logit_abs_max_bucket{le="100.0"}' in by_name[
-        "SdpaAttentionLogitQkClip"
-    ]["expr"]
+    assert (
+        'sdpa_attention_logit_abs_max_bucket{le="100.0"}'
+        in by_name["SdpaAttentionLogitQkClip"]["expr"]
+    )
     record = next(r for r in rules() if r.get("record") == "sdpa:attention_sink_rate:ratio15m")
     assert 'sdpa_attention_sink_share_bucket{le="0.3"}' in record["expr"]  # Gu et al.'s 0.3
 

@@ -59,6 +59,10 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
         "SDPA_HEALTH_SAMPLE_RATE": "1",
         "SDPA_HEALTH_SINK_TOKENS": "2",
         "SDPA_MAX_BODY_BYTES": "1048576",
+        # The long requests must run into their deadline, not be refused (422) for their cost:
+        # "auto" derives the limit from a throughput measured at warm-up, which a busy machine
+        # (tests running beside this one) measures low.
+        "SDPA_MAX_REQUEST_FLOPS": "1e15",
     }
     with live_server(env, tmp_path=tmp_path_factory.mktemp("dash_server")) as running:
         yield running
@@ -197,8 +201,11 @@ def grafana_expr(expr: str, variables: dict[str, str]) -> str:
     return expr
 
 
-def query(prometheus: str, expr: str) -> list[dict[str, Any]]:
-    response = httpx.get(f"{prometheus}/api/v1/query", params={"query": expr}, timeout=10.0)
+def query(prometheus: str, expr: str, *, at: float) -> list[dict[str, Any]]:
+    """An instant query at `at` (the traffic's end: its rate windows hold the last scrapes
+    however long the tests before took)."""
+    params: dict[str, str | float] = {"query": expr, "time": at}
+    response = httpx.get(f"{prometheus}/api/v1/query", params=params, timeout=10.0)
     payload = response.json()
     assert payload["status"] == "success", (expr, payload)
     result: list[dict[str, Any]] = payload["data"]["result"]
@@ -209,11 +216,13 @@ def panels() -> list[dict[str, Any]]:
     return [p for p in dashboard()["panels"] if p["type"] != "row"]
 
 
-def test_every_dashboard_query_returns_data(prometheus: str, variables: dict[str, str]) -> None:
+def test_every_dashboard_query_returns_data(
+    prometheus: str, traffic: tuple[float, float], variables: dict[str, str]
+) -> None:
     assert variables["model"] == "tiny"  # the only model: "tiny/layer{i}"
     for panel in panels():
         for target in panel["targets"]:
-            result = query(prometheus, grafana_expr(target["expr"], variables))
+            result = query(prometheus, grafana_expr(target["expr"], variables), at=traffic[1])
             assert result, (panel["title"], target["expr"])
 
 
@@ -222,11 +231,13 @@ def by_tag(result: list[dict[str, Any]]) -> dict[str, float]:
 
 
 def test_health_panels_show_the_values_computed_by_hand(
-    prometheus: str, variables: dict[str, str]
+    prometheus: str, traffic: tuple[float, float], variables: dict[str, str]
 ) -> None:
     """Every observation of a tag has the same value here, so a panel's mean is that value."""
     sink = next(p for p in panels() if p["title"].startswith("Sink share ("))
-    values = by_tag(query(prometheus, grafana_expr(sink["targets"][0]["expr"], variables)))
+    values = by_tag(
+        query(prometheus, grafana_expr(sink["targets"][0]["expr"], variables), at=traffic[1])
+    )
     hand = {"sinky": by_hand(SINK), "sampled": by_hand(SINK)}
     for tag, stats in hand.items():
         assert values[tag] == pytest.approx(stats["sdpa_attention_sink_share"], rel=1e-9)
@@ -235,16 +246,20 @@ def test_health_panels_show_the_values_computed_by_hand(
     assert values["mixed"] == pytest.approx(want, rel=1e-9)
 
     saturated = next(p for p in panels() if p["title"].startswith("Saturated"))
-    values = by_tag(query(prometheus, grafana_expr(saturated["targets"][0]["expr"], variables)))
+    values = by_tag(
+        query(prometheus, grafana_expr(saturated["targets"][0]["expr"], variables), at=traffic[1])
+    )
     assert values["mixed"] == pytest.approx(0.5)  # one head of two is one-hot
     assert values["sinky"] == 0.0
 
-    sources = query(prometheus, 'sum by (source) (sdpa_health_observations_total{tag="sampled"})')
+    sources = query(
+        prometheus, 'sum by (source) (sdpa_health_observations_total{tag="sampled"})', at=traffic[1]
+    )
     assert {r["metric"]["source"] for r in sources} == {"sampled"}
 
 
 def test_the_per_model_heatmaps_show_each_layer_and_head_as_by_hand(
-    prometheus: str, variables: dict[str, str]
+    prometheus: str, traffic: tuple[float, float], variables: dict[str, str]
 ) -> None:
     """One cell per layer and head of "tiny", labelled with zero-padded numbers so that the
     rows sort as numbers (L01 before L10), each the head's value in its layer's requests."""
@@ -256,7 +271,9 @@ def test_the_per_model_heatmaps_show_each_layer_and_head_as_by_hand(
     for title, name in statistic.items():
         panel = next(p for p in panels() if p["title"] == title)
         assert panel["type"] == "heatmap"
-        result = query(prometheus, grafana_expr(panel["targets"][0]["expr"], variables))
+        result = query(
+            prometheus, grafana_expr(panel["targets"][0]["expr"], variables), at=traffic[1]
+        )
         cells = {(r["metric"]["layer"], r["metric"]["head"]): float(r["value"][1]) for r in result}
         want = {
             (f"{layer:02d}", f"{head:02d}"): by_hand(scores)[name]
@@ -283,7 +300,7 @@ def test_the_alert_rules_load_and_stay_quiet_on_healthy_traffic(
     # may go pending (their `for` is minutes away); nothing can have fired yet.
     assert all(rule.get("state") != "firing" for rule in rules)
     # The sink rate is recorded per tag: "sinky" sends one head, which sinks (11/15 > 0.3).
-    recorded = by_tag(query(prometheus, "sdpa:attention_sink_rate:ratio15m"))
+    recorded = by_tag(query(prometheus, "sdpa:attention_sink_rate:ratio15m", at=traffic[1]))
     assert recorded["sinky"] == 1.0
 
 
@@ -305,7 +322,7 @@ def test_the_dashboard_panels_render(
         target = panel["targets"][0]
         if panel["type"] == "heatmap" and target.get("format") != "heatmap":
             # Layer x head at the end: rows as Grafana sorts them, one column a head.
-            result = query(prometheus, grafana_expr(target["expr"], variables))
+            result = query(prometheus, grafana_expr(target["expr"], variables), at=end)
             cells = {
                 (r["metric"]["layer"], r["metric"]["head"]): float(r["value"][1]) for r in result
             }
@@ -319,7 +336,7 @@ def test_the_dashboard_panels_render(
             ax.set_xticks(range(len(heads)), [f"H{head}" for head in heads])
             drawn = len(cells)
         elif panel["type"] == "heatmap":  # the distribution at the end, per bucket
-            result = query(prometheus, grafana_expr(target["expr"], variables))
+            result = query(prometheus, grafana_expr(target["expr"], variables), at=end)
             cumulative = sorted((float(r["metric"]["le"]), float(r["value"][1])) for r in result)
             finite = [(le, n) for le, n in cumulative if math.isfinite(le)]
             counts = [n - (finite[i - 1][1] if i else 0.0) for i, (_, n) in enumerate(finite)]
