@@ -214,18 +214,22 @@ class HealthMonitor:
             (m.attention_logit_abs_max, logit),
         ):
             observe_many(histogram.labels(tag=tag), values.reshape(-1)[seen])
-        self._set_heads(tag, latest_heads(rows, entropy=entropy, sink=sink, logit=logit))
+        exported = slice(0, self._max_heads)  # the heads with series of their own
+        pooled = latest_heads(
+            rows[:, exported],
+            entropy=entropy[:, exported],
+            sink=sink[:, exported],
+            logit=logit[:, exported],
+        )
+        self._set_heads(tag, pooled)
         m.attention_masked_rows_total.labels(tag=tag).inc(diagnostics.summary.masked_rows)
         m.health_observations_total.labels(tag=tag, source=source).inc()
 
     def _set_heads(self, tag: str, heads: LatestHeads) -> None:
-        """The per-head gauges of `tag`: one label lookup and set per gauge and head."""
-        limit = min(len(heads.seen), self._max_heads)
+        """The per-head gauges of `tag`: one label lookup and set per gauge and head seen."""
         gauges = self._metrics.head_gauges()
-        entropy, sink, logit = (
-            a[:limit].tolist() for a in (heads.entropy, heads.sink, heads.logit)
-        )
-        for head in np.flatnonzero(heads.seen[:limit]).tolist():
+        entropy, sink, logit = (a.tolist() for a in (heads.entropy, heads.sink, heads.logit))
+        for head in np.flatnonzero(heads.seen).tolist():
             label = str(head)
             for gauge, value in zip(gauges, (entropy[head], sink[head], logit[head]), strict=True):
                 gauge.labels(tag, label).set(value)
