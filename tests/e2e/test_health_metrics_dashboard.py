@@ -201,10 +201,12 @@ def grafana_expr(expr: str, variables: dict[str, str]) -> str:
     return expr
 
 
-def query(prometheus: str, expr: str, *, at: float) -> list[dict[str, Any]]:
-    """An instant query at `at` (the traffic's end: its rate windows hold the last scrapes
-    however long the tests before took)."""
-    params: dict[str, str | float] = {"query": expr, "time": at}
+def query(prometheus: str, expr: str, *, at: float | None = None) -> list[dict[str, Any]]:
+    """An instant query at `at` (here the traffic's end, so that its rate windows hold the
+    last scrapes however long the tests before took), or now."""
+    params: dict[str, str | float] = {"query": expr}
+    if at is not None:
+        params["time"] = at
     response = httpx.get(f"{prometheus}/api/v1/query", params=params, timeout=10.0)
     payload = response.json()
     assert payload["status"] == "success", (expr, payload)
