@@ -116,6 +116,7 @@ def _lifespan(engine: Engine | None, *, device_threads: int | None) -> Any:
             diagnose=running.diagnose,
             sample_rate=settings.health_sample_rate,
             max_tags=settings.health_max_tags,
+            max_heads=settings.health_max_heads,
         )
         policy = running.policy
         batcher: Batcher = DynamicBatcher(

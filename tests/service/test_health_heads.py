@@ -28,6 +28,7 @@ from service.serving.health import (
     latest_heads,
 )
 from service.settings import Settings
+from tests.support.app import in_process_client, small_settings
 
 SINK_TOKENS = 2
 N_Q = 3
@@ -274,3 +275,25 @@ def test_a_tag_costs_128_series_plus_3_per_head() -> None:
     text = generate_latest(metrics.registry).decode()
     series = [line for line in text.splitlines() if 'tag="t"' in line and line[0] != "#"]
     assert len(series) == 128 + 3 * 12
+
+
+def test_the_app_passes_sdpa_health_max_heads_to_its_monitor() -> None:
+    """SDPA_HEALTH_MAX_HEADS reaches the running app: with 2, a request of 4 heads exports heads
+    0 and 1 alone on /metrics."""
+    body = {
+        "q": np.ones((4, 3, 2), dtype=np.float32).tolist(),
+        "k": np.ones((4, 5, 2), dtype=np.float32).tolist(),
+        "v": np.ones((4, 5, 2), dtype=np.float32).tolist(),
+        "diagnostics": "summary",
+        "tag": "m/layer0",
+    }
+    settings = small_settings(health_max_heads=2, health_sample_rate=0.0)
+    with in_process_client(settings) as client:
+        assert client.post("/v1/attention", json=body).status_code == 200
+        text = client.get("/metrics").text
+    heads = {
+        line.split('head="')[1].split('"')[0]
+        for line in text.splitlines()
+        if line.startswith("sdpa_attention_head_entropy_normalized{") and 'tag="m/layer0"' in line
+    }
+    assert heads == {"0", "1"}
