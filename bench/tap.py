@@ -177,25 +177,36 @@ def main() -> None:
             forward()  # warm-up: allocator, kernels, thread pools
         taps = {p: AttentionTap(url, model=f"bench-{p}", every=1, protocol=p) for p in e2e}
         unsampled_tap = AttentionTap(url, model="bench-idle", every=10**9)
-        for _ in range(args.rounds):
-            times["untapped"].append(
-                statistics.median(timed(forward, args.device) for _ in range(args.forwards))
-            )
+
+        def untapped() -> float:
+            return statistics.median(timed(forward, args.device) for _ in range(args.forwards))
+
+        def unsampled() -> float:
             with unsampled_tap.attach(model):
                 forward()  # forward 0 is sampled (0 % every == 0): not timed
                 unsampled_tap.flush(60)
-                times["unsampled"].append(
-                    statistics.median(timed(forward, args.device) for _ in range(args.forwards))
-                )
-            for protocol, tap in taps.items():
-                with tap.attach(model):
-                    samples = []
-                    for _ in range(args.forwards):
-                        samples.append(timed(forward, args.device))
-                        if not args.concurrent:
-                            tap.flush(60)
-                    tap.flush(60)
-                    times[f"sampled_{protocol}"].append(statistics.median(samples))
+                return untapped()
+
+        def sampled(tap: AttentionTap) -> float:
+            with tap.attach(model):
+                samples = []
+                for _ in range(args.forwards):
+                    samples.append(timed(forward, args.device))
+                    if not args.concurrent:
+                        tap.flush(60)
+                tap.flush(60)
+            return statistics.median(samples)
+
+        cases: list[tuple[str, Callable[[], float]]] = [
+            ("untapped", untapped),
+            ("unsampled", unsampled),
+            ("sampled_v1", lambda: sampled(taps["v1"])),
+            ("sampled_v2", lambda: sampled(taps["v2"])),
+        ]
+        for r in range(args.rounds):
+            # Each round starts with another case, so drift within a round falls on all alike.
+            for name, case in cases[r % len(cases) :] + cases[: r % len(cases)]:
+                times[name].append(case())
             for protocol, t in taps.items():
                 with t.attach(model):
                     start = time.perf_counter()
