@@ -73,7 +73,17 @@ def summary_table(reports: Sequence[LayerReport]) -> str:
     )
 
 
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def watch(args: argparse.Namespace) -> int:
+    if not Path(args.text).is_file():
+        print(f"sdpa-tap: --text {args.text}: no such file", file=sys.stderr)
+        return 2
     lines = _lines(args.text, is_file=True)
     if not lines:
         print(f"sdpa-tap: {args.text} has no non-empty line", file=sys.stderr)
@@ -93,12 +103,15 @@ def watch(args: argparse.Namespace) -> int:
                 model(**batch)
         done = tap.flush(timeout_s=args.timeout * 4)
         stats = tap.stats
+        first_failure = tap.first_failure
         print(summary_table(tap.reports))
         print(
             f"\n{stats.forwards} forwards, {stats.sampled} attention calls sampled: "
             f"{stats.answered} answered, {stats.failed} failed, {stats.dropped} dropped "
             f"({time.monotonic() - started:.1f} s)"
         )
+    if first_failure is not None:
+        print(f"first failure: {first_failure}", file=sys.stderr)
     if not done or stats.answered == 0:
         print("sdpa-tap: the service answered no sample (see the counts above)", file=sys.stderr)
         return 1
@@ -157,9 +170,9 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--model", required=True, help="a local Hugging Face model folder")
     w.add_argument("--text", required=True, help="a text file: one sequence per line")
     w.add_argument("--name", default="model", help="the tags' model name (default: model)")
-    w.add_argument("--every", type=int, default=1, help="sample every n-th forward (default 1)")
-    w.add_argument("--batch-size", type=int, default=8)
-    w.add_argument("--max-length", type=int, default=128, help="tokens per sequence, at most")
+    w.add_argument("--every", type=_positive, default=1, help="sample every n-th forward")
+    w.add_argument("--batch-size", type=_positive, default=8)
+    w.add_argument("--max-length", type=_positive, default=128, help="tokens per sequence, at most")
     w.add_argument("--protocol", choices=("v1", "v2"), default="v1")
     w.add_argument("--api-key", default=None)
     w.add_argument("--timeout", type=float, default=10.0, help="seconds per sample")
@@ -169,7 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--model", required=True, help="a local Hugging Face model folder")
     c.add_argument("--text", required=True, help="the text (or a file of lines)")
     c.add_argument("--out", required=True, help="the .npz file to write")
-    c.add_argument("--max-length", type=int, default=128)
+    c.add_argument("--max-length", type=_positive, default=128)
     c.set_defaults(run=capture)
     return parser
 

@@ -1,38 +1,41 @@
 """Where the tap sees a model's attention: one callback per attention call, nothing else.
 
-Two ways in, chosen by `attach_hooks`:
-- A Hugging Face model (a transformers PreTrainedModel with an attention interface): a function
-  registered in transformers' AttentionInterface under a name of its own wraps the model's
-  current implementation ("sdpa", "eager", a flash variant...), and the same name is registered
-  in AttentionMaskInterface with that implementation's mask function (without it the model
-  would build no mask for an unknown name and padding would silently be attended). The model is
-  switched to that name while attached and back afterwards. Its own kernel still runs, on the
-  very arguments it always gets, so its outputs are bitwise unchanged; the wrapper only reads q,
-  k, v, the mask and the scale on the way in.
-- Any other module: torch.nn.functional.scaled_dot_product_attention is intercepted by a
-  TorchFunctionMode, pushed only for the forwards that are sampled (a mode sees every torch call
-  of the forward, which costs Python dispatch on each: unsampled forwards run without it).
+The model runs exactly the code it runs untapped, with the same names and the same kernels;
+what is replaced, for as long as it is attached, is a function the model calls through a name
+looked up at call time:
+- A Hugging Face model (a transformers PreTrainedModel with an attention interface): the
+  function registered in transformers' AttentionInterface under each implementation name its
+  configs use ("sdpa", a flash one; "eager", whose function each modeling file passes as the
+  default) is wrapped. The model's config is not touched: transformers branches on the name in
+  places (GPT-2's "eager" path, Falcon's "sdpa" checks), and masks are built as before.
+- Any other module: torch.nn.functional.scaled_dot_product_attention is wrapped (what code that
+  calls it through the module attribute gets, nn.MultiheadAttention's slow path included). A
+  TorchFunctionMode would see calls too, but its presence turns off nn.TransformerEncoder's
+  native fast path and so changes the model's outputs. Native fast paths (the encoder layer's
+  fused kernel) and functions imported by name before attach are not seen.
 
-Forwards are counted by a forward pre-hook on the top module, per thread (a model served from
-several threads keeps each forward's calls apart). The callback gets an `AttentionCall`; it must
-not raise, and `attach_hooks` shields the model from it anyway: an exception in the callback is
-logged once and swallowed.
+A wrapper calls the original untouched unless the call comes from an attached model's forward
+that is sampled on this thread; then it hands an AttentionCall to the tap first. Forwards are
+counted by a forward pre-hook on the top module, per thread. Under torch.compile nothing is
+sampled (a graph cannot copy tensors out). The callback must not raise, and attach_hooks shields
+the model from it anyway: an exception in the callback is logged once and swallowed.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import inspect
 import itertools
 import logging
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
 import torch
-from torch.overrides import TorchFunctionMode
 
 logger = logging.getLogger("sdpa_client.tap")
 
@@ -60,6 +63,8 @@ class AttentionCall:
         key_padding_mask: boolean [B, N_kv], True = padding (flash kernels' 2-D masks); None.
         scale: the scale the kernel used; None = 1/sqrt(D).
         causal: whether the kernel applied a causal mask of its own (top-left, as torch's).
+        unsupported: what the kernel also got that the service has no equivalent for (a
+            position bias, a logit soft-cap, sink logits); empty when none.
     """
 
     forward: int
@@ -71,6 +76,7 @@ class AttentionCall:
     key_padding_mask: torch.Tensor | None
     scale: float | None
     causal: Causal
+    unsupported: str = ""
 
 
 class ForwardGate:
@@ -140,35 +146,125 @@ def _hf_mask(mask: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tens
 
 
 def _hf_causal(module: torch.nn.Module, q: torch.Tensor, mask: object, kw: dict[str, Any]) -> bool:
-    # As transformers' sdpa_attention_forward decides it: the kernel's own causal mask applies
-    # only when no mask tensor was built and more than one query is asked.
+    # As transformers' sdpa_attention_forward decides it (an attention module without the
+    # attribute is causal there): the kernel's own causal mask applies only when no mask tensor
+    # was built and more than one query is asked.
     is_causal = kw.get("is_causal")
     if is_causal is None:
-        is_causal = getattr(module, "is_causal", False)
+        is_causal = getattr(module, "is_causal", True)
     return bool(is_causal) and mask is None and q.shape[2] > 1
 
 
-def _eager_function(model: torch.nn.Module) -> Callable[..., Any] | None:
-    """The model's own eager_attention_forward: "eager" is not in the registry, each modeling
-    file defines it beside its attention modules (get_interface's default)."""
-    for module in model.modules():
-        found = getattr(inspect.getmodule(type(module)), "eager_attention_forward", None)
-        if callable(found):
-            return found  # type: ignore[no-any-return]
-    return None
+# Inputs the service has no equivalent for: the statistics would silently describe another
+# attention than the model's, so such calls are counted as failed instead.
+_UNSUPPORTED_KWARGS: Final = ("position_bias", "softcap", "sinks", "s_aux")
 
 
-@contextlib.contextmanager
-def _hf_interface(model: torch.nn.Module, gate: ForwardGate, on_call: _Shield) -> Iterator[None]:
-    transformers = importlib.import_module("transformers")
-    attention_interface = transformers.AttentionInterface
-    mask_interface = transformers.AttentionMaskInterface
-    config: Any = model.config
-    current = str(config._attn_implementation)
-    wrapped = attention_interface._global_mapping.get(current) or _eager_function(model)
-    if wrapped is None:
-        raise ValueError(f"attach: no attention function registered as {current!r}")
+@dataclass(frozen=True, slots=True)
+class _Attachment:
+    """One attached model: which modules are its own, its forward gate, its callback."""
 
+    modules: frozenset[int]
+    gate: ForwardGate
+    on_call: _Shield
+    sdpa: bool  # a non-HF model: its calls come through torch's SDPA function
+
+
+class _Registry:
+    """The attachments of this process, and what each interception replaced.
+
+    Interception is keyed by what the model already uses, so that the model runs exactly the
+    code it runs untapped: the function registered in transformers' AttentionInterface under
+    each implementation name the model uses ("sdpa", "eager", a flash one) is replaced by a
+    wrapper for as long as an attached model uses that name (the model's config and its name are
+    never touched: transformers branches on the name in places, e.g. GPT-2's reorder-and-upcast
+    path on "eager"); torch.nn.functional.scaled_dot_product_attention is replaced while a
+    non-HF model is attached. A wrapper passes every call straight through unless it comes from
+    a module of an attached model, on a thread whose forward is sampled.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._attachments: list[_Attachment] = []
+        self._replaced: dict[str, tuple[Any, int]] = {}  # name -> (original, users)
+
+    def attachment_of(self, module: torch.nn.Module) -> _Attachment | None:
+        key = id(module)
+        for attachment in self._attachments:  # a short list: one entry per attached model
+            if key in attachment.modules:
+                return attachment
+        return None
+
+    def sdpa_attachments(self) -> list[_Attachment]:
+        return [a for a in self._attachments if a.sdpa]
+
+    def add(self, attachment: _Attachment, names: list[str]) -> None:
+        with self._lock:
+            for name in names:
+                original, users = self._replaced.get(name, (None, 0))
+                if users == 0:
+                    original = _install(name, self)
+                self._replaced[name] = (original, users + 1)
+            self._attachments.append(attachment)
+
+    def remove(self, attachment: _Attachment, names: list[str]) -> None:
+        with self._lock:
+            self._attachments.remove(attachment)
+            for name in names:
+                original, users = self._replaced[name]
+                if users == 1:
+                    _uninstall(name, original)
+                    del self._replaced[name]
+                else:
+                    self._replaced[name] = (original, users - 1)
+
+
+_SDPA_NAME: Final = "torch.nn.functional.scaled_dot_product_attention"
+_MISSING: Final = object()
+
+
+def _install(name: str, registry: _Registry) -> Any:
+    """Replace what `name` designates by a tapping wrapper; return what it was."""
+    if name == _SDPA_NAME:
+        original = torch.nn.functional.scaled_dot_product_attention
+        torch.nn.functional.scaled_dot_product_attention = _sdpa_wrapper(original, registry)
+        return original
+    mapping = importlib.import_module("transformers").AttentionInterface._global_mapping
+    original = mapping.get(name, _MISSING)
+    # "eager" is not in the registry: each modeling file passes its own eager_attention_forward
+    # as get_interface's default, which a registered "eager" overrides. The wrapper then calls
+    # the module's own file's function, so composite models keep each part's eager code.
+    mapping[name] = _hf_wrapper(None if original is _MISSING else original, registry)
+    return original
+
+
+def _uninstall(name: str, original: Any) -> None:
+    if name == _SDPA_NAME:
+        torch.nn.functional.scaled_dot_product_attention = original
+        return
+    mapping = importlib.import_module("transformers").AttentionInterface._global_mapping
+    if original is _MISSING:
+        mapping.pop(name, None)
+    else:
+        mapping[name] = original
+
+
+@functools.cache
+def _eager_function(module_file: str) -> Callable[..., Any]:
+    """The eager_attention_forward of the modeling file `module_file` (a module's __module__)."""
+    found = getattr(sys.modules.get(module_file), "eager_attention_forward", None)
+    if not callable(found):
+        raise ValueError(f"{module_file}: no eager_attention_forward in it")
+    return found  # type: ignore[no-any-return]
+
+
+def _compiling() -> bool:
+    # Under torch.compile the wrapper is traced, not run: a tap cannot copy tensors from inside
+    # a graph, and its locks would break fullgraph tracing. Compiled calls are not sampled.
+    return bool(torch.compiler.is_compiling())
+
+
+def _hf_wrapper(original: Callable[..., Any] | None, registry: _Registry) -> Callable[..., Any]:
     def tapped(
         module: torch.nn.Module,
         query: torch.Tensor,
@@ -178,13 +274,18 @@ def _hf_interface(model: torch.nn.Module, gate: ForwardGate, on_call: _Shield) -
         *args: Any,
         **kwargs: Any,
     ) -> Any:
-        where = gate.next_call()
-        if where is not None:
+        function = original if original is not None else _eager_function(type(module).__module__)
+        if _compiling():
+            return function(module, query, key, value, attention_mask, *args, **kwargs)
+        attachment = registry.attachment_of(module)
+        where = None if attachment is None else attachment.gate.next_call()
+        if attachment is not None and where is not None:
             forward, order = where
             layer = getattr(module, "layer_idx", None)
             attn_mask, key_padding_mask = _hf_mask(attention_mask)
             scaling = kwargs.get("scaling")
-            on_call(
+            unsupported = [k for k in _UNSUPPORTED_KWARGS if kwargs.get(k) is not None]
+            attachment.on_call(
                 AttentionCall(
                     forward=forward,
                     layer=order if not isinstance(layer, int) else layer,
@@ -195,62 +296,39 @@ def _hf_interface(model: torch.nn.Module, gate: ForwardGate, on_call: _Shield) -
                     key_padding_mask=key_padding_mask,
                     scale=None if scaling is None else float(scaling),
                     causal=_hf_causal(module, query, attention_mask, kwargs),
+                    unsupported=", ".join(unsupported),
                 )
             )
-        return wrapped(module, query, key, value, attention_mask, *args, **kwargs)
+        return function(module, query, key, value, attention_mask, *args, **kwargs)
 
-    name = f"sdpa_tap_{next(_names)}_{current}"
-    attention_interface.register(name, tapped)
-    mask_function = mask_interface._global_mapping.get(current)
-    if mask_function is not None:
-        mask_interface.register(name, mask_function)
-    try:
-        model.set_attn_implementation(name)  # type: ignore[operator]
-        if str(config._attn_implementation) != name:
-            raise ValueError(
-                f"attach: {type(model).__name__} did not accept an attention implementation "
-                f"registered in transformers' AttentionInterface (it kept {current!r})"
-            )
-        try:
-            yield
-        finally:
-            model.set_attn_implementation(current)  # type: ignore[operator]
-    finally:
-        attention_interface._global_mapping.pop(name, None)
-        mask_interface._global_mapping.pop(name, None)
+    return tapped
 
 
-class _SdpaInterceptor(TorchFunctionMode):
-    """Sees every F.scaled_dot_product_attention call of a sampled forward, then runs it."""
+def _sdpa_wrapper(original: Callable[..., Any], registry: _Registry) -> Callable[..., Any]:
+    def scaled_dot_product_attention(*args: Any, **kwargs: Any) -> Any:
+        if not _compiling():
+            _observe_sdpa(registry, args, kwargs)
+        return original(*args, **kwargs)
 
-    def __init__(self, gate: ForwardGate, on_call: _Shield) -> None:
-        super().__init__()
-        self._gate = gate
-        self._on_call = on_call
+    scaled_dot_product_attention.__doc__ = original.__doc__
+    scaled_dot_product_attention.__wrapped__ = original  # type: ignore[attr-defined]
+    return scaled_dot_product_attention
 
-    def __torch_function__(
-        self,
-        func: Callable[..., Any],
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
-        kwargs = kwargs or {}
-        if func is _SDPA:
-            self._observe(args, kwargs)
-        return func(*args, **kwargs)
 
-    def _observe(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        where = self._gate.next_call()
+def _observe_sdpa(registry: _Registry, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    # The caller is not known here: the call belongs to the attached non-HF model whose forward
+    # is running and sampled on this thread.
+    for attachment in registry.sdpa_attachments():
+        where = attachment.gate.next_call()
         if where is None:
-            return
+            continue
         try:
             bound = _SDPA_SIGNATURE.bind(*args, **kwargs).arguments
         except TypeError:
             return  # torch itself raises on this call
         forward, order = where
         scale = bound.get("scale")
-        self._on_call(
+        attachment.on_call(
             AttentionCall(
                 forward=forward,
                 layer=order,
@@ -263,6 +341,22 @@ class _SdpaInterceptor(TorchFunctionMode):
                 causal=bool(bound.get("is_causal", False)),
             )
         )
+        return
+
+
+_REGISTRY: Final = _Registry()
+
+
+def _hf_names(model: torch.nn.Module) -> list[str]:
+    """Every attention implementation name the model's configs use (composite models have one
+    per part)."""
+    names = set()
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        name = getattr(config, "_attn_implementation", None)
+        if isinstance(name, str):
+            names.add(name.removeprefix("paged|") if name != "paged|eager" else name)
+    return sorted(names)
 
 
 @contextlib.contextmanager
@@ -278,35 +372,30 @@ def attach_hooks(
         The ForwardGate that counts the forwards.
 
     Raises:
-        ValueError: a transformers model that cannot take a wrapped attention implementation.
+        RuntimeError: the model is already attached.
     """
     gate = ForwardGate(every)
-    shield = _Shield(on_call, on_error)
     hf = is_hf_model(model)
-    interceptor = None if hf else _SdpaInterceptor(gate, shield)
-    modes = threading.local()
+    attachment = _Attachment(
+        modules=frozenset(id(m) for m in model.modules()), gate=gate,
+        on_call=_Shield(on_call, on_error), sdpa=not hf,
+    )  # fmt: skip
+    if any(_REGISTRY.attachment_of(m) is not None for m in model.modules()):
+        raise RuntimeError("attach: this model (or a part of it) is already attached")
+    names = _hf_names(model) if hf else [_SDPA_NAME]
 
     def before(module: torch.nn.Module, args: Any) -> None:
-        sampled = gate.begin()
-        if interceptor is not None and sampled:
-            interceptor.__enter__()  # type: ignore[no-untyped-call]
-            modes.pushed = True
+        gate.begin()
 
     def after(module: torch.nn.Module, args: Any, output: Any) -> None:
-        # always_call=True: also when the forward raised, so the mode never outlives it.
-        gate.end()
-        if interceptor is not None and getattr(modes, "pushed", False):
-            modes.pushed = False
-            interceptor.__exit__(None, None, None)  # type: ignore[no-untyped-call]
+        gate.end()  # always_call=True: also when the forward raised
 
     pre = model.register_forward_pre_hook(before)
     post = model.register_forward_hook(after, always_call=True)
+    _REGISTRY.add(attachment, names)
     try:
-        if hf:
-            with _hf_interface(model, gate, shield):
-                yield gate
-        else:
-            yield gate
+        yield gate
     finally:
+        _REGISTRY.remove(attachment, names)
         pre.remove()
         post.remove()

@@ -161,10 +161,15 @@ class Sender:
         with self._cond:
             self._release(nbytes)
 
-    def put(self, sample: Sample) -> None:
+    def put(self, sample: Sample) -> bool:
+        """Queue a reserved sample; False (its reservation given back) once the sender closed."""
         with self._cond:
+            if self._closed:
+                self._release(sample.nbytes)
+                return False
             self._queue.append(sample)
             self._cond.notify_all()
+            return True
 
     def flush(self, timeout_s: float) -> bool:
         """Wait until every reserved sample is answered or failed; False on timeout."""
@@ -208,7 +213,8 @@ class Sender:
             except (SDPARequestError, httpx.HTTPError) as exc:
                 self._resolve(sample, self._on_failure, exc)
             except Exception as exc:  # a bug of ours: counted and logged, the thread goes on
-                logger.exception("tap: a sample could not be sent")
+                if not self._closed:  # (closing the client under a post ends it so: expected)
+                    logger.exception("tap: a sample could not be sent")
                 self._resolve(sample, self._on_failure, exc)
             else:
                 self._resolve(sample, self._on_answer, answer)

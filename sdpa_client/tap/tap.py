@@ -17,6 +17,7 @@ and reading the answer happen on the sender thread. The model's own kernel runs 
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import importlib
 import logging
@@ -115,6 +116,7 @@ class AttentionTap:
         max_queue_bytes: int = 64 << 20,
         timeout_s: float = 10.0,
         on_report: Callable[[LayerReport], None] | None = None,
+        max_reports: int = 10_000,
         transport: httpx.BaseTransport | None = None,
     ) -> None:
         """Open the tap (its sender thread starts; nothing is sent before a sampled forward).
@@ -130,6 +132,8 @@ class AttentionTap:
             timeout_s: how long one sample may wait for its answer (also the service's deadline).
             on_report: called with each LayerReport on the sender thread (log it to W&B,
                 TensorBoard...); what it raises is logged, never propagated.
+            max_reports: how many of the latest reports `reports` keeps (a long run would
+                otherwise keep them all); on_report sees every one.
             transport: an httpx transport in place of the network (tests).
 
         Raises:
@@ -148,6 +152,8 @@ class AttentionTap:
             raise ValueError(f"protocol: 'v1' or 'v2', got {protocol!r}")
         if max_queue_bytes < 1:
             raise ValueError(f"max_queue_bytes: >= 1, got {max_queue_bytes!r}")
+        if max_reports < 0:
+            raise ValueError(f"max_reports: >= 0, got {max_reports!r}")
         if not timeout_s > 0:
             raise ValueError(f"timeout_s: > 0, got {timeout_s!r}")
         self.model = model
@@ -155,7 +161,7 @@ class AttentionTap:
         self.diagnostics = diagnostics
         self.timeout_s = float(timeout_s)
         self._on_report = on_report
-        self._reports: list[LayerReport] = []
+        self._reports: collections.deque[LayerReport] = collections.deque(maxlen=max_reports)
         self._counts = _Counts()
         self._copier = HostCopier()
         self._poster = Poster(
@@ -170,6 +176,7 @@ class AttentionTap:
         self._attached = False
         self._closed = False
         self._traceparent = _trace_injector()
+        self.first_failure: str | None = None
 
     # -- the public surface ---------------------------------------------------------------
 
@@ -211,7 +218,7 @@ class AttentionTap:
 
     @property
     def reports(self) -> list[LayerReport]:
-        """The LayerReports received so far, in arrival order (a copy)."""
+        """The latest `max_reports` LayerReports, in arrival order (a copy)."""
         with self._counts.lock:
             return list(self._reports)
 
@@ -244,6 +251,13 @@ class AttentionTap:
 
     def _capture(self, call: AttentionCall) -> None:
         self._counts.add("sampled")
+        if call.unsupported:
+            self._counts.add("failed")
+            self._note_failure(
+                f"layer {call.layer}: the kernel also got {call.unsupported}, which the service "
+                "cannot reproduce; not sent"
+            )
+            return
         size = nbytes(call.q, call.k, call.v, call.attn_mask, call.key_padding_mask)
         if not self._sender.reserve(size):
             self._counts.add("dropped")
@@ -254,7 +268,7 @@ class AttentionTap:
         except BaseException:
             self._sender.cancel(size)
             raise  # the hooks' shield counts it as failed, and never lets it reach the model
-        self._sender.put(
+        if not self._sender.put(
             Sample(
                 forward=call.forward,
                 layer=call.layer,
@@ -265,7 +279,8 @@ class AttentionTap:
                 nbytes=size,
                 headers=headers,
             )
-        )
+        ):
+            self._counts.add("dropped")  # the tap closed while this sample was being copied
 
     def _capture_failed(self, exc: BaseException) -> None:
         self._counts.add("failed")
@@ -294,7 +309,16 @@ class AttentionTap:
 
     def _failed(self, sample: Sample, exc: BaseException) -> None:
         self._counts.add("failed")
-        logger.debug("tap: %s of forward %d failed: %r", sample.tag, sample.forward, exc)
+        self._note_failure(f"{sample.tag} of forward {sample.forward}: {exc}")
+
+    def _note_failure(self, what: str) -> None:
+        """Keep the first failure's reason (`first_failure`); log it once at warning level, the
+        others at debug level."""
+        with self._counts.lock:
+            first = self.first_failure is None
+            if first:
+                self.first_failure = what
+        logger.log(logging.WARNING if first else logging.DEBUG, "tap: %s", what)
 
 
 def _trace_injector() -> Callable[[], dict[str, str]]:

@@ -307,3 +307,116 @@ def test_a_cuda_model_is_copied_off_its_stream_exactly(
                 )
             out = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
             h = h + out.transpose(1, 2).reshape(h.shape)
+
+
+def _tiny(name: str, config_name: str, **config: Any) -> nn.Module:
+    """A small transformers model of random weights (seeded)."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model: nn.Module = getattr(transformers, name)(getattr(transformers, config_name)(**config))
+    return model.eval()
+
+
+LLAMA: dict[str, Any] = {
+    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "hidden_size": 32, "intermediate_size": 64, "vocab_size": 100,
+}  # fmt: skip
+GPT2: dict[str, Any] = {"n_layer": 2, "n_head": 2, "n_embd": 32, "vocab_size": 100}
+
+
+@pytest.mark.parametrize(
+    ("name", "config", "seen"),
+    [
+        # GPT-2's eager path with reorder_and_upcast_attn runs its own method, past the
+        # attention interface: nothing to see, and the tap must not switch it off by renaming.
+        ("GPT2LMHeadModel", {**GPT2, "reorder_and_upcast_attn": True,
+                             "attn_implementation": "eager"}, 0),
+        ("GPT2LMHeadModel", {**GPT2, "attn_implementation": "eager"}, 2),
+        ("GPT2LMHeadModel", GPT2, 2),
+        # Grouped-query attention (4 query heads, 2 kv heads), sdpa and eager.
+        ("LlamaForCausalLM", LLAMA, 2),
+        ("LlamaForCausalLM", {**LLAMA, "attn_implementation": "eager"}, 2),
+    ],
+)  # fmt: skip
+def test_transformers_decoders_run_their_own_code_untouched(
+    app_client: TestClient, name: str, config: dict[str, Any], seen: int
+) -> None:
+    """The model keeps its implementation's name (no branch of transformers changes) and its
+    outputs bitwise; every layer is answered; the registry is as before afterwards."""
+    transformers = pytest.importorskip("transformers")
+    model = _tiny(name, name.replace("LMHeadModel", "Config").replace("ForCausalLM", "Config"),
+                  **config)  # fmt: skip
+    ids = torch.randint(0, 100, (2, 7), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(2, 7, dtype=torch.long)
+    mask[1, :2] = 0  # left padding
+    before = dict(transformers.AttentionInterface._global_mapping)
+    implementation = model.config._attn_implementation
+    with torch.no_grad():
+        untapped = model(input_ids=ids, attention_mask=mask).logits
+    with tap_for(app_client, model="dec", every=1) as tap:
+        with tap.attach(model), torch.no_grad():
+            assert model.config._attn_implementation == implementation
+            tapped = model(input_ids=ids, attention_mask=mask).logits
+        assert tap.flush(timeout_s=30)
+        stats = tap.stats
+    assert torch.equal(tapped, untapped)
+    assert stats.sampled == stats.answered == seen, (stats, tap.first_failure)
+    assert transformers.AttentionInterface._global_mapping == before
+
+
+def test_a_transformer_encoder_keeps_its_fast_path(app_client: TestClient) -> None:
+    """nn.TransformerEncoder in eval runs a native fused kernel that a TorchFunctionMode would
+    turn off (changing padded rows' outputs): the tap leaves it on, and sees its slow path's
+    SDPA calls in training mode."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(32, 4, dim_feedforward=64, dropout=0.0, batch_first=True)
+    encoder = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=True).eval()
+    x = torch.randn(2, 6, 32)
+    padding = torch.zeros(2, 6, dtype=torch.bool)
+    padding[1, 4:] = True
+    with torch.no_grad():
+        untapped = encoder(x, src_key_padding_mask=padding)
+    with tap_for(app_client, model="enc", every=1) as tap:
+        with tap.attach(encoder), torch.no_grad():
+            tapped = encoder(x, src_key_padding_mask=padding)
+        encoder.train()
+        with tap.attach(encoder), torch.no_grad():
+            slow = encoder(x, src_key_padding_mask=padding)
+        assert tap.flush(timeout_s=30)
+        stats = tap.stats
+    assert torch.equal(tapped, untapped)
+    with torch.no_grad():
+        assert torch.equal(slow, encoder(x, src_key_padding_mask=padding))
+    assert stats.sampled == stats.answered == 2  # the training-mode forward's two layers
+
+
+def test_a_compiled_model_runs_and_is_not_sampled(app_client: TestClient) -> None:
+    model, x = inputs()
+    compiled = torch.compile(model, fullgraph=True, backend="eager")
+    with torch.no_grad():
+        untapped = model(x)
+    with tap_for(app_client, model="compiled", every=1) as tap:
+        with tap.attach(model), torch.no_grad():
+            out = compiled(x)
+        assert tap.flush(timeout_s=30)
+    assert torch.equal(out, untapped)
+
+
+def test_a_t5_position_bias_is_counted_as_failed_not_misreported(app_client: TestClient) -> None:
+    model = _tiny(
+        "T5EncoderModel", "T5Config", d_model=32, d_kv=8, num_heads=4, num_layers=2, d_ff=64,
+        vocab_size=100, attn_implementation="sdpa",
+    )  # fmt: skip
+    ids = torch.randint(0, 100, (2, 5), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        untapped = model(input_ids=ids).last_hidden_state
+    with tap_for(app_client, model="t5", every=1) as tap:
+        with tap.attach(model), torch.no_grad():
+            tapped = model(input_ids=ids).last_hidden_state
+        assert tap.flush(timeout_s=30)
+        stats = tap.stats
+    assert torch.equal(tapped, untapped)
+    assert stats.sampled == stats.failed == 2
+    assert stats.sent == 0
+    assert tap.first_failure is not None
+    assert "position_bias" in tap.first_failure
