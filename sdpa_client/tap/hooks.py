@@ -79,6 +79,16 @@ class AttentionCall:
     unsupported: str = ""
 
 
+class _Sampling(threading.local):
+    """How many sampled forwards this thread is inside, all attachments together: the wrappers'
+    fast path (an unsampled forward pays one thread-local read per attention call)."""
+
+    depth = 0
+
+
+_SAMPLING: Final = _Sampling()
+
+
 class ForwardGate:
     """Counts forwards and decides which are sampled: forward n is sampled when n % every == 0."""
 
@@ -94,10 +104,17 @@ class ForwardGate:
         self.forwards = n + 1
         self._local.forward = n
         self._local.calls = 0
-        self._local.sampled = n % self.every == 0
-        return bool(self._local.sampled)
+        sampled = n % self.every == 0
+        if sampled and not getattr(self._local, "sampled", False):
+            _SAMPLING.depth += 1
+        elif not sampled and getattr(self._local, "sampled", False):
+            _SAMPLING.depth -= 1  # a forward that ended without its hook (KeyboardInterrupt)
+        self._local.sampled = sampled
+        return sampled
 
     def end(self) -> None:
+        if getattr(self._local, "sampled", False):
+            _SAMPLING.depth -= 1
         self._local.sampled = False
 
     def next_call(self) -> tuple[int, int] | None:
@@ -258,10 +275,9 @@ def _eager_function(module_file: str) -> Callable[..., Any]:
     return found  # type: ignore[no-any-return]
 
 
-def _compiling() -> bool:
-    # Under torch.compile the wrapper is traced, not run: a tap cannot copy tensors from inside
-    # a graph, and its locks would break fullgraph tracing. Compiled calls are not sampled.
-    return bool(torch.compiler.is_compiling())
+# Under torch.compile the wrapper is traced, not run: a tap cannot copy tensors from inside a
+# graph, and its locks would break fullgraph tracing. Compiled calls are not sampled.
+_compiling: Final = torch.compiler.is_compiling
 
 
 def _hf_wrapper(original: Callable[..., Any] | None, registry: _Registry) -> Callable[..., Any]:
@@ -275,7 +291,7 @@ def _hf_wrapper(original: Callable[..., Any] | None, registry: _Registry) -> Cal
         **kwargs: Any,
     ) -> Any:
         function = original if original is not None else _eager_function(type(module).__module__)
-        if _compiling():
+        if _compiling() or not _SAMPLING.depth:
             return function(module, query, key, value, attention_mask, *args, **kwargs)
         attachment = registry.attachment_of(module)
         where = None if attachment is None else attachment.gate.next_call()
@@ -306,7 +322,7 @@ def _hf_wrapper(original: Callable[..., Any] | None, registry: _Registry) -> Cal
 
 def _sdpa_wrapper(original: Callable[..., Any], registry: _Registry) -> Callable[..., Any]:
     def scaled_dot_product_attention(*args: Any, **kwargs: Any) -> Any:
-        if not _compiling():
+        if not _compiling() and _SAMPLING.depth:
             _observe_sdpa(registry, args, kwargs)
         return original(*args, **kwargs)
 
