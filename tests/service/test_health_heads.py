@@ -28,6 +28,7 @@ from service.serving.health import (
     latest_heads,
 )
 from service.settings import Settings
+from tests.service.test_health import FakeClock
 from tests.support.app import in_process_client, small_settings
 
 SINK_TOKENS = 2
@@ -76,14 +77,6 @@ def diagnose(
     )
     assert result.diagnostics is not None
     return result.diagnostics
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def monitor(
