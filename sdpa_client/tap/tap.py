@@ -184,9 +184,10 @@ class AttentionTap:
     def attach(self, model: torch.nn.Module) -> Iterator[Self]:
         """Watch `model` while the block runs; forwards are counted from 0.
 
-        A transformers model gets an attention implementation that wraps its current one (its
-        kernel keeps running); any other module has F.scaled_dot_product_attention intercepted
-        during its sampled forwards.
+        The functions the model calls its attention through (for a transformers model, those
+        registered under its implementations' names; else torch.nn.functional's
+        scaled_dot_product_attention) are wrapped while attached; the model keeps its names,
+        masks and kernels (sdpa_client.tap.hooks).
 
         Raises:
             RuntimeError: the tap is closed, or already attached.
