@@ -112,10 +112,13 @@ class ForwardGate:
         self._local.sampled = sampled
         return sampled
 
-    def end(self) -> None:
-        if getattr(self._local, "sampled", False):
+    def end(self) -> bool:
+        """This thread's forward ends; returns whether it was sampled."""
+        sampled = bool(getattr(self._local, "sampled", False))
+        if sampled:
             _SAMPLING.depth -= 1
         self._local.sampled = False
+        return sampled
 
     def next_call(self) -> tuple[int, int] | None:
         """(forward, order of this call in it) when this thread's forward is sampled, else None."""
@@ -381,8 +384,10 @@ def attach_hooks(
     every: int,
     on_call: OnCall,
     on_error: Callable[[BaseException], None],
+    on_sampled: Callable[[bool], None] | None = None,
 ) -> Iterator[ForwardGate]:
-    """Call `on_call` for each attention call of every `every`-th forward of `model`.
+    """Call `on_call` for each attention call of every `every`-th forward of `model`, and
+    `on_sampled(True)` / `on_sampled(False)` when such a forward begins and ends.
 
     Yields:
         The ForwardGate that counts the forwards.
@@ -400,11 +405,16 @@ def attach_hooks(
         raise RuntimeError("attach: this model (or a part of it) is already attached")
     names = _hf_names(model) if hf else [_SDPA_NAME]
 
+    # torch.compile traces a compiled module's hooks too: they do nothing there (no forward of
+    # a compiled model is sampled, and the sender's lock would break a fullgraph trace).
     def before(module: torch.nn.Module, args: Any) -> None:
-        gate.begin()
+        if not _compiling() and gate.begin() and on_sampled is not None:
+            on_sampled(True)
 
     def after(module: torch.nn.Module, args: Any, output: Any) -> None:
-        gate.end()  # always_call=True: also when the forward raised
+        # always_call=True: also when the forward raised
+        if not _compiling() and gate.end() and on_sampled is not None:
+            on_sampled(False)
 
     pre = model.register_forward_pre_hook(before)
     post = model.register_forward_hook(after, always_call=True)

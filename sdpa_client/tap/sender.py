@@ -17,7 +17,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final
 
 import httpx
 import torch
@@ -30,6 +30,9 @@ from sdpa_client.types import AttentionResponse
 from sdpa_client.version import __version__
 
 logger = logging.getLogger("sdpa_client.tap")
+
+# The longest a sampled forward holds the sender back (see Sender.hold).
+MAX_HOLD_S: Final = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,6 +142,8 @@ class Sender:
         self._cond = threading.Condition()
         self._reserved = 0  # bytes of samples queued, being copied or in flight
         self._busy = 0  # reservations not yet resolved (queued, being copied, or in flight)
+        self._forwards = 0  # sampled forwards running: the sender waits for them (see hold)
+        self._held_since = 0.0
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="sdpa-tap-sender", daemon=True)
         self._thread.start()
@@ -155,6 +160,20 @@ class Sender:
             self._reserved += nbytes
             self._busy += 1
             return True
+
+    def hold(self, running: bool) -> None:
+        """A sampled forward begins (True) or ends (False). While one runs, the sender starts
+        no new post, unless the queue is over half full: its Python work (encoding, httpx,
+        reading answers) would share the GIL and the core with the forward, and on a forward
+        that is mostly Python (a GPU model's kernel launches) or on one core it cost several
+        times the copy itself. So a sampled forward pays the copy; the sending runs after it,
+        in whatever time the process leaves (beside the next forward when they run back to
+        back)."""
+        with self._cond:
+            self._forwards = max(0, self._forwards + (1 if running else -1))
+            self._held_since = time.monotonic()
+            if not self._forwards:
+                self._cond.notify_all()
 
     def cancel(self, nbytes: int) -> None:
         """Give back a reservation whose sample was never queued (its copy failed)."""
@@ -195,6 +214,11 @@ class Sender:
         self._thread.join(timeout=max(0.0, timeout_s))
         return unsent
 
+    def _deferred(self) -> bool:
+        # A forward that never ended (interrupted past its hooks) holds the sender MAX_HOLD_S.
+        held = time.monotonic() - self._held_since < MAX_HOLD_S
+        return self._forwards > 0 and held and self._reserved * 2 <= self._max_bytes
+
     def _release(self, nbytes: int) -> None:
         self._reserved -= nbytes
         self._busy -= 1
@@ -203,8 +227,8 @@ class Sender:
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not self._queue and not self._closed:
-                    self._cond.wait()
+                while not self._closed and (not self._queue or self._deferred()):
+                    self._cond.wait(None if not self._queue else MAX_HOLD_S)
                 if not self._queue:
                     return
                 sample = self._queue.popleft()

@@ -199,7 +199,9 @@ class AttentionTap:
             raise RuntimeError("attach: the tap is already attached to a model")
         self._attached = True
         try:
-            with attach_hooks(model, self.every, self._capture, self._capture_failed) as gate:
+            with attach_hooks(
+                model, self.every, self._capture, self._capture_failed, self._sender.hold
+            ) as gate:
                 self._gate_forwards = lambda: gate.forwards
                 try:
                     yield self
