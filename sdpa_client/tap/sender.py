@@ -148,10 +148,6 @@ class Sender:
         self._thread = threading.Thread(target=self._run, name="sdpa-tap-sender", daemon=True)
         self._thread.start()
 
-    @property
-    def queued_bytes(self) -> int:
-        return self._reserved
-
     def reserve(self, nbytes: int) -> bool:
         """Room for a sample of `nbytes`, before it is copied; False when the queue is full."""
         with self._cond:
