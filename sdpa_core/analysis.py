@@ -13,23 +13,23 @@ overflows or flushes its scaled scores, and their raw variance with them.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from sdpa_core.attention import check_int_option, prepare_inputs, tile_grid
+from sdpa_core.attention import prepare_inputs
 from sdpa_core.chunked import (
     DEFAULT_BLOCK_SIZE,
-    TileBlocks,
     chunked_attention_steps,
     chunked_blocks,
     chunked_tile_rows,
 )
-from sdpa_core.diagnostics import DiagnosticsSummary, RowStats, summarize
+from sdpa_core.diagnostics import DiagnosticsSummary, summarize
 from sdpa_core.errors import SdpaError
 from sdpa_core.masks import KeyLengths
 from sdpa_core.shapes import CausalArg
+from sdpa_core.tiles import TiledRun, TileInputs, TileOutput, TileResults, check_tiles
 
 STANDARD_STRATEGIES: tuple[str, ...] = ("none", "sqrt_dk", "dk", "dk_quarter", "two_sqrt_dk")
 
@@ -208,13 +208,13 @@ def analyze_scaling(
     ).run()
 
 
-class AnalysisRun:
-    """analyze_scaling() as a sequence of tiles a scheduler can step through, one per step():
-    each pass (one per strategy, plus the raw pass at scale 1 when no divisor is 1) runs in
-    tiles of sequences and query rows (attention.tile_grid), and a pass is summarized when
-    its last tile is done. analyze_scaling() is a run of one tile per pass. Its arguments and
-    errors are analyze_scaling()'s, raised by the constructor; tiles asks for about that many
-    tiles in all (tiles_total says how many), row_quantum as for AttentionRun."""
+class AnalysisRun(TiledRun[ScalingReport]):
+    """analyze_scaling() as a TiledRun (tiles.py): one pass per strategy (plus the raw pass at
+    scale 1 when no divisor is 1), each over the same grid of tiles of sequences and query
+    rows on the chunked path, always by key blocks; a pass is summarized when its last tile
+    is done. analyze_scaling() is a run of one tile per pass. Its arguments and errors are
+    analyze_scaling()'s, raised by the constructor; tiles asks for about that many tiles in
+    all (tiles_total says how many), row_quantum as for AttentionRun."""
 
     def __init__(
         self,
@@ -231,7 +231,7 @@ class AnalysisRun:
         row_quantum: int | None = None,
     ) -> None:
         v = k.new_zeros((*k.shape[:-1], 1))  # the output is not needed, only the row statistics
-        self._inputs = prepare_inputs(
+        inputs = prepare_inputs(
             q,
             k,
             v,
@@ -240,102 +240,55 @@ class AnalysisRun:
             key_padding_mask=key_padding_mask,
             attn_mask=attn_mask,
         )
-        spec = self._inputs.spec
+        spec = inputs.spec
         self._pairs = resolve_strategies(strategies, spec.d)
-        check_int_option(tiles, param="tiles", minimum=1, what="a positive integer",
-                         expected="int >= 1")  # fmt: skip
-        if row_quantum is not None:
-            check_int_option(row_quantum, param="row_quantum", minimum=1,
-                             what="a positive integer", expected="int >= 1 or null")  # fmt: skip
+        check_tiles(tiles)
         self._scales = [1.0 / divisor for _, divisor in self._pairs]
         if not any(divisor == 1.0 for _, divisor in self._pairs):
             self._scales.append(1.0)  # the raw statistics' own pass
-        per_pass = -(-tiles // len(self._scales))
-        quantum = row_quantum or chunked_tile_rows(spec.heads, spec.n_q, spec.n_kv, block_size)
-        self._grid = tile_grid(spec.batch, spec.n_q, per_pass, quantum)
-        # Fewer tiles than asked (a few queries, many keys): stop between key blocks too.
-        self._key_splits = -(-per_pass // len(self._grid))
-        self._tile_blocks: TileBlocks[tuple[torch.Tensor, RowStats | None]] | None = None
-        self._steps = 0
         self._block_size = block_size
         self._summaries: list[DiagnosticsSummary] = []
-        self._rows: RowStats | None = None
-        self._tile = 0  # the next tile of the current pass
+        super().__init__(
+            spec,
+            TileInputs(q4=inputs.q4, k4=inputs.k4, v4=inputs.v4, plan=inputs.plan),
+            tiles=tiles,
+            row_quantum=row_quantum,
+            path_rows=chunked_tile_rows(spec.heads, spec.n_q, spec.n_kv, block_size),
+            passes=len(self._scales),
+            key_blocks=True,
+        )
 
     @property
-    def tiles_total(self) -> int:
-        """The steps of the run (with key splits an estimate until done: blocks a mask hides
-        are skipped without a step)."""
-        if self.done:
-            return self._steps
-        planned = len(self._scales) * len(self._grid) * self._key_splits
-        return max(self._steps + 1, planned)
+    def path(self) -> str:
+        """The compute metric's name for it, "analyze" (its tiles run the chunked path)."""
+        return "analyze"
 
-    @property
-    def tiles_done(self) -> int:
-        return self._steps
+    def _block_steps(self, part: TileInputs, pass_index: int) -> Generator[None, None, TileOutput]:
+        """A tile of one pass: the row statistics at that pass's scale (the output of the
+        zero values is dropped)."""
+        _, rows = yield from chunked_attention_steps(
+            part.q4,
+            part.k4,
+            part.v4,
+            part.plan,
+            scale=self._scales[pass_index],
+            accum_dtype=self._spec.accum_dtype,
+            need_stats=True,
+            block_size=self._block_size,
+        )
+        return TileOutput(None, rows=rows)
 
-    @property
-    def share_done(self) -> float:
-        """About how much of the run is done, from 0 to 1 (AttentionRun.share_done): passes
-        and tiles done, and the part of the current tile its key blocks tell."""
-        part = 0.0 if self._tile_blocks is None else self._tile_blocks.share_done
-        tiles = len(self._summaries) * len(self._grid) + self._tile + part
-        return tiles / (len(self._scales) * len(self._grid))
+    def _most_blocks(self, part: TileInputs) -> int:
+        return chunked_blocks(part.q4, part.k4, self._block_size)
 
-    @property
-    def done(self) -> bool:
-        return len(self._summaries) == len(self._scales)
-
-    def step(self, budget_s: float | None = None) -> bool:
-        """Compute the next tile of the current pass (with key splits, the next part of its
-        key blocks); True once every pass is done. budget_s as for AttentionRun.step."""
-        if self.done:
-            return True
-        spec, scale = self._inputs.spec, self._scales[len(self._summaries)]
-        tile = self._grid[self._tile]
-        whole = len(self._grid) == 1
-        if self._tile_blocks is None:
-            inputs = self._inputs
-            q4, k4, v4, plan = (
-                (inputs.q4, inputs.k4, inputs.v4, inputs.plan) if whole else tile.of(inputs)
-            )
-            steps = chunked_attention_steps(
-                q4,
-                k4,
-                v4,
-                plan,
-                scale=scale,
-                accum_dtype=spec.accum_dtype,
-                need_stats=True,
-                block_size=self._block_size,
-            )
-            self._tile_blocks = TileBlocks(
-                steps,
-                blocks=chunked_blocks(q4, k4, self._block_size),
-                key_splits=self._key_splits,
-            )
-        budget = budget_s if self._inputs.q4.device.type == "cpu" else None
-        finished, value = self._tile_blocks.advance(budget)
-        self._steps += 1
-        if not finished:
-            return False  # more blocks of this tile next step
-        assert value is not None
-        self._tile_blocks = None
-        _, rows = value
-        assert rows is not None
-        rows_shape = (spec.batch, spec.heads, spec.n_q)
-        self._rows = rows if whole else tile.place_rows(self._rows, rows, rows_shape)
-        self._tile += 1
-        if self._tile == len(self._grid):
-            self._summaries.append(summarize(self._rows, scale=scale, level="summary").summary)
-            self._rows, self._tile = None, 0
-        return self.done
+    def _pass_done(self, pass_index: int, results: TileResults) -> None:
+        assert results.rows is not None  # need_stats
+        scale = self._scales[pass_index]
+        self._summaries.append(summarize(results.rows, scale=scale, level="summary").summary)
 
     def result(self) -> ScalingReport:
         """The report, once every pass is done."""
-        if not self.done:
-            raise RuntimeError(f"{self.tiles_done} of {self.tiles_total} tiles done")
+        self._check_done()
         results = []
         raw_var: float | None = None
         for (name, divisor), s in zip(self._pairs, self._summaries, strict=False):
@@ -356,17 +309,11 @@ class AnalysisRun:
         if raw_var is None:
             raw_var = self._summaries[-1].score_variance_raw  # the extra pass at scale 1
         return ScalingReport(
-            d_k=self._inputs.spec.d,
+            d_k=self._spec.d,
             raw_score_variance=raw_var,
             recommended_divisor=math.sqrt(raw_var),
             strategies=tuple(results),
         )
-
-    def run(self) -> ScalingReport:
-        """Every remaining tile, then the report."""
-        while not self.step():
-            pass
-        return self.result()
 
 
 def make_synthetic_qk(

@@ -1,11 +1,18 @@
 """attention(): validate, choose a path (fused | dense | chunked), run it, shape the result.
 
-Paths (each in its own module)
-- fused (fused.py): torch's scaled_dot_product_attention in tiles of query rows; used when
-  neither weights nor diagnostics are needed.
-- dense (dense.py): explicit scores and softmax; the only path that can return the weights.
-- chunked (chunked.py): key-block online softmax over query tiles, O(N) memory; diagnostics
-  without the N_q x N_kv matrix.
+What is where
+- this module: validation and dispatch. prepare_inputs (validate_inputs, the 4-D views, the
+  MaskPlan), choose_path, attention(), and AttentionRun: attention() as a TiledRun, whose
+  constructor validates and chooses the path and whose tiles call that path's kernel.
+- tiles.py: the tile grid, the key-block steps and TiledRun, the one protocol a scheduler
+  steps (AttentionRun here, AnalysisRun in analysis.py).
+- fused.py: torch's scaled_dot_product_attention in tiles of query rows; used when neither
+  weights nor diagnostics are needed.
+- dense.py: explicit scores and softmax; the only path that can return the weights.
+- chunked.py: key-block online softmax over query tiles, O(N) memory; diagnostics without
+  the N_q x N_kv matrix.
+- shapes.py, masks.py, nonfinite.py, diagnostics.py: input checks, the mask plan, the
+  NaN/Inf policy, the row statistics and their summary.
 
 dtypes: softmax and statistics accumulate in accumulation_dtype(input dtype): float32, or
 float64 for float64 inputs. The output and the returned weights have the input dtype; RowStats
@@ -14,8 +21,6 @@ and per-row tensors have the accumulation dtype. Non-finite values follow nonfin
 
 from __future__ import annotations
 
-import dataclasses
-import itertools
 from collections.abc import Generator
 from dataclasses import dataclass
 from typing import Literal, TypeAlias
@@ -24,11 +29,9 @@ import torch
 
 from sdpa_core.chunked import (
     DEFAULT_BLOCK_SIZE,
-    TileBlocks,
     chunked_attention_steps,
     chunked_blocks,
     chunked_tile_rows,
-    finish,
 )
 from sdpa_core.dense import dense_attention, dense_tile_q
 from sdpa_core.diagnostics import (
@@ -47,11 +50,13 @@ from sdpa_core.nonfinite import check_no_overflow, poison_results, quarantine
 from sdpa_core.shapes import (
     CausalArg,
     InputSpec,
+    check_int_option,
     resolve_scale,
     score_matrix_nbytes,
     to_4d,
     validate_inputs,
 )
+from sdpa_core.tiles import TiledRun, TileInputs, TileOutput, TileResults, check_tiles
 
 PathName: TypeAlias = Literal["fused", "dense", "chunked"]
 PATHS: tuple[PathName, ...] = ("fused", "dense", "chunked")
@@ -182,12 +187,6 @@ def choose_path(
     return path
 
 
-def check_int_option(value: object, *, param: str, minimum: int, what: str, expected: str) -> None:
-    """An integer option (never a bool) of at least `minimum`, or an SdpaError."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise SdpaError(f"{param} must be {what}", param=param, expected=expected, got=repr(value))
-
-
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -283,66 +282,15 @@ def attention(
     ).run()
 
 
-def tile_bounds(length: int, tiles: int, quantum: int = 1) -> list[tuple[int, int]]:
-    """[start, stop) of about `tiles` near-equal consecutive parts of range(length), cut at
-    multiples of `quantum` (at most ceil(length / quantum) parts, at least one)."""
-    units = -(-length // max(1, quantum))
-    parts = max(1, min(tiles, units))
-    cuts = [min(length, (i * units // parts) * quantum) for i in range(parts + 1)]
-    return list(itertools.pairwise(cuts))
+class AttentionRun(TiledRun[AttentionResult]):
+    """attention() as a TiledRun (tiles.py): validation and the path choice in the
+    constructor, then one tile per step() on the path chosen, each with its own rows of the
+    mask plan; result() checks the whole result for overflow and summarizes it. attention()
+    itself is a run of one tile.
 
-
-@dataclass(frozen=True, slots=True)
-class Tile:
-    """Sequences [b0, b1) of the normalized batch x query rows [q0, q1)."""
-
-    b0: int
-    b1: int
-    q0: int
-    q1: int
-
-    def of(
-        self, inputs: PreparedInputs
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, MaskPlan]:
-        """q4, k4, v4 and the mask plan of this tile."""
-        b0, b1, q0, q1 = self.b0, self.b1, self.q0, self.q1
-        plan = inputs.plan.batch_slice(b0, b1).query_rows(q0, q1)
-        return inputs.q4[b0:b1, :, q0:q1], inputs.k4[b0:b1], inputs.v4[b0:b1], plan
-
-    def place_rows(
-        self, whole: RowStats | None, part: RowStats, rows_shape: tuple[int, ...]
-    ) -> RowStats:
-        """part written into `whole` (allocated [B, H, N_q] at the first tile)."""
-        if whole is None:
-            whole = part.apply(lambda _, t: t.new_empty(rows_shape))
-        for name, tensor in whole.as_dict().items():
-            tensor[self.b0 : self.b1, :, self.q0 : self.q1] = getattr(part, name)
-        return whole
-
-
-def tile_grid(batch: int, n_q: int, tiles: int, row_quantum: int = 1) -> list[Tile]:
-    """About `tiles` tiles over [batch, N_q]: the batch split first (up to `batch` chunks),
-    then each chunk's query rows at multiples of row_quantum (the path's own row tile)."""
-    chunks = tile_bounds(batch, tiles)
-    rows = tile_bounds(n_q, -(-tiles // len(chunks)), row_quantum)
-    return [Tile(b0, b1, q0, q1) for b0, b1 in chunks for q0, q1 in rows]
-
-
-class AttentionRun:
-    """attention() as a sequence of tiles a scheduler can step through, one tile per step().
-
-    A tile is a chunk of sequences (the normalized batch) and of query rows: every query row
-    is independent, so each tile runs the path attention() chose on its rows with their own
-    rows of the mask plan (MaskPlan.query_rows keeps causal alignment), and the result is the
-    untiled one up to float reduction order. attention() itself is a run of one tile.
-    Validation and the path choice happen in the constructor, so a bad request fails before
-    any tile runs; the checks that need the whole result (overflow, the summary) run in
-    result().
-
-    tiles asks for about that many tiles: the batch is split first (up to B chunks), then
-    each chunk's query rows, cut at multiples of row_quantum (None: the rows the path computes
-    at once, so that no tile costs more than its share of one call; 1 cuts anywhere). A run
-    has at most B * N_q tiles; tiles_total says how many.
+    tiles asks for about that many tiles (tiles_total says how many; at most B * N_q), cut at
+    multiples of row_quantum (None: the rows the path computes at once). On the chunked path
+    a tile goes by key blocks when the run stops between them (key splits, or step's budget).
     """
 
     def __init__(
@@ -404,8 +352,7 @@ class AttentionRun:
                 what="a non-negative integer",
                 expected="int >= 0 or null",
             )
-        check_int_option(tiles, param="tiles", minimum=1, what="a positive integer",
-                          expected="int >= 1")  # fmt: skip
+        check_tiles(tiles)
         self._path = choose_path(
             spec,
             return_weights=return_weights,
@@ -413,12 +360,14 @@ class AttentionRun:
             memory_budget_bytes=memory_budget_bytes,
             path=path,
         )
-        self._spec, self._plan, self._level = spec, plan, level
+        self._level = level
         self._scale = resolve_scale(scale, spec.d)
         self._return_weights = return_weights
         self._allow_nonfinite = allow_nonfinite
         self._block_size = block_size or DEFAULT_BLOCK_SIZE
         self._sink_tokens = sink_tokens
+        self._backend: str | None = None
+        self._whole: TileResults | None = None
 
         q4, k4, v4, poisoned = inputs.q4, inputs.k4, inputs.v4, None
         if allow_nonfinite:
@@ -428,33 +377,23 @@ class AttentionRun:
         # The sink is the first sink_tokens keys that are not padding: positions
         # [0, sink_tokens) unless a key_padding_mask may hide some of them (key lengths only
         # hide a suffix).
-        self._sink_cols: torch.Tensor | None = None
+        sink_cols: torch.Tensor | None = None
         if level != "none" and key_padding_mask is not None:
             padding = key_padding(
                 spec, key_lengths=key_lengths, key_padding_mask=key_padding_mask, device=q.device
             )
-            self._sink_cols = None if padding is None else sink_keys(padding, sink_tokens)
+            sink_cols = None if padding is None else sink_keys(padding, sink_tokens)
 
-        self._inputs = dataclasses.replace(inputs, q4=q4, k4=k4, v4=v4)
-        if row_quantum is not None:
-            check_int_option(row_quantum, param="row_quantum", minimum=1,
-                              what="a positive integer", expected="int >= 1 or null")  # fmt: skip
-        quantum = row_quantum or self._row_quantum(q4, k4)
-        self._tiles = tile_grid(spec.batch, spec.n_q, tiles, quantum)
-        # Sequences and rows may give fewer tiles than asked (one sequence of a few queries
-        # and many keys): the chunked path then also stops between key blocks.
-        self._key_splits = 1
-        if self._path == "chunked" and len(self._tiles) < tiles:
-            self._key_splits = -(-tiles // len(self._tiles))
-        self._tile_blocks: TileBlocks[tuple[torch.Tensor, RowStats | None]] | None = None
-        self._steps = 0
-        self._done = 0
-        self._backend: str | None = None
-        self._out4: torch.Tensor | None = None
-        self._weights4: torch.Tensor | None = None
-        self._rows4: RowStats | None = None
+        super().__init__(
+            spec,
+            TileInputs(q4=q4, k4=k4, v4=v4, plan=plan, sink_cols=sink_cols),
+            tiles=tiles,
+            row_quantum=row_quantum,
+            path_rows=self._path_rows(q4, k4),
+            key_blocks=self._path == "chunked",
+        )
 
-    def _row_quantum(self, q4: torch.Tensor, k4: torch.Tensor) -> int:
+    def _path_rows(self, q4: torch.Tensor, k4: torch.Tensor) -> int:
         """The rows the path computes at once: tiles cut at multiples of them cost no more
         than one call (a tile of fewer rows costs about as much as a whole one)."""
         _, h, n_q, _ = q4.shape
@@ -474,67 +413,9 @@ class AttentionRun:
         """The fused path's torch backend (known after the first tile), else None."""
         return self._backend
 
-    @property
-    def tiles_total(self) -> int:
-        """The steps of the run (with key splits an estimate until done: blocks a mask hides
-        are skipped without a step)."""
-        if self.done:
-            return self._steps
-        return max(self._steps + 1, len(self._tiles) * self._key_splits)
-
-    @property
-    def tiles_done(self) -> int:
-        return self._steps
-
-    @property
-    def share_done(self) -> float:
-        """About how much of the run is done, from 0 to 1: whole tiles, and the part of the
-        current one its key blocks tell (a scheduler's measure of what is left, which steps
-        cannot give once they outnumber tiles_total's plan)."""
-        part = 0.0 if self._tile_blocks is None else self._tile_blocks.share_done
-        return (self._done + part) / len(self._tiles)
-
-    @property
-    def done(self) -> bool:
-        return self._done == len(self._tiles)
-
-    def step(self, budget_s: float | None = None) -> bool:
-        """Compute the next tile (on the chunked path with key splits, the next part of its
-        key blocks); True once every tile is done.
-
-        budget_s (on the CPU, chunked path): stop the tile's key blocks once this many
-        seconds went by (at least one block), and go on from there at the next step, so a
-        step lasts about budget_s whatever the cost model estimated. On a GPU the host only
-        queues the kernels, so it is ignored there.
-        """
-        if self.done:
-            return True
-        tile = self._tiles[self._done]
-        budget = budget_s if self._inputs.q4.device.type == "cpu" else None
-        by_blocks = self._path == "chunked" and (self._key_splits > 1 or budget is not None)
-        finished = self._advance_blocks(tile, budget) if by_blocks else self._compute(tile)
-        self._steps += 1
-        if finished:
-            self._done += 1
-        return self.done
-
-    def _tile_inputs(
-        self, tile: Tile
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, MaskPlan, torch.Tensor | None]:
-        """q4, k4, v4, the mask plan and the sink columns of one tile."""
-        inputs, sink_cols = self._inputs, self._sink_cols
-        if len(self._tiles) == 1:
-            return inputs.q4, inputs.k4, inputs.v4, inputs.plan, sink_cols
-        q4, k4, v4, plan = tile.of(inputs)
-        if sink_cols is not None and sink_cols.shape[0] != 1:
-            sink_cols = sink_cols[tile.b0 : tile.b1]
-        return q4, k4, v4, plan, sink_cols
-
-    def _compute(self, tile: Tile) -> bool:
+    def _compute(self, part: TileInputs, pass_index: int) -> TileOutput:
         """One whole tile on the path chosen."""
-        q4, k4, v4, plan, sink_cols = self._tile_inputs(tile)
-        weights4: torch.Tensor | None = None
-        rows4: RowStats | None = None
+        q4, k4, v4, plan = part.q4, part.k4, part.v4, part.plan
         if self._path == "fused":
             # Under a causal mask a tile's rows see no key past its last row's reach: give
             # the kernel only those (a tile of the last rows of N computes N x rows scores,
@@ -544,7 +425,8 @@ class AttentionRun:
                 k4, v4, plan = k4[:, :, :reach], v4[:, :, :reach], plan.key_prefix(reach)
             out4, backend = fused_attention(q4, k4, v4, plan, scale=self._scale)
             self._backend = self._backend or backend
-        elif self._path == "dense":
+            return TileOutput(out4)
+        if self._path == "dense":
             out4, weights4, rows4 = dense_attention(
                 q4,
                 k4,
@@ -555,12 +437,17 @@ class AttentionRun:
                 need_weights=self._return_weights,
                 need_stats=self._level != "none",
                 sink_tokens=self._sink_tokens,
-                sink_cols=sink_cols,
+                sink_cols=part.sink_cols,
             )
-        else:
-            out4, rows4 = finish(self._chunked_steps(q4, k4, v4, plan, sink_cols))
-        self._store(tile, out4, weights4, rows4)
-        return True
+            return TileOutput(out4, weights4, rows4)
+        return super()._compute(part, pass_index)  # chunked: its key blocks at once
+
+    def _block_steps(self, part: TileInputs, pass_index: int) -> Generator[None, None, TileOutput]:
+        """A chunked tile as key-block steps."""
+        out4, rows4 = yield from self._chunked_steps(
+            part.q4, part.k4, part.v4, part.plan, part.sink_cols
+        )
+        return TileOutput(out4, rows=rows4)
 
     def _chunked_steps(
         self,
@@ -583,63 +470,20 @@ class AttentionRun:
             sink_cols=sink_cols,
         )
 
-    def _advance_blocks(self, tile: Tile, budget_s: float | None) -> bool:
-        """The next key_splits-th of a chunked tile's (query tile x key block) steps, or as
-        many as fit in budget_s; True when the tile is done."""
-        if self._tile_blocks is None:
-            q4, k4, v4, plan, sink_cols = self._tile_inputs(tile)
-            self._tile_blocks = TileBlocks(
-                self._chunked_steps(q4, k4, v4, plan, sink_cols),
-                blocks=chunked_blocks(q4, k4, self._block_size),
-                key_splits=self._key_splits,
-            )
-        finished, value = self._tile_blocks.advance(budget_s)
-        if value is not None:
-            out4, rows4 = value
-            self._tile_blocks = None
-            self._store(tile, out4, None, rows4)
-        return finished
+    def _most_blocks(self, part: TileInputs) -> int:
+        return chunked_blocks(part.q4, part.k4, self._block_size)
 
-    def _store(
-        self,
-        tile: Tile,
-        out4: torch.Tensor,
-        weights4: torch.Tensor | None,
-        rows4: RowStats | None,
-    ) -> None:
-        if len(self._tiles) == 1:
-            self._out4, self._weights4, self._rows4 = out4, weights4, rows4
-        else:
-            self._place(tile, out4, weights4, rows4)
-
-    def _place(
-        self,
-        tile: Tile,
-        out4: torch.Tensor,
-        weights4: torch.Tensor | None,
-        rows4: RowStats | None,
-    ) -> None:
-        """Write one tile's results into the whole result (allocated by the first tile, in
-        the dtypes the path gives)."""
-        spec = self._spec
-        rows_shape = (spec.batch, spec.heads, spec.n_q)
-        at = (slice(tile.b0, tile.b1), slice(None), slice(tile.q0, tile.q1))
-        if self._out4 is None:
-            self._out4 = out4.new_empty((*rows_shape, out4.shape[-1]))
-        self._out4[at] = out4
-        if weights4 is not None:
-            if self._weights4 is None:
-                self._weights4 = weights4.new_empty((*rows_shape, spec.n_kv))
-            self._weights4[at] = weights4
-        if rows4 is not None:
-            self._rows4 = tile.place_rows(self._rows4, rows4, rows_shape)
+    def _pass_done(self, pass_index: int, results: TileResults) -> None:
+        self._whole = results
 
     def result(self) -> AttentionResult:
         """The whole result, once every tile is done: shaped as the inputs, checked for
         overflow, summarized."""
-        if not self.done or self._out4 is None:
-            raise RuntimeError(f"{self._done} of {self.tiles_total} tiles done")
-        spec, out4, weights4, rows4 = self._spec, self._out4, self._weights4, self._rows4
+        self._check_done()
+        assert self._whole is not None
+        spec, whole = self._spec, self._whole
+        out4, weights4, rows4 = whole.output, whole.weights, whole.rows
+        assert out4 is not None  # every path gives an output
         if self._poisoned is not None:
             out4, weights4, rows4 = poison_results(self._poisoned, out4, weights4, rows4)
 
@@ -663,9 +507,3 @@ class AttentionRun:
             path=self._path,
             backend=self._backend,
         )
-
-    def run(self) -> AttentionResult:
-        """Every remaining tile, then the result."""
-        while not self.step():
-            pass
-        return self.result()

@@ -27,17 +27,14 @@ arithmetic on it, so the tiles are allocated once and reused (matmul/exp with ou
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Generator
 from dataclasses import dataclass
-from typing import Generic, TypeVar, cast
 
 import torch
 
 from sdpa_core.diagnostics import DEFAULT_SINK_TOKENS, ROW_STATS_FIELDS, RowStats
 from sdpa_core.masks import MaskPlan
-
-ReturnT = TypeVar("ReturnT")
+from sdpa_core.tiles import finish as finish  # dense.py's (TileBlocks too live in tiles.py)
 
 DEFAULT_BLOCK_SIZE = 512
 # Elements of one [B, H, tile_q, block] scratch tile (three live at once): 2^20 fp32 = 4 MiB.
@@ -97,67 +94,6 @@ def _new_state(zero: torch.Tensor, neg_inf: torch.Tensor) -> _RowState:
         abs_max=zero,
         ref=None,
     )
-
-
-class TileBlocks(Generic[ReturnT]):
-    """One tile's generator of (query tile x key block) steps, taken a part at a time.
-
-    A part is `blocks` / key_splits steps or, with a time budget, as many steps as fit it.
-    share_done says about how much of the tile is done, for a scheduler's estimate of what is
-    left when the steps outnumber its plan. A step that raised ends the tile: advance() then
-    refuses, since the generator, closed by the error, would look finished with no result.
-    """
-
-    def __init__(
-        self, steps: Generator[None, None, ReturnT], *, blocks: int, key_splits: int
-    ) -> None:
-        self._steps = steps
-        self._most_steps = max(1, blocks)  # chunked_blocks: at most this many steps
-        self._per_part = max(1, -(-self._most_steps // key_splits))
-        self._taken = 0
-        self._failed = False
-
-    @property
-    def share_done(self) -> float:
-        """Steps taken over the most the tile may take. Blocks a mask hides entirely are
-        skipped without a step, so under such a mask it lags, and the last part makes up
-        the rest."""
-        return min(1.0, self._taken / self._most_steps)
-
-    def advance(self, budget_s: float | None) -> tuple[bool, ReturnT | None]:
-        """Take the next part: its share of the steps or, with budget_s, as many as fit in
-        budget_s seconds of this thread's time (at least one; the clock is read between steps,
-        so budget_s only bounds host-side work: the caller passes it for the CPU alone).
-        -> (True, what the generator returned) once it is done, else (False, None)."""
-        if self._failed:
-            raise RuntimeError("a step of this tile failed: the tile cannot go on")
-        started = time.perf_counter()
-        taken_now = 0
-        while True:
-            try:
-                next(self._steps)
-            except StopIteration as stop:
-                self._taken = self._most_steps
-                return True, cast("ReturnT", stop.value)
-            except BaseException:
-                self._failed = True
-                raise
-            taken_now += 1
-            self._taken += 1
-            if budget_s is None:
-                if taken_now >= self._per_part:
-                    return False, None
-            elif time.perf_counter() - started >= budget_s:
-                return False, None
-
-
-def finish(steps: Generator[None, None, ReturnT]) -> ReturnT:
-    """What a generator of steps returns, once every step ran."""
-    while True:
-        try:
-            next(steps)
-        except StopIteration as stop:
-            return cast("ReturnT", stop.value)
 
 
 def attend_tiles_steps(

@@ -99,6 +99,12 @@ class InputSpec:
         return accumulation_dtype(self.dtype)
 
 
+def check_int_option(value: object, *, param: str, minimum: int, what: str, expected: str) -> None:
+    """An integer option (never a bool) of at least `minimum`, or an SdpaError."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise SdpaError(f"{param} must be {what}", param=param, expected=expected, got=repr(value))
+
+
 def normalize_causal(causal: CausalArg) -> CausalMode:
     """False/None/"none" -> "none"; True/"top_left" -> "top_left"; "bottom_right"."""
     if causal is None or causal is False:

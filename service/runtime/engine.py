@@ -9,8 +9,9 @@ of its requests is retried alone, so every request still gets its own answer. An
 run alone.
 
 A long job (more than one slice of estimated device time) runs alone as a JobRun
-(start_long): sdpa_core's AttentionRun or AnalysisRun stepped one tile at a time by the
-batcher, which checks the deadline and the client and runs short batches between tiles.
+(start_long): a sdpa_core TiledRun (AttentionRun or AnalysisRun: one protocol, so JobRun
+never asks which) stepped one tile at a time by the batcher, which checks the deadline and
+the client and runs short batches between tiles.
 """
 
 from __future__ import annotations
@@ -18,19 +19,22 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable, Hashable, Sequence
+from typing import Generic, TypeVar
 
 import torch
 
 from sdpa_core import (
     DEFAULT_SINK_TOKENS,
     STANDARD_STRATEGIES,
+    AnalysisRun,
     AttentionResult,
+    AttentionRun,
     Diagnostics,
+    ScalingReport,
     analyze_scaling,
     attention,
 )
-from sdpa_core.analysis import AnalysisRun
-from sdpa_core.attention import AttentionRun
+from sdpa_core.tiles import TiledRun
 from service.metrics import Metrics
 from service.runtime.collate import collate, member_diagnostics, split
 from service.runtime.device import results_on_host, to_device
@@ -51,6 +55,9 @@ from service.runtime.policy import (
     WorkShape,
     path_flops,
 )
+
+# What a long job's run gives: an AttentionResult or a ScalingReport.
+R = TypeVar("R")
 
 
 class Engine:
@@ -241,21 +248,33 @@ class Engine:
     def _run_analyze(self, job: AnalyzeJob) -> AnalyzeOutcome | BaseException:
         started = time.perf_counter()
         try:
-            report = self._analysis_run(job).run()
+            run = self._analysis_run(job)
+            report = run.run()
         except Exception as exc:
             return exc
         seconds = time.perf_counter() - started
-        self.observe_compute("analyze", seconds)
+        self.observe_compute(run.path, seconds, run.backend)
         return AnalyzeOutcome(report=report, compute_ms=seconds * 1e3, device=str(self.device))
 
     # -- long jobs -----------------------------------------------------------------------
 
-    def start_long(self, prepared: PreparedJob, tiles: int) -> JobRun:
+    def start_long(
+        self, prepared: PreparedJob, tiles: int
+    ) -> JobRun[ScalingReport] | JobRun[AttentionResult]:
         """`prepared` as a run of about `tiles` tiles (on the device thread, like run_batch)."""
-        job = prepared.job
+        job, device = prepared.job, str(self.device)
         if isinstance(job, AnalyzeJob):
-            return JobRun(self, lambda: self._analysis_run(job, tiles), "analyze")
+            return JobRun(
+                self,
+                lambda: self._analysis_run(job, tiles),
+                lambda report, ms: AnalyzeOutcome(report=report, compute_ms=ms, device=device),
+            )
         member = Member(index=0, job=job, spec=prepared.spec)
+
+        def outcome(result: AttentionResult, ms: float) -> AttentionOutcome:
+            on_host = self._on_host(member, result)
+            return AttentionOutcome(result=on_host, compute_ms=ms, device=device)
+
         return JobRun(
             self,
             lambda: self._attention_run(
@@ -268,8 +287,7 @@ class Engine:
                 attn_mask=job.attn_mask,
                 tiles=tiles,
             ),
-            None,
-            finish=lambda result: self._on_host(member, result),
+            outcome,
         )
 
     def _run_group(self, batch: list[Member]) -> list[AttentionOutcome]:
@@ -361,11 +379,13 @@ class Engine:
         return split(collated, result)
 
 
-class JobRun:
+class JobRun(Generic[R]):
     """One long job on the device thread, one tile per step() (the batcher's Resumable).
 
-    The run starts at the first step (moving the inputs to the device, validating the
-    options); each tile is timed, observed in sdpa_compute_seconds and added to the outcome's
+    The run (sdpa_core's TiledRun: AttentionRun or AnalysisRun, one protocol) starts at the
+    first step (moving the inputs to the device, validating the options); each tile is timed,
+    observed in sdpa_compute_seconds under the run's path and backend, and added to the
+    outcome's compute_ms. `outcome` makes the job's Outcome of the run's result and its
     compute_ms. step() never raises: a failure (of any tile, or of the final checks) ends the
     run with that error as its outcome, the request's own answer.
     """
@@ -373,16 +393,13 @@ class JobRun:
     def __init__(
         self,
         engine: Engine,
-        start: Callable[[], AttentionRun | AnalysisRun],
-        path: str | None,
-        *,
-        finish: Callable[[AttentionResult], AttentionResult] | None = None,
+        start: Callable[[], TiledRun[R]],
+        outcome: Callable[[R, float], Outcome],
     ) -> None:
         self._engine = engine
         self._start = start
-        self._run: AttentionRun | AnalysisRun | None = None
-        self._path = path  # None: the attention run's own path
-        self._finish = finish
+        self._make_outcome = outcome
+        self._run: TiledRun[R] | None = None
         self._seconds = 0.0
         self._outcome: Outcome | BaseException | None = None
 
@@ -401,7 +418,7 @@ class JobRun:
         return 0.0 if self._run is None else self._run.share_done
 
     def step(self, budget_s: float | None = None) -> bool:
-        """One tile (about budget_s seconds on the CPU's chunked path: AttentionRun.step)."""
+        """One tile (about budget_s seconds on the CPU's chunked path: TiledRun.step)."""
         if self._outcome is not None:
             return True
         engine = self._engine
@@ -409,7 +426,8 @@ class JobRun:
         try:
             if self._run is None:
                 self._run = self._start()
-            done = self._run.step(budget_s)
+            run = self._run
+            done = run.step(budget_s)
             if engine.device.type == "cuda":
                 torch.cuda.synchronize(engine.device)  # the tile's device time, not its launch
         except Exception as exc:
@@ -417,27 +435,14 @@ class JobRun:
             return True
         seconds = time.perf_counter() - started
         self._seconds += seconds
-        run = self._run
-        if isinstance(run, AttentionRun):
-            engine.observe_compute(run.path, seconds, run.backend)
-        else:
-            engine.observe_compute(self._path or "analyze", seconds)
+        engine.observe_compute(run.path, seconds, run.backend)
         if done:
             try:
-                self._outcome = self._result()
-            except Exception as exc:  # the whole result's checks (overflow), the copy back
+                # The whole result's checks (overflow), the copy back: errors are its answer.
+                self._outcome = self._make_outcome(run.result(), self._seconds * 1e3)
+            except Exception as exc:
                 self._outcome = exc
         return done
-
-    def _result(self) -> Outcome:
-        run, device, ms = self._run, str(self._engine.device), self._seconds * 1e3
-        if isinstance(run, AnalysisRun):
-            return AnalyzeOutcome(report=run.result(), compute_ms=ms, device=device)
-        assert run is not None
-        result = run.result()
-        if self._finish is not None:
-            result = self._finish(result)
-        return AttentionOutcome(result=result, compute_ms=ms, device=device)
 
     def outcome(self) -> Outcome | BaseException:
         if self._outcome is None:

@@ -13,7 +13,8 @@ import torch
 
 from sdpa_core import MaskError, SdpaError, analyze_scaling, attention
 from sdpa_core.analysis import AnalysisRun
-from sdpa_core.attention import AttentionRun, tile_bounds
+from sdpa_core.attention import AttentionRun
+from sdpa_core.tiles import tile_bounds
 from tests.core.reference import reference_attention, reference_rows, visibility
 from tests.core.test_paths import (
     AXES,
