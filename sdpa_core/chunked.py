@@ -26,6 +26,7 @@ arithmetic on it, so the tiles are allocated once and reused (matmul/exp with ou
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Generator
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ import torch
 
 from sdpa_core.diagnostics import DEFAULT_SINK_TOKENS, ROW_STATS_FIELDS, RowStats
 from sdpa_core.masks import MaskPlan
+from sdpa_core.stats_kernel import initial_state, kernel_ready, run_update
 from sdpa_core.tiles import finish as finish  # dense.py's (TileBlocks too live in tiles.py)
 
 DEFAULT_BLOCK_SIZE = 512
@@ -94,6 +96,66 @@ def _new_state(zero: torch.Tensor, neg_inf: torch.Tensor) -> _RowState:
         abs_max=zero,
         ref=None,
     )
+
+
+def _finish_rows(
+    *,
+    m: torch.Tensor,
+    denom: torch.Tensor,
+    t: torch.Tensor,
+    rest: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    moments: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    sink: torch.Tensor,
+    ref: torch.Tensor,
+    fold: bool,
+    scale: float,
+) -> dict[str, torch.Tensor]:
+    """The row statistics of a query tile from its online state, keyed by RowStats field
+    (every value [..., tq], or 0-d for a tile that saw no key): the eager loop's and the
+    compiled kernel's (stats_kernel.py) common last step.
+
+    rest: the "rest" power sums (rest1, rest2, rest3); moments: (count, mean, M2, abs max) of
+    the scores in the units they were taken in (times the scale when it was folded into q);
+    ref: the per-row shift of the softmax's scores in the same units.
+    """
+    rest1, rest2, rest3 = rest
+    count, mean, m2, abs_max = moments
+    zero = torch.zeros((), dtype=denom.dtype, device=denom.device)
+    active = denom > 0
+    safe_l = torch.where(active, denom, 1.0)
+    m_safe = torch.where(active, m, zero)
+    # l = 1 + rest1 (the max's e^0 plus the others); p_max = 1 / l; r_k are the others'
+    # power sums of p. In these terms ||J||_F^2 = S2 - 2 S3 + S2^2 and 1 - S2 have no
+    # cancellation when p_max -> 1.
+    full_l = 1.0 + rest1
+    p_max = 1.0 / full_l
+    r1 = rest1 / full_l  # 1 - p_max
+    r2 = rest2 / (full_l * full_l)
+    r3 = rest3 / (full_l * full_l * full_l)
+    jac_sq = p_max * p_max * r1 * r1 + r2 * (1.0 + 2.0 * p_max * p_max) - 2.0 * r3
+    jac = torch.sqrt((jac_sq + r2 * r2).clamp(min=0.0))
+    one_minus_s2 = r1 * (1.0 + p_max) - r2  # 1 - sum p^2
+    cnt_safe = count.clamp(min=1.0)
+    entropy = torch.log1p(rest1) - t / full_l
+    # The sink's exps are a subset of l's, summed in another order: clamp the rounding.
+    sink_share = (sink / safe_l).clamp(max=1.0)
+    # ref is a shift of the (scaled, when folded) scores; moments were taken on the same
+    # scores, so convert both back to raw q.k units here.
+    ref_scaled = ref if fold else scale * ref
+    unit = 1.0 / scale if fold else 1.0
+    lse = torch.where(active, m_safe + torch.log(safe_l) + ref_scaled, -math.inf)
+    return {
+        "visible_keys": count,
+        "entropy": torch.where(active, entropy.clamp(min=0.0), zero),
+        "max_weight": torch.where(active, p_max, zero),
+        "sink_share": torch.where(active, sink_share, zero),
+        "lse": lse,
+        "grad_health": torch.where(active, (one_minus_s2 / cnt_safe).clamp(min=0.0), zero),
+        "jacobian_fro": torch.where(active, jac, zero),
+        "score_mean_raw": torch.where(active, mean * unit, zero),
+        "score_m2_raw": torch.where(active, m2 * (unit * unit), zero),
+        "score_abs_max_raw": torch.where(active, abs_max * abs(unit), zero),
+    }
 
 
 def attend_tiles_steps(
@@ -347,50 +409,167 @@ def attend_tiles_steps(
             else:  # every pair of this tile is invisible
                 weights[:, :, q0:q1].zero_()
         if need_stats:
-            m_safe = torch.where(active, st.m, zero)
             ref = zero if st.ref is None else st.ref.squeeze(-1)
-            # l = 1 + rest1 (the max's e^0 plus the others); p_max = 1 / l; r_k are the
-            # others' power sums of p. In these terms ||J||_F^2 = S2 - 2 S3 + S2^2 and
-            # 1 - S2 have no cancellation when p_max -> 1.
-            full_l = 1.0 + st.rest1
-            p_max = 1.0 / full_l
-            r1 = st.rest1 / full_l  # 1 - p_max
-            r2 = st.rest2 / (full_l * full_l)
-            r3 = st.rest3 / (full_l * full_l * full_l)
-            jac_sq = p_max * p_max * r1 * r1 + r2 * (1.0 + 2.0 * p_max * p_max) - 2.0 * r3
-            jac = torch.sqrt((jac_sq + r2 * r2).clamp(min=0.0))
-            one_minus_s2 = r1 * (1.0 + p_max) - r2  # 1 - sum p^2
-            cnt_safe = st.count.clamp(min=1.0)
-            entropy = torch.log1p(st.rest1) - st.t / full_l
-            put("visible_keys", q0, q1, st.count)
-            put("entropy", q0, q1, torch.where(active, entropy.clamp(min=0.0), zero))
-            put("max_weight", q0, q1, torch.where(active, p_max, zero))
-            # The sink's exps are a subset of l's, summed in another order: clamp the rounding.
-            sink_share = (st.sink / safe_l).clamp(max=1.0)
-            put("sink_share", q0, q1, torch.where(active, sink_share, zero))
-            # ref is a shift of the (scaled, when folded) scores; moments were taken on the
-            # same scores, so convert both back to raw q.k units here.
-            ref_scaled = ref if fold else scale * ref
-            put(
-                "lse", q0, q1, torch.where(active, m_safe + torch.log(safe_l) + ref_scaled, neg_inf)
+            finished = _finish_rows(
+                m=st.m,
+                denom=st.denom,
+                t=st.t,
+                rest=(st.rest1, st.rest2, st.rest3),
+                moments=(st.count, st.mean, st.m2, st.abs_max),
+                sink=st.sink,
+                ref=ref,
+                fold=fold,
+                scale=scale,
             )
-            put(
-                "grad_health",
-                q0,
-                q1,
-                torch.where(active, (one_minus_s2 / cnt_safe).clamp(min=0.0), zero),
-            )
-            put("jacobian_fro", q0, q1, torch.where(active, jac, zero))
-            unit = 1.0 / scale if fold else 1.0
-            put("score_mean_raw", q0, q1, torch.where(active, st.mean * unit, zero))
-            put("score_m2_raw", q0, q1, torch.where(active, st.m2 * (unit * unit), zero))
-            put("score_abs_max_raw", q0, q1, torch.where(active, st.abs_max * abs(unit), zero))
+            for name, value in finished.items():
+                put(name, q0, q1, value)
 
     row_stats = None
     if need_stats:
         counts = rows.pop("visible_keys").round().to(torch.int64)
         row_stats = RowStats(visible_keys=counts, **rows)
     return out, weights, row_stats
+
+
+def _additive_tile(
+    parts: MaskPlan,
+    tile: tuple[int, int, int, int],
+    *,
+    batch: int,
+    heads: int,
+) -> torch.Tensor | None:
+    """The non-causal part of one tile's mask as the kernel takes it (`parts`: a plan without
+    its causal mask): None when it hides nothing and adds no bias, else float32
+    [B*H*tq, w]: the bias (or 0) where visible, -inf where not (an exact -inf from a boolean,
+    never a large finite number)."""
+    q0, q1, k0, k1 = tile
+    skip, vis = parts.sparse_block(q0, q1, k0, k1)
+    bias = parts.bias_block(q0, q1, k0, k1)
+    if not skip and vis is None and bias is None:
+        return None
+    add = torch.zeros((batch, heads, q1 - q0, k1 - k0), dtype=torch.float32, device=parts.device)
+    if bias is not None:
+        add += bias.to(torch.float32)
+    if skip:
+        add.fill_(-math.inf)
+    elif vis is not None:
+        add.masked_fill_(~vis, -math.inf)
+    return add.view(-1, k1 - k0)
+
+
+def _causal_limit(plan: MaskPlan, tile: tuple[int, int, int, int], *, lead: int) -> torch.Tensor:
+    """The last key of block [k0, k1) each row of [q0, q1) may see under the causal mask, as
+    the kernel takes it: float32 [lead * tq] (rows repeated for the lead B*H dims); k1 - k0 - 1
+    for every row when the mask leaves the block whole."""
+    q0, q1, k0, k1 = tile
+    if plan.causal_state(q0, q1, k0, k1) == "all":
+        last = torch.full((q1 - q0,), float(k1 - k0 - 1), device=plan.device)
+    else:  # query i sees keys j <= i + offset
+        rows = torch.arange(q0, q1, device=plan.device, dtype=torch.float32)
+        last = rows + float(plan.causal_offset - k0)
+    return last.repeat(lead)  # [lead * tq]
+
+
+def kernel_tiles_steps(
+    q4: torch.Tensor,
+    k4: torch.Tensor,
+    v4: torch.Tensor,
+    plan: MaskPlan,
+    *,
+    scale: float,
+    block_size: int,
+    tile_q: int,
+    sink_tokens: int = DEFAULT_SINK_TOKENS,
+    sink_cols: torch.Tensor | None = None,
+) -> Generator[None, None, tuple[torch.Tensor, torch.Tensor | None, RowStats | None]]:
+    """attend_tiles_steps with statistics (float32 accumulation, a scale it can fold into q,
+    no weights kept) on stats_kernel's compiled block update: the same tiles, the same steps,
+    the same results up to the order of float reductions. Per block it runs the q k^T matmul,
+    the kernel (every statistic, the softmax's exponentials, the merge into the row state) and
+    the e v matmul; the sink's share is taken at the end of each query tile from the final row
+    max, over the sink's few keys (a small matmul of its own)."""
+    b, h, n_q, _ = q4.shape
+    h_kv, n_kv, d_v = k4.shape[1], k4.shape[2], v4.shape[-1]
+    dev, f32 = q4.device, torch.float32
+    bk = min(block_size, n_kv)
+    tq_max = min(tile_q, n_q)
+    kT = k4.to(f32).transpose(-1, -2).contiguous()  # [B, H_kv, D, N_kv]
+    vf = v4.to(f32)  # [B, H_kv, N_kv, D_v]
+    sink_end = min(sink_tokens, n_kv)
+    if sink_cols is not None:
+        hits = sink_cols.reshape(-1, n_kv).any(0).nonzero()
+        sink_end = int(hits.max()) + 1 if hits.numel() else 0
+    out = torch.empty(b, h, n_q, d_v, dtype=f32, device=dev)
+    rows = {name: torch.empty(b, h, n_q, dtype=f32, device=dev) for name in ROW_STATS_FIELDS}
+    s_buf = torch.empty(b * h * tq_max * bk, dtype=f32, device=dev)
+    # The causal mask is the kernel's own (from indices); the other masks come as an addend.
+    parts = dataclasses.replace(plan, causal="none")
+    stepped = False
+    for q0 in range(0, n_q, tq_max):
+        q1 = min(q0 + tq_max, n_q)
+        tq = q1 - q0
+        n_rows = b * h * tq
+        qg = group_queries(q4[:, :, q0:q1].to(f32) * scale, h_kv)  # [B, H_kv, G*tq, D]
+        state = initial_state(n_rows, device=dev)
+        acc = torch.zeros(b, h, tq, d_v, dtype=f32, device=dev)
+        for k0 in range(0, n_kv, bk):
+            k1 = min(k0 + bk, n_kv)
+            w = k1 - k0
+            if plan.sparse_block(q0, q1, k0, k1)[0]:
+                continue  # nothing of this block is visible
+            if stepped:  # a step ends before each block but the first
+                yield
+            stepped = True
+            s = s_buf[: n_rows * w].view(b, h_kv, -1, w)
+            torch.matmul(qg, kT[..., k0:k1], out=s)  # scale * q.k, [B, H_kv, G*tq, w]
+            tile = (q0, q1, k0, k1)
+            add = _additive_tile(parts, tile, batch=b, heads=h)
+            limit = _causal_limit(plan, tile, lead=b * h)
+            state, alpha, e = run_update(s.view(n_rows, w), limit, add, state)
+            pv = group_queries(e.view(b, h, tq, w), h_kv) @ vf[:, :, k0:k1]
+            acc.mul_(alpha.view(b, h, tq, 1)).add_(pv.view(b, h, tq, d_v))
+
+        shape = (b, h, tq)
+        m, denom, ref = state.m.view(shape), state.denom.view(shape), state.ref.view(shape)
+        active = denom > 0
+        safe_l = torch.where(active, denom, 1.0)
+        out[:, :, q0:q1] = acc / safe_l.unsqueeze(-1)  # fully masked rows: 0 / 1 = 0
+        sink = torch.zeros(shape, dtype=f32, device=dev)
+        if sink_end > 0:
+            s_sink = (qg @ kT[..., :sink_end]).view(b, h, tq, sink_end)
+            s_sink = s_sink - (ref + torch.where(active, m, 0.0)).unsqueeze(-1)
+            if not plan.sparse_block(q0, q1, 0, sink_end)[0]:
+                vis = plan.block(q0, q1, 0, sink_end)
+                if vis is not None:
+                    s_sink = s_sink.masked_fill(~vis, -math.inf)
+                bias = plan.bias_block(q0, q1, 0, sink_end)
+                if bias is not None:
+                    s_sink = s_sink + bias.to(f32)
+                e_sink = torch.exp(s_sink)
+                if sink_cols is not None:
+                    e_sink = e_sink * sink_cols[..., :sink_end].to(f32).unsqueeze(-2)
+                sink = e_sink.sum(-1)
+        finished = _finish_rows(
+            m=m,
+            denom=denom,
+            t=state.t.view(shape),
+            rest=(state.rest1.view(shape), state.rest2.view(shape), state.rest3.view(shape)),
+            moments=(
+                state.keys.view(shape),
+                state.mean.view(shape),
+                state.m2.view(shape),
+                state.abs_max.view(shape),
+            ),
+            sink=sink,
+            ref=ref,
+            fold=True,
+            scale=scale,
+        )
+        for name, value in finished.items():
+            rows[name][:, :, q0:q1] = value
+
+    counts = rows.pop("visible_keys").round().to(torch.int64)
+    return out, None, RowStats(visible_keys=counts, **rows)
 
 
 def chunked_tile_rows(heads: int, n_q: int, n_kv: int, block_size: int) -> int:
@@ -436,26 +615,48 @@ def chunked_attention_steps(
     bk = min(block_size, k4.shape[2])
     tq = chunked_tile_rows(h, n_q, k4.shape[2], block_size)
     b_chunk = max(1, TILE_ELEMENTS // (h * tq * bk))
+    # The compiled kernel where it applies (stats_kernel.py); the eager loop elsewhere.
+    by_kernel = (
+        need_stats
+        and accum_dtype == torch.float32
+        and 1e-6 <= abs(scale) <= 1e6  # folded into q, as the eager loop folds it
+        and kernel_ready(q4.device)
+    )
     outs: list[torch.Tensor] = []
     rows: list[RowStats] = []
     for b0 in range(0, b, b_chunk):
         b1 = min(b0 + b_chunk, b)
         whole = b0 == 0 and b1 == b  # one chunk: no slicing, no concatenation
-        out, _, row_stats = yield from attend_tiles_steps(
+        chunk = (
             q4 if whole else q4[b0:b1],
             k4 if whole else k4[b0:b1],
             v4 if whole else v4[b0:b1],
             plan if whole else plan.batch_slice(b0, b1),
-            scale=scale,
-            accum_dtype=accum_dtype,
-            need_stats=need_stats,
-            block_size=block_size,
-            tile_q=tq,
-            sink_tokens=sink_tokens,
-            sink_cols=sink_cols
-            if whole or sink_cols is None or sink_cols.shape[0] == 1
-            else sink_cols[b0:b1],
         )
+        cols = (
+            sink_cols if whole or sink_cols is None or sink_cols.shape[0] == 1 else sink_cols[b0:b1]
+        )
+        if by_kernel:
+            steps = kernel_tiles_steps(
+                *chunk,
+                scale=scale,
+                block_size=block_size,
+                tile_q=tq,
+                sink_tokens=sink_tokens,
+                sink_cols=cols,
+            )
+        else:
+            steps = attend_tiles_steps(
+                *chunk,
+                scale=scale,
+                accum_dtype=accum_dtype,
+                need_stats=need_stats,
+                block_size=block_size,
+                tile_q=tq,
+                sink_tokens=sink_tokens,
+                sink_cols=cols,
+            )
+        out, _, row_stats = yield from steps
         outs.append(out)
         if row_stats is not None:
             rows.append(row_stats)

@@ -1,0 +1,205 @@
+"""The compiled statistics kernel (sdpa_core.stats_kernel) against the float64 reference and
+the eager loop: every statistic, mask option, input dtype and scale it takes.
+
+Compiling takes seconds (tens on a cold inductor cache), once for the module: slow.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from sdpa_core import AttentionResult, attention
+from sdpa_core.stats_kernel import (
+    KernelStats,
+    compile_kernels,
+    kernel_disabled,
+    kernel_stats,
+)
+from tests.core.reference import ATOL, RTOL, reference_attention, reference_rows, visibility
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernel() -> KernelStats:
+    if shutil.which("g++") is None and shutil.which("c++") is None:
+        pytest.skip("no C++ compiler: inductor cannot build the kernel")
+    stats = compile_kernels()
+    assert stats.compiled, stats.reason
+    return stats
+
+
+def _kernel_and_eager(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, must_run: bool = True, **kw: Any
+) -> tuple[AttentionResult, AttentionResult]:
+    """attention() with diagnostics "full" on the chunked path, with the kernel (asserting that
+    it ran compiled, unless must_run is False: a block of one key or one row runs eagerly, and
+    so does every block of a scale too small to fold) and with the eager loop."""
+    before = kernel_stats()
+    fast = attention(q, k, v, diagnostics="full", path="chunked", **kw)
+    after = kernel_stats()
+    assert after.calls > before.calls or not must_run, "the compiled kernel did not run"
+    assert after.fallbacks == before.fallbacks, "a call fell back to the eager function"
+    with kernel_disabled():
+        calls = kernel_stats().calls
+        eager = attention(q, k, v, diagnostics="full", path="chunked", **kw)
+        assert kernel_stats().calls == calls  # the eager loop, really
+    return fast, eager
+
+
+_MASKS: dict[str, dict[str, Any]] = {
+    "none": {},
+    "causal": {"causal": True},
+    "bottom_right": {"causal": "bottom_right"},
+    "key_lengths": {"key_lengths": torch.tensor([3, 70])},
+    "padding": {"key_padding_mask": torch.arange(70).remainder(5).eq(0).expand(2, 70)},
+    "bool_mask": {
+        "attn_mask": torch.rand(40, 70, generator=torch.Generator().manual_seed(3)) < 0.4
+    },
+    "float_bias": {
+        "attn_mask": torch.randn(40, 70, generator=torch.Generator().manual_seed(4)).masked_fill(
+            torch.rand(40, 70, generator=torch.Generator().manual_seed(5)) < 0.2, -math.inf
+        )
+    },
+    "causal_and_lengths": {"causal": True, "key_lengths": torch.tensor([0, 50])},
+}
+
+
+@pytest.mark.parametrize("mask", list(_MASKS))
+@pytest.mark.parametrize("scale", [None, -0.7, 2e-5, 40.0])
+def test_every_statistic_matches_the_float64_reference(mask: str, scale: float | None) -> None:
+    gen = torch.Generator().manual_seed(11)
+    q = torch.randn(2, 4, 40, 16, generator=gen)
+    k = torch.randn(2, 2, 70, 16, generator=gen)  # GQA: two query heads per kv head
+    v = torch.randn(2, 2, 70, 8, generator=gen)
+    kw = _MASKS[mask]
+    fast, _ = _kernel_and_eager(q, k, v, scale=scale, block_size=32, **kw)
+    s = 0.25 if scale is None else scale
+    bias = kw.get("attn_mask") if kw.get("attn_mask", torch.ones(1)).is_floating_point() else None
+    kl = kw.get("key_lengths")
+    kpm = kw.get("key_padding_mask")
+    vis = visibility(
+        b=2,
+        h=4,
+        n_q=40,
+        n_kv=70,
+        causal={True: "top_left"}.get(kw.get("causal", "none"), kw.get("causal", "none")),
+        key_lengths=None if kl is None else kl.tolist(),
+        key_padding_mask=kpm,
+        attn_mask=kw.get("attn_mask"),
+    )
+    ref = reference_attention(q, k, v, vis, scale=s, bias=bias)
+    rows = reference_rows(ref, scale=s, bias=bias)
+    assert fast.row_stats is not None
+    assert fast.diagnostics is not None
+    # fp32 scores carry an absolute error of about eps x |score|, which the softmax turns into
+    # the same absolute error on the weights: the tolerance grows with the largest score.
+    atol = 2e-5 + 4e-7 * float((ref.raw * s).abs().max())
+    torch.testing.assert_close(fast.output.double(), ref.out, atol=atol, rtol=1e-4)
+    active = rows.visible_keys > 0
+    for name in ("entropy", "max_weight", "grad_health", "jacobian_fro"):
+        got = getattr(fast.row_stats, name).double().numpy()
+        np.testing.assert_allclose(got, getattr(rows, name), atol=atol, rtol=1e-4, err_msg=name)
+    np.testing.assert_allclose(
+        fast.row_stats.lse.double().numpy()[active], rows.lse[active], atol=5 * atol, rtol=1e-5
+    )
+    np.testing.assert_array_equal(fast.row_stats.visible_keys.numpy(), rows.visible_keys)
+    summary = fast.diagnostics.summary
+    assert summary.masked_rows == rows.masked_rows
+    assert summary.score_mean_raw == pytest.approx(rows.pooled_mean_raw, rel=1e-4, abs=1e-5)
+    assert summary.score_variance_raw == pytest.approx(rows.pooled_var_raw, rel=1e-4)
+    assert summary.score_abs_max_scaled == pytest.approx(abs(s) * rows.abs_max_raw, rel=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_entropy_near_zero_does_not_cancel(dtype: torch.dtype) -> None:
+    """One-hot rows (a key far above the others) at a large scale, from low-precision inputs:
+    entropy = log l - t / l is computed from the "rest" sums, never as lse - E[s] (which
+    would cancel to noise of the size of the scores)."""
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(1, 2, 24, 32, generator=gen)
+    k = torch.randn(1, 2, 48, 32, generator=gen) * 0.1
+    k[:, :, 7] = q[:, :, 0] * 3.0  # key 7 stands out for every query like query 0
+    k[:, :, 9] = q.mean(2) * 2.0
+    q, k = q.to(dtype), k.to(dtype)
+    v = torch.randn(1, 2, 48, 8, generator=gen).to(dtype)
+    for scale in (4.0, 60.0):
+        fast, eager = _kernel_and_eager(q, k, v, scale=scale)
+        ref = reference_attention(q, k, v, torch.ones(1, 2, 24, 48, dtype=torch.bool), scale=scale)
+        rows = reference_rows(ref, scale=scale)
+        assert fast.row_stats is not None
+        assert eager.row_stats is not None
+        got = fast.row_stats.entropy.double().numpy()
+        assert (got >= 0).all()
+        np.testing.assert_allclose(got, rows.entropy, atol=1e-6, rtol=1e-3)
+        np.testing.assert_allclose(
+            fast.row_stats.grad_health.double().numpy(), rows.grad_health, atol=1e-9, rtol=1e-3
+        )
+        assert rows.entropy.min() < 1e-4  # the case is the near-one-hot one
+        torch.testing.assert_close(fast.row_stats.entropy, eager.row_stats.entropy)
+
+
+@st.composite
+def _problems(draw: st.DrawFn) -> dict[str, Any]:
+    h_kv = draw(st.sampled_from([1, 2]))
+    h = h_kv * draw(st.sampled_from([1, 3]))
+    b = draw(st.integers(1, 2))
+    n_q = draw(st.integers(2, 40))
+    n_kv = draw(st.integers(2, 50))
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
+    std = draw(st.sampled_from([0.1, 1.0, 6.0]))
+    dtype = draw(st.sampled_from([torch.float32, torch.float16, torch.bfloat16]))
+    q = (torch.randn(b, h, n_q, 8, generator=gen) * std).to(dtype)
+    k = (torch.randn(b, h_kv, n_kv, 8, generator=gen) * std).to(dtype)
+    v = torch.randn(b, h_kv, n_kv, 5, generator=gen).to(dtype)
+    kw: dict[str, Any] = {"causal": draw(st.sampled_from([False, "top_left", "bottom_right"]))}
+    if draw(st.booleans()):
+        kw["key_lengths"] = torch.tensor([draw(st.integers(0, n_kv)) for _ in range(b)])
+    if draw(st.booleans()):
+        kw["key_padding_mask"] = torch.rand(b, n_kv, generator=gen) < 0.3
+    mask = draw(st.sampled_from(["none", "bool", "float"]))
+    if mask == "bool":
+        kw["attn_mask"] = torch.rand(n_q, n_kv, generator=gen) < 0.7
+    elif mask == "float":
+        kw["attn_mask"] = torch.randn(n_q, n_kv, generator=gen).to(dtype)
+    kw["scale"] = draw(st.sampled_from([None, 1.0, -0.5, 3e-6, 8.0]))
+    kw["block_size"] = draw(st.integers(2, 24))
+    kw["sink_tokens"] = draw(st.integers(0, 5))
+    return {"q": q, "k": k, "v": v, "kw": kw}
+
+
+@settings(
+    max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]
+)
+@given(_problems())
+def test_property_kernel_equals_the_eager_loop(problem: dict[str, Any]) -> None:
+    q, k, v, kw = problem["q"], problem["k"], problem["v"], problem["kw"]
+    fast, eager = _kernel_and_eager(q, k, v, must_run=False, **kw)
+    # The output comes back in the input dtype: one rounding apart at most.
+    dt = q.dtype
+    torch.testing.assert_close(
+        fast.output, eager.output, rtol=max(1e-4, RTOL[dt]), atol=max(1e-5, ATOL[dt])
+    )
+    assert fast.row_stats is not None
+    assert eager.row_stats is not None
+    for name, got in fast.row_stats.as_dict().items():
+        want = getattr(eager.row_stats, name)
+        if name == "visible_keys":
+            assert torch.equal(got, want)
+        elif name == "score_m2_raw":  # a sum of squares: relative to its own size
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.max()) + 1e-6)
+        else:
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=name)
+    assert fast.diagnostics is not None
+    assert eager.diagnostics is not None
+    for name, val in eager.diagnostics.summary.as_dict().items():
+        got_val = fast.diagnostics.summary.as_dict()[name]
+        assert got_val == pytest.approx(val, rel=1e-4, abs=1e-5), name
