@@ -19,6 +19,7 @@ import torch
 from fastapi import FastAPI
 from fastapi_offline import FastAPIOffline
 
+from sdpa_core.stats_kernel import compile_kernels
 from service.api import analyze, attention, health, ui, v2
 from service.api.deps import AppState, Batcher, state_of
 from service.api.errors import install_error_handlers
@@ -61,6 +62,9 @@ async def _warm_up(state: AppState, engine: Engine, batcher: DynamicBatcher[Any,
     """Real attention calls on the device thread, then the cost model measured there;
     /readyz turns 200 after both."""
     try:
+        if state.settings.compile_kernels and engine.device.type == "cpu":
+            kernel = await batcher.run_on_device(compile_kernels)
+            state.diagnostics_kernel = "compiled" if kernel.compiled else f"eager ({kernel.reason})"
         await batcher.run_on_device(engine.warmup)
         state.cost_model = await batcher.run_on_device(engine.calibrate)
     except Exception as exc:

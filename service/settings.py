@@ -89,6 +89,12 @@ class Settings(BaseSettings):
     # complete), as a client that stalls always could.
     min_body_rate: int = Field(default=32 * 1024, ge=0, le=1024 * 1024 * 1024)
 
+    # Compile the chunked path's statistics kernel (sdpa_core.compile_kernels: inductor, which
+    # needs a C++ compiler) at warm-up on a CPU device: diagnostics then cost about half what
+    # the eager loop costs. It takes seconds at start (tens on a cold inductor cache); off, or
+    # when compiling fails, the eager loop computes the same numbers.
+    compile_kernels: bool = True
+
     # Comma-separated keys, or a JSON list. Empty = authentication off.
     api_keys: Annotated[tuple[SecretStr, ...], NoDecode] = ()
     # A file with one key per line ('#' comments allowed); merged with api_keys.

@@ -39,6 +39,9 @@ class AppState:
     health: HealthMonitor | None = None
     warmed_up: bool = False
     warmup_error: str | None = None
+    # How diagnostics' statistics run: "compiled" (sdpa_core's kernel, at warm-up) or
+    # "eager", with the reason when compiling was asked and failed.
+    diagnostics_kernel: str = "eager"
     # Measured on the device at warm-up; a slow CPU's figures until then (they err on the side
     # of refusing).
     cost_model: CostModel = field(default_factory=CostModel.uncalibrated)

@@ -38,6 +38,7 @@ _INFO_EXAMPLE: Final = {
     "version": VERSION,
     "device": "cpu",
     "torch_version": "2.13.0+cpu",
+    "diagnostics_kernel": "compiled",
     "dtypes": list(FLOAT_DTYPE_NAMES),
     "limits": {
         "max_body_bytes": 134217728,
@@ -121,6 +122,7 @@ async def info(state: StateDep) -> Response:
             "version": VERSION,
             "device": str(engine.device) if engine is not None else settings.device,
             "torch_version": torch.__version__,
+            "diagnostics_kernel": state.diagnostics_kernel,
             "dtypes": list(FLOAT_DTYPE_NAMES),
             "limits": {
                 "max_body_bytes": settings.max_body_bytes,

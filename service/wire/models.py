@@ -700,6 +700,11 @@ class InfoOut(_Out):
     version: str
     device: str
     torch_version: str
+    diagnostics_kernel: str = Field(
+        description='How the statistics of diagnostics run on the chunked path: "compiled" '
+        '(a kernel compiled at warm-up, SDPA_COMPILE_KERNELS) or "eager" (with the reason '
+        "when compiling failed)."
+    )
     dtypes: list[str]
     limits: LimitsOut
     cost_model: CostModelOut

@@ -78,6 +78,10 @@ def live_server(
     child_env = {k: v for k, v in os.environ.items() if not k.startswith("SDPA_")}
     child_env.update(env or {})
     child_env.setdefault("SDPA_DEVICE", "cpu")
+    # Compiling the diagnostics kernel takes seconds per process: the servers of the tests
+    # that do not test it run the eager loop (the same numbers; tests/e2e/test_kernel.py
+    # serves with it).
+    child_env.setdefault("SDPA_COMPILE_KERNELS", "false")
     log_path = tmp_path / f"server-{port}.log"
     with log_path.open("ab") as log_file:
         process = subprocess.Popen(
