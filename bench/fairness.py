@@ -49,7 +49,12 @@ if str(REPO_ROOT) not in sys.path:  # run as a script: make `bench` importable
     sys.path.insert(0, str(REPO_ROOT))
 
 from bench.support import LONG_ANALYZE, live_server, long_attention_body  # noqa: E402
-from sdpa_core import AnalysisRun, AttentionRun, make_synthetic_qk  # noqa: E402
+from sdpa_core import (  # noqa: E402
+    AnalysisRun,
+    AttentionOptions,
+    AttentionRun,
+    make_synthetic_qk,
+)
 
 RESULTS = REPO_ROOT / "bench" / "results"
 SMALL = {
@@ -166,7 +171,7 @@ def tile_overhead() -> list[dict[str, Any]]:
     q, k = make_synthetic_qk(n_q=8192, n_k=8192, d_k=128, std=1.0, seed=0)
     cases: dict[str, Callable[[int], AttentionRun | AnalysisRun]] = {
         "attention [1, 8, 8192, 16], summary (chunked)": lambda tiles: AttentionRun(
-            x, x, x, diagnostics="summary", tiles=tiles
+            x, x, x, options=AttentionOptions(diagnostics="summary"), tiles=tiles
         ),
         "analyze synthetic 8192 x 8192, d_k 128": lambda tiles: AnalysisRun(q, k, tiles=tiles),
     }

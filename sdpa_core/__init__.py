@@ -2,7 +2,8 @@
 
 Pure compute (torch, numpy, stdlib): importing it never loads fastapi, pydantic, httpx or the
 service package. Besides attention() and analyze_scaling() (and AttentionRun and AnalysisRun,
-the same computed tile by tile for a scheduler), it exports the one owner of each
+the same computed tile by tile for a scheduler, which take the mask options as one Masks
+value and attention()'s other options as one AttentionOptions), it exports the one owner of each
 rule a caller might otherwise re-derive: the default scale, causal normalization, the
 accumulation dtype, key padding, the diagnostics levels and the diagnostic field lists.
 """
@@ -20,6 +21,7 @@ from sdpa_core.analysis import (
 )
 from sdpa_core.attention import (
     PATHS,
+    AttentionOptions,
     AttentionResult,
     AttentionRun,
     attention,
@@ -52,6 +54,7 @@ from sdpa_core.errors import (
 )
 from sdpa_core.fused import DEFAULT_FUSED_TILE_BYTES
 from sdpa_core.masks import (
+    Masks,
     attn_mask_4d,
     key_lengths_by_head,
     key_padding,
@@ -81,6 +84,7 @@ __all__ = [
     "SUMMARY_FIELDS",
     "SUPPORTED_DTYPES",
     "AnalysisRun",
+    "AttentionOptions",
     "AttentionResult",
     "AttentionRun",
     "DTypeError",
@@ -89,6 +93,7 @@ __all__ = [
     "InputSpec",
     "LimitError",
     "MaskError",
+    "Masks",
     "NonFiniteError",
     "PerHeadStats",
     "PerRowStats",

@@ -27,7 +27,7 @@ from sdpa_core.chunked import (
 )
 from sdpa_core.diagnostics import DiagnosticsSummary, summarize
 from sdpa_core.errors import SdpaError
-from sdpa_core.masks import KeyLengths
+from sdpa_core.masks import NO_MASKS, KeyLengths, Masks
 from sdpa_core.shapes import CausalArg
 from sdpa_core.tiles import TiledRun, TileInputs, TileOutput, TileResults, check_tiles
 
@@ -196,50 +196,37 @@ def analyze_scaling(
             any input error attention() would raise for q, k and these masks (ShapeError,
             DTypeError, MaskError, NonFiniteError).
     """
-    return AnalysisRun(
-        q,
-        k,
-        strategies=strategies,
+    masks = Masks(
         causal=causal,
         key_lengths=key_lengths,
         key_padding_mask=key_padding_mask,
         attn_mask=attn_mask,
-        block_size=block_size,
-    ).run()
+    )
+    return AnalysisRun(q, k, masks, strategies=strategies, block_size=block_size).run()
 
 
 class AnalysisRun(TiledRun[ScalingReport]):
     """analyze_scaling() as a TiledRun (tiles.py): one pass per strategy (plus the raw pass at
     scale 1 when no divisor is 1), each over the same grid of tiles of sequences and query
-    rows on the chunked path, always by key blocks; a pass is summarized when its last tile
-    is done. analyze_scaling() is a run of one tile per pass. Its arguments and errors are
-    analyze_scaling()'s, raised by the constructor; tiles asks for about that many tiles in
-    all (tiles_total says how many), row_quantum as for AttentionRun."""
+    rows on the chunked path (by key blocks when the run stops between them); a pass is
+    summarized when its last tile is done. analyze_scaling() is a run of one tile per pass.
+    Its arguments and errors are analyze_scaling()'s (the mask options as one Masks), raised
+    by the constructor; tiles asks for about that many tiles in all (tiles_total says how
+    many), row_quantum as for AttentionRun."""
 
     def __init__(
         self,
         q: torch.Tensor,
         k: torch.Tensor,
+        masks: Masks = NO_MASKS,
         *,
         strategies: Sequence[StrategySpec] | None = None,
-        causal: CausalArg = False,
-        key_lengths: KeyLengths | None = None,
-        key_padding_mask: torch.Tensor | None = None,
-        attn_mask: torch.Tensor | None = None,
         block_size: int = DEFAULT_BLOCK_SIZE,
         tiles: int = 1,
         row_quantum: int | None = None,
     ) -> None:
         v = k.new_zeros((*k.shape[:-1], 1))  # the output is not needed, only the row statistics
-        inputs = prepare_inputs(
-            q,
-            k,
-            v,
-            causal=causal,
-            key_lengths=key_lengths,
-            key_padding_mask=key_padding_mask,
-            attn_mask=attn_mask,
-        )
+        inputs = prepare_inputs(q, k, v, masks)
         spec = inputs.spec
         self._pairs = resolve_strategies(strategies, spec.d)
         check_tiles(tiles)

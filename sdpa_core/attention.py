@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Generator
 from dataclasses import dataclass
-from typing import Literal, TypeAlias
+from typing import Final, Literal, TypeAlias
 
 import torch
 
@@ -45,7 +45,7 @@ from sdpa_core.diagnostics import (
 )
 from sdpa_core.errors import LimitError, SdpaError
 from sdpa_core.fused import fused_attention
-from sdpa_core.masks import KeyLengths, MaskPlan, build_mask_plan, key_padding
+from sdpa_core.masks import NO_MASKS, KeyLengths, MaskPlan, Masks, build_mask_plan, key_padding
 from sdpa_core.nonfinite import check_no_overflow, poison_results, quarantine
 from sdpa_core.shapes import (
     CausalArg,
@@ -94,6 +94,61 @@ class AttentionResult:
 
 
 @dataclass(frozen=True, slots=True)
+class AttentionOptions:
+    """Everything attention() takes besides the tensors and the masks, as one value: the one
+    signature of AttentionRun and prepare_inputs (attention() keeps its keyword arguments and
+    builds this at once). Meanings and defaults are attention()'s.
+
+    check() validates it, once: AttentionRun calls it after the inputs' own checks, so a
+    request with a bad tensor and a bad option is told about the tensor first, as always.
+    """
+
+    scale: float | None = None
+    return_weights: bool = False
+    diagnostics: DiagnosticsLevel | str = "none"
+    memory_budget_bytes: int | None = None
+    allow_nonfinite: bool = False
+    path: PathName | str | None = None
+    block_size: int | None = None
+    check_finite: bool = True
+    sink_tokens: int = DEFAULT_SINK_TOKENS
+
+    def check(self) -> DiagnosticsLevel:
+        """The diagnostics level, once every option is checked (SdpaError naming the first
+        bad one; the scale is validate_inputs', which knows the dtype, and the path is
+        choose_path's, which knows the shapes)."""
+        level = check_diagnostics_level(self.diagnostics)
+        if self.block_size is not None:
+            check_int_option(
+                self.block_size,
+                param="block_size",
+                minimum=1,
+                what="a positive integer",
+                expected="int >= 1",
+            )
+        check_int_option(
+            self.sink_tokens,
+            param="sink_tokens",
+            minimum=0,
+            what="a non-negative integer",
+            expected="int >= 0",
+        )
+        if self.memory_budget_bytes is not None:
+            check_int_option(
+                self.memory_budget_bytes,
+                param="memory_budget_bytes",
+                minimum=0,
+                what="a non-negative integer",
+                expected="int >= 0 or null",
+            )
+        return level
+
+
+# attention()'s defaults.
+DEFAULT_OPTIONS: Final = AttentionOptions()
+
+
+@dataclass(frozen=True, slots=True)
 class PreparedInputs:
     """Validated inputs as every path takes them: [B, H, N, D] views and one MaskPlan."""
 
@@ -108,35 +163,21 @@ def prepare_inputs(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    *,
-    causal: CausalArg = False,
-    key_lengths: KeyLengths | None = None,
-    key_padding_mask: torch.Tensor | None = None,
-    attn_mask: torch.Tensor | None = None,
-    scale: float | None = None,
-    allow_nonfinite: bool = False,
-    check_finite: bool = True,
+    masks: Masks = NO_MASKS,
+    options: AttentionOptions = DEFAULT_OPTIONS,
 ) -> PreparedInputs:
-    """validate_inputs (same arguments, same errors), then the 4-D views and the mask plan."""
+    """validate_inputs (its errors; of the options it reads scale, allow_nonfinite and
+    check_finite), then the 4-D views and the mask plan."""
     spec = validate_inputs(
         q,
         k,
         v,
-        causal=causal,
-        key_lengths=key_lengths,
-        key_padding_mask=key_padding_mask,
-        attn_mask=attn_mask,
-        scale=scale,
-        allow_nonfinite=allow_nonfinite,
-        check_finite=check_finite,
+        masks,
+        scale=options.scale,
+        allow_nonfinite=options.allow_nonfinite,
+        check_finite=options.check_finite,
     )
-    plan = build_mask_plan(
-        spec,
-        key_lengths=key_lengths,
-        key_padding_mask=key_padding_mask,
-        attn_mask=attn_mask,
-        device=q.device,
-    )
+    plan = build_mask_plan(spec, masks, device=q.device)
     return PreparedInputs(spec=spec, plan=plan, q4=to_4d(q), k4=to_4d(k), v4=to_4d(v))
 
 
@@ -262,14 +303,13 @@ def attention(
             that cannot give what is asked, a bad block_size or budget, tensors on different
             devices). Every error above derives from it and names the parameter.
     """
-    return AttentionRun(
-        q,
-        k,
-        v,
+    masks = Masks(
         causal=causal,
         key_lengths=key_lengths,
         key_padding_mask=key_padding_mask,
         attn_mask=attn_mask,
+    )
+    options = AttentionOptions(
         scale=scale,
         return_weights=return_weights,
         diagnostics=diagnostics,
@@ -279,14 +319,16 @@ def attention(
         block_size=block_size,
         check_finite=check_finite,
         sink_tokens=sink_tokens,
-    ).run()
+    )
+    return AttentionRun(q, k, v, masks, options).run()
 
 
 class AttentionRun(TiledRun[AttentionResult]):
-    """attention() as a TiledRun (tiles.py): validation and the path choice in the
-    constructor, then one tile per step() on the path chosen, each with its own rows of the
-    mask plan; result() checks the whole result for overflow and summarizes it. attention()
-    itself is a run of one tile.
+    """attention() as a TiledRun (tiles.py): the mask options as one Masks and the others as
+    one AttentionOptions; validation (the inputs', then options.check()) and the path choice
+    in the constructor, then one tile per step() on the path chosen, each with its own rows of
+    the mask plan; result() checks the whole result for overflow and summarizes it.
+    attention() itself is a run of one tile.
 
     tiles asks for about that many tiles (tiles_total says how many; at most B * N_q), cut at
     multiples of row_quantum (None: the rows the path computes at once). On the chunked path
@@ -298,79 +340,34 @@ class AttentionRun(TiledRun[AttentionResult]):
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
+        masks: Masks = NO_MASKS,
+        options: AttentionOptions = DEFAULT_OPTIONS,
         *,
-        causal: CausalArg = False,
-        key_lengths: KeyLengths | None = None,
-        key_padding_mask: torch.Tensor | None = None,
-        attn_mask: torch.Tensor | None = None,
-        scale: float | None = None,
-        return_weights: bool = False,
-        diagnostics: DiagnosticsLevel | str = "none",
-        memory_budget_bytes: int | None = None,
-        allow_nonfinite: bool = False,
-        path: PathName | str | None = None,
-        block_size: int | None = None,
-        check_finite: bool = True,
-        sink_tokens: int = DEFAULT_SINK_TOKENS,
         tiles: int = 1,
         row_quantum: int | None = None,
     ) -> None:
-        inputs = prepare_inputs(
-            q,
-            k,
-            v,
-            causal=causal,
-            key_lengths=key_lengths,
-            key_padding_mask=key_padding_mask,
-            attn_mask=attn_mask,
-            scale=scale,
-            allow_nonfinite=allow_nonfinite,
-            check_finite=check_finite,
-        )
+        inputs = prepare_inputs(q, k, v, masks, options)
         spec, plan = inputs.spec, inputs.plan
-        level = check_diagnostics_level(diagnostics)
-        if block_size is not None:
-            check_int_option(
-                block_size,
-                param="block_size",
-                minimum=1,
-                what="a positive integer",
-                expected="int >= 1",
-            )
-        check_int_option(
-            sink_tokens,
-            param="sink_tokens",
-            minimum=0,
-            what="a non-negative integer",
-            expected="int >= 0",
-        )
-        if memory_budget_bytes is not None:
-            check_int_option(
-                memory_budget_bytes,
-                param="memory_budget_bytes",
-                minimum=0,
-                what="a non-negative integer",
-                expected="int >= 0 or null",
-            )
+        level = options.check()
         check_tiles(tiles)
         self._path = choose_path(
             spec,
-            return_weights=return_weights,
+            return_weights=options.return_weights,
             diagnostics=level,
-            memory_budget_bytes=memory_budget_bytes,
-            path=path,
+            memory_budget_bytes=options.memory_budget_bytes,
+            path=options.path,
         )
         self._level = level
-        self._scale = resolve_scale(scale, spec.d)
-        self._return_weights = return_weights
-        self._allow_nonfinite = allow_nonfinite
-        self._block_size = block_size or DEFAULT_BLOCK_SIZE
-        self._sink_tokens = sink_tokens
+        self._scale = resolve_scale(options.scale, spec.d)
+        self._return_weights = options.return_weights
+        self._allow_nonfinite = options.allow_nonfinite
+        self._block_size = options.block_size or DEFAULT_BLOCK_SIZE
+        self._sink_tokens = options.sink_tokens
         self._backend: str | None = None
         self._whole: TileResults | None = None
 
         q4, k4, v4, poisoned = inputs.q4, inputs.k4, inputs.v4, None
-        if allow_nonfinite:
+        if options.allow_nonfinite:
             q4, k4, v4, poisoned = quarantine(q4, k4, v4, plan)
         self._poisoned = poisoned
 
@@ -378,11 +375,14 @@ class AttentionRun(TiledRun[AttentionResult]):
         # [0, sink_tokens) unless a key_padding_mask may hide some of them (key lengths only
         # hide a suffix).
         sink_cols: torch.Tensor | None = None
-        if level != "none" and key_padding_mask is not None:
+        if level != "none" and masks.key_padding_mask is not None:
             padding = key_padding(
-                spec, key_lengths=key_lengths, key_padding_mask=key_padding_mask, device=q.device
+                spec,
+                key_lengths=masks.key_lengths,
+                key_padding_mask=masks.key_padding_mask,
+                device=q.device,
             )
-            sink_cols = None if padding is None else sink_keys(padding, sink_tokens)
+            sink_cols = None if padding is None else sink_keys(padding, self._sink_tokens)
 
         super().__init__(
             spec,

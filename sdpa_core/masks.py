@@ -18,15 +18,66 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal, TypeAlias
+from typing import TYPE_CHECKING, Final, Literal, TypeAlias
 
 import torch
 
-from sdpa_core.shapes import CausalMode, InputSpec
+if TYPE_CHECKING:  # shapes.py validates a Masks value: it imports this module
+    from sdpa_core.shapes import CausalArg, CausalMode, InputSpec
 
 KeyLengths: TypeAlias = torch.Tensor | list[int] | tuple[int, ...] | int
 CausalState: TypeAlias = Literal["all", "none", "some"]
+
+
+@dataclass(frozen=True, slots=True)
+class Masks:
+    """Every mask option of one request, as given: one value from the wire to the kernels
+    (the service's jobs, collation, the engine, AttentionRun, validate_inputs and
+    build_mask_plan pass it whole), where four loose arguments used to travel.
+
+    causal: False (or None, "none"), True / "top_left" or "bottom_right". key_lengths:
+    integers, keys j >= length are padding (per sequence, per head, or one int).
+    key_padding_mask: bool, True = padding. attn_mask: bool (True = may attend) or float (an
+    additive bias). Shapes and meanings are attention()'s. Making one checks nothing:
+    validate_inputs does, in its order, naming attention()'s argument.
+    """
+
+    causal: CausalArg = False
+    key_lengths: KeyLengths | None = None
+    key_padding_mask: torch.Tensor | None = None
+    attn_mask: torch.Tensor | None = None
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """The options given as tensors (what holding these masks keeps alive)."""
+        options = (self.key_lengths, self.key_padding_mask, self.attn_mask)
+        return tuple(x for x in options if isinstance(x, torch.Tensor))
+
+    def to(
+        self,
+        device: torch.device,
+        *,
+        move: Callable[[torch.Tensor, torch.device], torch.Tensor] | None = None,
+    ) -> Masks:
+        """These masks with every tensor on `device` (key lengths given as ints stay ints).
+        move(tensor, device) moves one (default: Tensor.to; the service stages host tensors
+        in pinned memory)."""
+
+        def put(x: torch.Tensor) -> torch.Tensor:
+            return x.to(device) if move is None else move(x, device)
+
+        lengths = self.key_lengths
+        return Masks(
+            causal=self.causal,
+            key_lengths=put(lengths) if isinstance(lengths, torch.Tensor) else lengths,
+            key_padding_mask=None if self.key_padding_mask is None else put(self.key_padding_mask),
+            attn_mask=None if self.attn_mask is None else put(self.attn_mask),
+        )
+
+
+# No mask at all: every key visible to every query.
+NO_MASKS: Final = Masks()
 
 
 @dataclass(frozen=True, slots=True)
@@ -282,24 +333,18 @@ def attn_mask_4d(mask: torch.Tensor, spec: InputSpec) -> torch.Tensor:
     return m.reshape(spec.batch, *m.shape[-3:])
 
 
-def build_mask_plan(
-    spec: InputSpec,
-    *,
-    key_lengths: KeyLengths | None,
-    key_padding_mask: torch.Tensor | None,
-    attn_mask: torch.Tensor | None,
-    device: torch.device,
-) -> MaskPlan:
-    """Turn every (validated) mask option into a MaskPlan."""
+def build_mask_plan(spec: InputSpec, masks: Masks, *, device: torch.device) -> MaskPlan:
+    """Turn every (validated) mask option into a MaskPlan (causal as spec normalized it)."""
     parts: list[torch.Tensor] = []
     bias: torch.Tensor | None = None
 
     keys = _key_visibility(
-        spec, key_lengths=key_lengths, key_padding_mask=key_padding_mask, device=device
+        spec, key_lengths=masks.key_lengths, key_padding_mask=masks.key_padding_mask, device=device
     )
     if keys is not None:
         parts.append(keys)  # [B|1, H|1, 1, N_kv]
 
+    attn_mask = masks.attn_mask
     if attn_mask is not None:
         m4 = attn_mask_4d(attn_mask, spec)  # [B|1, H|1, N_q|1, N_kv|1]
         if m4.dtype == torch.bool:

@@ -13,6 +13,7 @@ from typing import Literal, TypeAlias
 import torch
 
 from sdpa_core.errors import DTypeError, MaskError, NonFiniteError, SdpaError, ShapeError
+from sdpa_core.masks import NO_MASKS, Masks
 from sdpa_core.nonfinite import check_finite_bias, check_finite_inputs
 
 CausalMode: TypeAlias = Literal["none", "top_left", "bottom_right"]
@@ -156,11 +157,8 @@ def validate_inputs(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
+    masks: Masks = NO_MASKS,
     *,
-    causal: CausalArg = False,
-    key_lengths: torch.Tensor | list[int] | tuple[int, ...] | int | None = None,
-    key_padding_mask: torch.Tensor | None = None,
-    attn_mask: torch.Tensor | None = None,
     scale: float | None = None,
     allow_nonfinite: bool = False,
     check_finite: bool = True,
@@ -169,6 +167,7 @@ def validate_inputs(
 
     Shapes: q [..., H, N_q, D], k [..., H_kv, N_kv, D], v [..., H_kv, N_kv, D_v] with the same
     leading dims; a 2-D q is [N_q, D] (one head). H must be a multiple of H_kv (GQA/MQA).
+    masks: the mask options (masks.Masks), each checked against q's shape and device.
     check_finite=False skips the scan of q, k, v and a float attn_mask for NaN/Inf (one read
     of every element), for a caller that has already checked these very tensors (as
     scipy.linalg's check_finite); the shapes and masks are still checked.
@@ -176,7 +175,12 @@ def validate_inputs(
     q = _check_tensor(q, "q")
     k = _check_tensor(k, "k")
     v = _check_tensor(v, "v")
-    causal_mode = normalize_causal(causal)
+    causal_mode = normalize_causal(masks.causal)
+    key_lengths, key_padding_mask, attn_mask = (
+        masks.key_lengths,
+        masks.key_padding_mask,
+        masks.attn_mask,
+    )
 
     # dtypes first: a wrong dtype explains more than a wrong shape would.
     if q.dtype not in SUPPORTED_DTYPES:

@@ -31,6 +31,7 @@ from sdpa_core import (
     AttentionResult,
     Diagnostics,
     InputSpec,
+    Masks,
     RowStats,
     attn_mask_4d,
     key_lengths_by_head,
@@ -51,9 +52,10 @@ class Collated:
     q: torch.Tensor  # [B, H, N_q, D]
     k: torch.Tensor  # [B, H_kv, N_kv, D]
     v: torch.Tensor  # [B, H_kv, N_kv, D_v]
-    key_lengths: torch.Tensor | None  # [B] or [B, H]
-    key_padding_mask: torch.Tensor | None  # [B, (H,) N_kv], True = padding
-    attn_mask: torch.Tensor | None  # [B, H|1, N_q, N_kv]
+    # The group's causal option (its first member's: the group key holds the mode) and
+    # key_lengths [B] or [B, H], key_padding_mask [B, (H,) N_kv] (True = padding),
+    # attn_mask [B, H|1, N_q, N_kv].
+    masks: Masks
     n_q: int
     n_kv: int
     front: bool  # padded at the front (bottom-right causal)
@@ -72,6 +74,7 @@ def collate(batch: list[Member]) -> Collated:
     spec0 = batch[0].spec
     heads, kv_heads, d, d_v = spec0.heads, spec0.kv_heads, spec0.d, spec0.d_v
     front = spec0.causal == "bottom_right"
+    causal_only = Masks(causal=batch[0].job.masks.causal)  # the key masks come last
     n_q = max(m.spec.n_q for m in batch)
     n_kv = max(m.spec.n_kv for m in batch)
     placed: list[Member] = []
@@ -84,13 +87,13 @@ def collate(batch: list[Member]) -> Collated:
         q = torch.cat([m.job.q.reshape(m.spec.batch, heads, n_q, d) for m in batch])
         k = torch.cat([m.job.k.reshape(m.spec.batch, kv_heads, n_kv, d) for m in batch])
         v = torch.cat([m.job.v.reshape(m.spec.batch, kv_heads, n_kv, d_v) for m in batch])
-        layout = Collated(tuple(placed), q, k, v, None, None, None, n_q, n_kv, front)
+        layout = Collated(tuple(placed), q, k, v, causal_only, n_q, n_kv, front)
     else:
         dtype = spec0.dtype
         q = torch.zeros(rows, heads, n_q, d, dtype=dtype)  # [B, H, N_q, D]
         k = torch.zeros(rows, kv_heads, n_kv, d, dtype=dtype)  # [B, H_kv, N_kv, D]
         v = torch.zeros(rows, kv_heads, n_kv, d_v, dtype=dtype)  # [B, H_kv, N_kv, D_v]
-        layout = Collated(tuple(placed), q, k, v, None, None, None, n_q, n_kv, front)
+        layout = Collated(tuple(placed), q, k, v, causal_only, n_q, n_kv, front)
         for m in placed:
             s, b = m.spec, slice(m.offset, m.offset + m.spec.batch)
             q[b, :, layout.q_rows(s)] = m.job.q.reshape(s.batch, heads, s.n_q, d)
@@ -98,12 +101,13 @@ def collate(batch: list[Member]) -> Collated:
             v[b, :, layout.kv_cols(s)] = m.job.v.reshape(s.batch, kv_heads, s.n_kv, d_v)
 
     key_lengths, key_padding_mask = _batch_key_masks(layout, rows, heads)
-    return replace(
-        layout,
+    masks = replace(
+        causal_only,
         key_lengths=key_lengths,
         key_padding_mask=key_padding_mask,
         attn_mask=_batch_attn_mask(layout, rows, heads),
     )
+    return replace(layout, masks=masks)
 
 
 def split(collated: Collated, result: AttentionResult) -> list[AttentionResult]:
@@ -149,16 +153,17 @@ def _batch_key_masks(
     """The batch's key visibility: key_lengths [B] or [B, H] when every request's padding is a
     suffix (end padding, no key_padding_mask), else a key_padding_mask [B, (H,) N_kv]."""
     placed, n_kv = layout.members, layout.n_kv
+    given = [m.job.masks for m in placed]  # each member's own
     needs = any(
-        m.spec.n_kv < n_kv or m.job.key_lengths is not None or m.job.key_padding_mask is not None
-        for m in placed
+        m.spec.n_kv < n_kv or masks.key_lengths is not None or masks.key_padding_mask is not None
+        for m, masks in zip(placed, given, strict=True)
     )
     if not needs:
         return None, None
-    if not layout.front and all(m.job.key_padding_mask is None for m in placed):
+    if not layout.front and all(masks.key_padding_mask is None for masks in given):
         own_lengths = [
-            None if m.job.key_lengths is None else key_lengths_by_head(m.spec, m.job.key_lengths)
-            for m in placed
+            None if masks.key_lengths is None else key_lengths_by_head(m.spec, masks.key_lengths)
+            for m, masks in zip(placed, given, strict=True)
         ]  # each [b, H|1]
         width = heads if any(o is not None and o.shape[-1] > 1 for o in own_lengths) else 1
         lengths = torch.empty(rows, width, dtype=torch.int64)  # [B, H|1]
@@ -167,8 +172,8 @@ def _batch_key_masks(
         return (lengths if width > 1 else lengths[:, 0]), None
 
     own_padding = [
-        key_padding(m.spec, key_lengths=m.job.key_lengths, key_padding_mask=m.job.key_padding_mask)
-        for m in placed
+        key_padding(m.spec, key_lengths=masks.key_lengths, key_padding_mask=masks.key_padding_mask)
+        for m, masks in zip(placed, given, strict=True)
     ]  # each [b|1, H|1, n_kv] or None
     width = heads if any(o is not None and o.shape[1] > 1 for o in own_padding) else 1
     padding = torch.ones(rows, width, n_kv, dtype=torch.bool)  # [B, H|1, N_kv], all padding
@@ -181,13 +186,14 @@ def _batch_key_masks(
 def _batch_attn_mask(layout: Collated, rows: int, heads: int) -> torch.Tensor | None:
     """Every request's attn_mask placed in a [B, H|1, N_q, N_kv] mask; padding False / -inf."""
     placed = layout.members
-    if all(m.job.attn_mask is None for m in placed):
+    if all(m.job.masks.attn_mask is None for m in placed):
         return None
     own_masks: list[torch.Tensor] = []
     for m in placed:
-        if m.job.attn_mask is None:  # cannot happen within one group (the mask kind is in the key)
+        mask = m.job.masks.attn_mask
+        if mask is None:  # cannot happen within one group (the mask kind is in the key)
             raise RuntimeError("a group mixes requests with and without attn_mask")
-        own_masks.append(attn_mask_4d(m.job.attn_mask, m.spec))  # [b|1, H|1, n_q|1, n_kv|1]
+        own_masks.append(attn_mask_4d(mask, m.spec))  # [b|1, H|1, n_q|1, n_kv|1]
     width = heads if any(own.shape[1] > 1 for own in own_masks) else 1
     dtype = own_masks[0].dtype
     fill: bool | float = False if dtype == torch.bool else -math.inf

@@ -27,9 +27,11 @@ from sdpa_core import (
     DEFAULT_SINK_TOKENS,
     STANDARD_STRATEGIES,
     AnalysisRun,
+    AttentionOptions,
     AttentionResult,
     AttentionRun,
     Diagnostics,
+    Masks,
     ScalingReport,
     analyze_scaling,
     attention,
@@ -206,20 +208,20 @@ class Engine:
         if not isinstance(job, AttentionJob):
             raise TypeError(f"only attention jobs have diagnostics, not {type(job).__name__}")
         dev = self.device
-        result = attention(
-            to_device(job.q, dev),
-            to_device(job.k, dev),
-            to_device(job.v, dev),
-            causal=job.causal,
-            key_lengths=_to(job.key_lengths, dev),
-            key_padding_mask=_to(job.key_padding_mask, dev),
-            attn_mask=_to(job.attn_mask, dev),
+        options = AttentionOptions(
             scale=job.scale,
             diagnostics="summary",
             memory_budget_bytes=self.memory_budget_bytes,
             check_finite=False,  # validated once, when the request was prepared
             sink_tokens=self.sink_tokens,
         )
+        result = AttentionRun(
+            to_device(job.q, dev),
+            to_device(job.k, dev),
+            to_device(job.v, dev),
+            job.masks.to(dev, move=to_device),
+            options,
+        ).run()
         assert result.diagnostics is not None  # asked for
         if self.device.type == "cpu":
             return result.diagnostics
@@ -237,11 +239,8 @@ class Engine:
         return AnalysisRun(
             to_device(job.q, dev),
             to_device(job.k, dev),
+            job.masks.to(dev, move=to_device),
             strategies=job.strategies,
-            causal=job.causal,
-            key_lengths=_to(job.key_lengths, dev),
-            key_padding_mask=_to(job.key_padding_mask, dev),
-            attn_mask=_to(job.attn_mask, dev),
             tiles=tiles,
         )
 
@@ -277,16 +276,7 @@ class Engine:
 
         return JobRun(
             self,
-            lambda: self._attention_run(
-                member,
-                job.q,
-                job.k,
-                job.v,
-                key_lengths=job.key_lengths,
-                key_padding_mask=job.key_padding_mask,
-                attn_mask=job.attn_mask,
-                tiles=tiles,
-            ),
+            lambda: self._attention_run(member, job.q, job.k, job.v, job.masks, tiles=tiles),
             outcome,
         )
 
@@ -307,23 +297,14 @@ class Engine:
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
+        masks: Masks,
         *,
-        key_lengths: torch.Tensor | None,
-        key_padding_mask: torch.Tensor | None,
-        attn_mask: torch.Tensor | None,
         tiles: int = 1,
     ) -> AttentionRun:
         """sdpa_core's AttentionRun on the device with the group's options (those of its
         first job), in `tiles` tiles."""
         job, dev = first.job, self.device
-        return AttentionRun(
-            to_device(q, dev),
-            to_device(k, dev),
-            to_device(v, dev),
-            causal=job.causal,
-            key_lengths=_to(key_lengths, dev),
-            key_padding_mask=_to(key_padding_mask, dev),
-            attn_mask=_to(attn_mask, dev),
+        options = AttentionOptions(
             scale=job.scale,
             return_weights=job.return_weights,
             diagnostics=job.diagnostics,
@@ -332,21 +313,20 @@ class Engine:
             # Every job was prepared: validated once with its NaN/Inf scan. Padding adds only
             # zeros and (float masks) -inf, so prepared members make a checked batch too.
             check_finite=False,
+        )
+        return AttentionRun(
+            to_device(q, dev),
+            to_device(k, dev),
+            to_device(v, dev),
+            masks.to(dev, move=to_device),
+            options,
             tiles=tiles,
         )
 
     def _run_alone(self, member: Member) -> AttentionResult:
         """A group of one: the request's own tensors, exactly the solo call."""
         job = member.job
-        result = self._attention_run(
-            member,
-            job.q,
-            job.k,
-            job.v,
-            key_lengths=job.key_lengths,
-            key_padding_mask=job.key_padding_mask,
-            attn_mask=job.attn_mask,
-        ).run()
+        result = self._attention_run(member, job.q, job.k, job.v, job.masks).run()
         return self._on_host(member, result)
 
     def _on_host(self, member: Member, result: AttentionResult) -> AttentionResult:
@@ -368,13 +348,7 @@ class Engine:
     def _run_padded(self, batch: list[Member]) -> list[AttentionResult]:
         collated = collate(batch)
         result = self._attention_run(
-            batch[0],
-            collated.q,
-            collated.k,
-            collated.v,
-            key_lengths=collated.key_lengths,
-            key_padding_mask=collated.key_padding_mask,
-            attn_mask=collated.attn_mask,
+            batch[0], collated.q, collated.k, collated.v, collated.masks
         ).run()
         return split(collated, result)
 
@@ -459,7 +433,3 @@ def _diagnostics_on_cpu(diagnostics: Diagnostics) -> Diagnostics:
         ),
         per_row=None,
     )
-
-
-def _to(x: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
-    return None if x is None else to_device(x, device)

@@ -17,10 +17,12 @@ import torch
 from sdpa_core import (
     AttentionResult,
     InputSpec,
+    Masks,
     ScalingReport,
     check_diagnostics_level,
     validate_inputs,
 )
+from sdpa_core.masks import NO_MASKS
 
 # A custom strategy of /v1/analyze: (name, divisor).
 Strategy = str | tuple[str, float]
@@ -33,10 +35,9 @@ class AttentionJob:
     q: torch.Tensor
     k: torch.Tensor
     v: torch.Tensor
-    causal: bool | str = False  # False/True/"top_left"/"bottom_right"
-    key_lengths: torch.Tensor | None = None  # int64
-    key_padding_mask: torch.Tensor | None = None  # bool, True = padding
-    attn_mask: torch.Tensor | None = None  # bool (True = attend) or float (additive)
+    # causal (False/True/"top_left"/"bottom_right"), key_lengths (int64), key_padding_mask
+    # (bool, True = padding), attn_mask (bool, True = attend, or float, additive)
+    masks: Masks = NO_MASKS
     scale: float | None = None
     return_weights: bool = False
     diagnostics: str = "none"  # "none" | "summary" | "full"
@@ -49,10 +50,7 @@ class AnalyzeJob:
     q: torch.Tensor
     k: torch.Tensor
     strategies: tuple[Strategy, ...] | None = None
-    causal: bool | str = False
-    key_lengths: torch.Tensor | None = None
-    key_padding_mask: torch.Tensor | None = None
-    attn_mask: torch.Tensor | None = None
+    masks: Masks = NO_MASKS  # as AttentionJob's
 
 
 Job = AttentionJob | AnalyzeJob
@@ -86,16 +84,7 @@ def prepare(job: Job) -> PreparedJob:
     else:
         check_diagnostics_level(job.diagnostics)
         v, scale = job.v, job.scale
-    spec = validate_inputs(
-        job.q,
-        job.k,
-        v,
-        causal=job.causal,
-        key_lengths=job.key_lengths,
-        key_padding_mask=job.key_padding_mask,
-        attn_mask=job.attn_mask,
-        scale=scale,
-    )
+    spec = validate_inputs(job.q, job.k, v, job.masks, scale=scale)
     _minting.active = True
     try:
         return PreparedJob(job=job, spec=spec)

@@ -110,7 +110,7 @@ class BatchPolicy:
             # No other request of its size fits beside it in one call: it runs alone, and the
             # batcher never holds it back to wait for (or behind) same-group requests.
             return ("alone", next(_ALONE))
-        mask = job.attn_mask
+        mask = job.masks.attn_mask
         return (
             "attention",
             str(job.q.device),

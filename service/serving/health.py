@@ -325,6 +325,5 @@ class HealthMonitor:
 def _input_bytes(prepared: PreparedJob) -> int:
     """Bytes of the tensors a queued sample keeps alive (its inputs and masks)."""
     job = prepared.job
-    tensors = [getattr(job, name, None) for name in ("q", "k", "v", "key_lengths",
-                                                      "key_padding_mask", "attn_mask")]  # fmt: skip
+    tensors = [job.q, job.k, getattr(job, "v", None), *job.masks.tensors()]
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)

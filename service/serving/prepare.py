@@ -14,7 +14,7 @@ from typing import Any, Final
 
 import torch
 
-from sdpa_core import analysis_passes, default_scale, make_synthetic_qk
+from sdpa_core import Masks, analysis_passes, default_scale, make_synthetic_qk
 from service.runtime.jobs import AnalyzeJob, AttentionJob, PreparedJob, Strategy, prepare
 from service.runtime.policy import CostModel, WorkShape, job_work
 from service.serving.limits import (
@@ -69,22 +69,17 @@ class PreparedRequest:
     working_bytes: int = 0
 
 
-@dataclass(frozen=True, slots=True)
-class _Masks:
-    key_lengths: torch.Tensor | None
-    key_padding_mask: torch.Tensor | None
-    attn_mask: torch.Tensor | None
-
-
 def _decode_masks(
+    causal: bool | str,
     key_lengths: list[Any] | NumberArray | int | None,
     key_padding_mask: Any,
     attn_mask: Any,
     *,
     max_elements: int,
-) -> _Masks:
-    """The mask options of a request as tensors (None where absent)."""
-    return _Masks(
+) -> Masks:
+    """The mask options of a request as one Masks value, tensors decoded (None where absent)."""
+    return Masks(
+        causal=causal,
         key_lengths=None
         if key_lengths is None
         else decode_int_list(key_lengths, loc=("body", "key_lengths"), max_elements=max_elements),
@@ -115,15 +110,14 @@ def prepare_attention(
     q = decode_tensor(req.q, loc=("body", "q"), role="float", max_elements=limit)
     k = decode_tensor(req.k, loc=("body", "k"), role="float", max_elements=limit)
     v = decode_tensor(req.v, loc=("body", "v"), role="float", max_elements=limit)
-    masks = _decode_masks(req.key_lengths, req.key_padding_mask, req.attn_mask, max_elements=limit)
+    masks = _decode_masks(
+        req.causal, req.key_lengths, req.key_padding_mask, req.attn_mask, max_elements=limit
+    )
     job = AttentionJob(
         q=q.tensor,
         k=k.tensor,
         v=v.tensor,
-        causal=req.causal,
-        key_lengths=masks.key_lengths,
-        key_padding_mask=masks.key_padding_mask,
-        attn_mask=masks.attn_mask,
+        masks=masks,
         scale=req.scale
         if req.temperature is None
         else temperature_scale(req.temperature, q.tensor),
@@ -288,18 +282,10 @@ def prepare_analyze(
         q = decode_tensor(req.q, loc=("body", "q"), role="float", max_elements=limit).tensor
         k = decode_tensor(req.k, loc=("body", "k"), role="float", max_elements=limit).tensor
         where = ("body", "k")
-    masks = _decode_masks(req.key_lengths, req.key_padding_mask, req.attn_mask, max_elements=limit)
-    prepared = prepare(
-        AnalyzeJob(
-            q=q,
-            k=k,
-            strategies=strategies,
-            causal=req.causal,
-            key_lengths=masks.key_lengths,
-            key_padding_mask=masks.key_padding_mask,
-            attn_mask=masks.attn_mask,
-        )
+    masks = _decode_masks(
+        req.causal, req.key_lengths, req.key_padding_mask, req.attn_mask, max_elements=limit
     )
+    prepared = prepare(AnalyzeJob(q=q, k=k, strategies=strategies, masks=masks))
     spec = prepared.spec
     check_analysis_limits(spec, where=where, settings=settings)
     _check_analysis_work(

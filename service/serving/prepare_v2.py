@@ -16,7 +16,7 @@ from typing import Final
 
 import torch
 
-from sdpa_core import PER_HEAD_FIELDS, PER_ROW_FIELDS
+from sdpa_core import PER_HEAD_FIELDS, PER_ROW_FIELDS, Masks
 from service.errors import MAX_LOC_TEXT, FieldError, InvalidRequest, clip
 from service.runtime.jobs import AttentionJob
 from service.runtime.policy import CostModel
@@ -130,10 +130,12 @@ def prepare_infer(
         q=q,
         k=tensors["k"],
         v=tensors["v"],
-        causal=params.causal,
-        key_lengths=tensors.get("key_lengths"),
-        key_padding_mask=tensors.get("key_padding_mask"),
-        attn_mask=tensors.get("attn_mask"),
+        masks=Masks(
+            causal=params.causal,
+            key_lengths=tensors.get("key_lengths"),
+            key_padding_mask=tensors.get("key_padding_mask"),
+            attn_mask=tensors.get("attn_mask"),
+        ),
         scale=scale,
         return_weights="weights" in named,
         diagnostics=diagnostics,

@@ -12,6 +12,7 @@ from sdpa_core import (
     DTypeError,
     LimitError,
     MaskError,
+    Masks,
     NonFiniteError,
     SdpaError,
     ShapeError,
@@ -169,24 +170,24 @@ def test_error_carries_context(
 
 
 def test_validate_inputs_spec() -> None:
-    spec = validate_inputs(Q, K, V, causal=True)
+    spec = validate_inputs(Q, K, V, Masks(causal=True))
     assert spec.batch_shape == (2,)
     assert (spec.heads, spec.kv_heads, spec.n_q, spec.n_kv, spec.d, spec.d_v) == (4, 2, 5, 6, 8, 3)
     assert spec.dtype == torch.float32
     assert spec.causal == "top_left"
     assert validate_inputs(t(5, 8), t(6, 8), t(6, 3)).heads == 1
     five = validate_inputs(
-        t(3, 2, 4, 5, 8), t(3, 2, 1, 6, 8), t(3, 2, 1, 6, 3), causal="bottom_right"
+        t(3, 2, 4, 5, 8), t(3, 2, 1, 6, 8), t(3, 2, 1, 6, 3), Masks(causal="bottom_right")
     )
     assert five.batch_shape == (3, 2)
     assert five.causal == "bottom_right"
-    assert validate_inputs(Q, K, V, causal=False).causal == "none"
+    assert validate_inputs(Q, K, V, Masks(causal=False)).causal == "none"
 
 
 def test_float_mask_in_float32_or_q_dtype() -> None:
     q = t(1, 1, 2, 4, dtype=torch.bfloat16)
     for mask in (torch.zeros(2, 2), torch.zeros(2, 2, dtype=torch.bfloat16)):
-        validate_inputs(q, q, q, attn_mask=mask)
+        validate_inputs(q, q, q, Masks(attn_mask=mask))
 
 
 def test_automatic_path_choice() -> None:

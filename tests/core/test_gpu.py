@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from sdpa_core import attention, default_scale
+from sdpa_core import Masks, attention, default_scale
 from sdpa_core.attention import prepare_inputs
 from sdpa_core.fused import fused_attention
 from tests.core.reference import (
@@ -94,7 +94,7 @@ def test_cuda_fused_query_tiles_match_reference(dtype: torch.dtype, n_q: int) ->
     kl = [n_kv, 7]
     options = {"causal": "bottom_right", "key_lengths": torch.tensor(kl).cuda()}
     assert attention(q.cuda(), k.cuda(), v.cuda(), **options).path == "fused"
-    inputs = prepare_inputs(q.cuda(), k.cuda(), v.cuda(), **options)
+    inputs = prepare_inputs(q.cuda(), k.cuda(), v.cuda(), Masks(**options))
     out4, _ = fused_attention(
         inputs.q4, inputs.k4, inputs.v4, inputs.plan, scale=default_scale(64), tile_bytes=1
     )

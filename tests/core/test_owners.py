@@ -13,6 +13,7 @@ from sdpa_core import (
     DIAGNOSTICS_LEVELS,
     PATHS,
     MaskError,
+    Masks,
     SdpaError,
     accumulation_dtype,
     attention,
@@ -171,7 +172,7 @@ def test_key_padding_matches_attention() -> None:
     q = torch.randn(3, 2, 5, 4, generator=gen)
     k, v = torch.randn(3, 2, 6, 4, generator=gen), torch.randn(3, 2, 6, 4, generator=gen)
     lengths = torch.tensor([[6, 2], [0, 5], [3, 1]])
-    spec = validate_inputs(q, k, v, key_lengths=lengths)
+    spec = validate_inputs(q, k, v, Masks(key_lengths=lengths))
     pad = key_padding(spec, key_lengths=lengths)
     assert pad is not None
     by_lengths = attention(q, k, v, key_lengths=lengths)

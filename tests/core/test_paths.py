@@ -17,7 +17,13 @@ import pytest
 import torch
 from torch.nn.functional import scaled_dot_product_attention
 
-from sdpa_core import DEFAULT_FUSED_TILE_BYTES, attention, default_scale
+from sdpa_core import (
+    DEFAULT_FUSED_TILE_BYTES,
+    AttentionOptions,
+    Masks,
+    attention,
+    default_scale,
+)
 from sdpa_core.attention import AttentionRun, prepare_inputs
 from sdpa_core.dense import dense_tile_q
 from sdpa_core.fused import SdpaFunction, fused_attention
@@ -171,18 +177,21 @@ def check_against_reference(
     """Output (every path), weights (dense) and row diagnostics (dense, chunked); tiles > 1
     computes them as an AttentionRun of that many tiles."""
     wants_stats = path != "fused"
-    run = AttentionRun(
-        inp.q,
-        inp.k,
-        inp.v,
+    options = AttentionOptions(
         path=path,
         scale=scale,
         return_weights=path == "dense",
         diagnostics="full" if wants_stats else "none",
         block_size=3,
+    )
+    run = AttentionRun(
+        inp.q,
+        inp.k,
+        inp.v,
+        Masks(**inp.kwargs),
+        options,
         tiles=tiles,
         row_quantum=1,  # tiny shapes: cut rows anywhere (the default cuts at the path's tile)
-        **inp.kwargs,
     )
     if tiles > 1:
         assert run.tiles_total >= min(tiles, inp.q.shape[0] * inp.q.shape[-2])
@@ -434,7 +443,7 @@ def fused_with_budget(
 ) -> tuple[torch.Tensor, str | None]:
     """The fused path run directly with a tile budget (and a kernel to call): the output
     shaped as attention()'s and the backend name."""
-    inputs = prepare_inputs(q, k, v, **options)
+    inputs = prepare_inputs(q, k, v, Masks(**options))
     out4, backend = fused_attention(
         inputs.q4, inputs.k4, inputs.v4, inputs.plan,
         scale=default_scale(inputs.spec.d), tile_bytes=tile_bytes, sdpa=sdpa,

@@ -11,7 +11,14 @@ import numpy as np
 import pytest
 import torch
 
-from sdpa_core import MaskError, SdpaError, analyze_scaling, attention
+from sdpa_core import (
+    AttentionOptions,
+    MaskError,
+    Masks,
+    SdpaError,
+    analyze_scaling,
+    attention,
+)
 from sdpa_core.analysis import AnalysisRun
 from sdpa_core.attention import AttentionRun
 from sdpa_core.tiles import tile_bounds
@@ -25,6 +32,10 @@ from tests.core.test_paths import (
     check_output,
     make_inputs,
 )
+
+CAUSAL = Masks(causal=True)
+BOTTOM_RIGHT = Masks(causal="bottom_right")
+SUMMARY = AttentionOptions(diagnostics="summary")
 
 
 @pytest.mark.parametrize("tiles", [2, 5])
@@ -79,7 +90,8 @@ def test_key_padding_mask_and_sink_in_tiles(path: str, per_head: bool) -> None:
     kwargs: dict[str, Any] = {"causal": "bottom_right", "key_padding_mask": kpm}
     diag = "none" if path == "fused" else "summary"
     whole = attention(q, k, v, path=path, diagnostics=diag, **kwargs)
-    run = AttentionRun(q, k, v, path=path, diagnostics=diag, tiles=8, row_quantum=1, **kwargs)
+    options = AttentionOptions(path=path, diagnostics=diag)
+    run = AttentionRun(q, k, v, Masks(**kwargs), options, tiles=8, row_quantum=1)
     assert run.tiles_total == 9  # 3 sequences x 3 tiles of rows
     tiled = run.run()
 
@@ -104,7 +116,7 @@ def test_a_run_steps_tile_by_tile() -> None:
     there only then; a bad request fails in the constructor, before any tile."""
     gen = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(1, 2, 10, 4, generator=gen) for _ in range(3))
-    run = AttentionRun(q, k, v, causal=True, diagnostics="summary", tiles=4, row_quantum=1)
+    run = AttentionRun(q, k, v, CAUSAL, SUMMARY, tiles=4, row_quantum=1)
     assert (run.tiles_total, run.tiles_done, run.done) == (4, 0, False)
     with pytest.raises(RuntimeError, match="0 of 4 tiles"):
         run.result()
@@ -118,7 +130,7 @@ def test_a_run_steps_tile_by_tile() -> None:
     assert run.step() is True
     torch.testing.assert_close(run.result().output, attention(q, k, v, causal=True).output)
     with pytest.raises(MaskError):
-        AttentionRun(q, k, v, key_lengths=[11], tiles=4)
+        AttentionRun(q, k, v, Masks(key_lengths=[11]), tiles=4)
 
 
 @pytest.mark.parametrize(
@@ -155,7 +167,7 @@ def test_rows_are_cut_where_the_path_cuts_them() -> None:
     than its share; the result is the same either way."""
     gen = torch.Generator().manual_seed(5)
     q, k, v = (torch.randn(1, 8, 1200, 16, generator=gen) for _ in range(3))
-    run = AttentionRun(q, k, v, diagnostics="summary", tiles=4)
+    run = AttentionRun(q, k, v, options=SUMMARY, tiles=4)
     assert run.path == "chunked"
     assert [tile.q0 for tile in run._tiles] == [0, 256, 512, 768]
     torch.testing.assert_close(run.run().output, attention(q, k, v).output)
@@ -171,7 +183,7 @@ def test_analysis_in_tiles(causal: str) -> None:
     kwargs: dict[str, Any] = {"causal": causal, "key_lengths": [6, 4]}
     strategies: list[Any] = ["sqrt_dk", ("tiny", 1e-40)]
     whole = analyze_scaling(q, k, strategies=strategies, **kwargs)
-    run = AnalysisRun(q, k, strategies=strategies, tiles=12, row_quantum=1, **kwargs)
+    run = AnalysisRun(q, k, Masks(**kwargs), strategies=strategies, tiles=12, row_quantum=1)
     assert run.tiles_total == 12  # 3 passes (the raw one too) x 2 sequences x 2 row tiles
     tiled = run.run()
 
@@ -215,9 +227,8 @@ def test_few_queries_many_keys_step_through_key_blocks(
         seed=77,
         batch=1,
     )
-    run = AttentionRun(
-        inp.q, inp.k, inp.v, diagnostics="full", block_size=16, tiles=6, **inp.kwargs
-    )
+    options = AttentionOptions(diagnostics="full", block_size=16)
+    run = AttentionRun(inp.q, inp.k, inp.v, Masks(**inp.kwargs), options, tiles=6)
     assert run.path == "chunked"
     steps = 1
     while not run.step():
@@ -241,7 +252,7 @@ def test_analysis_of_few_queries_many_keys_steps_through_key_blocks() -> None:
     q = torch.randn(1, 1, 8, 16, generator=gen)
     k = torch.randn(1, 1, 5000, 16, generator=gen)
     whole = analyze_scaling(q, k, causal="bottom_right", block_size=256)
-    run = AnalysisRun(q, k, causal="bottom_right", block_size=256, tiles=40)
+    run = AnalysisRun(q, k, BOTTOM_RIGHT, block_size=256, tiles=40)
     steps = 1
     while not run.step():
         steps += 1
@@ -261,7 +272,9 @@ def test_a_time_budget_cuts_chunked_steps_wherever_the_estimate_was() -> None:
     q = torch.randn(1, 2, 64, 16, generator=gen)
     k, v = torch.randn(1, 2, 4096, 16, generator=gen), torch.randn(1, 2, 4096, 16, generator=gen)
     whole = attention(q, k, v, diagnostics="summary", causal="bottom_right", block_size=64)
-    run = AttentionRun(q, k, v, diagnostics="summary", causal="bottom_right", block_size=64)
+    run = AttentionRun(
+        q, k, v, BOTTOM_RIGHT, AttentionOptions(diagnostics="summary", block_size=64)
+    )
     assert run.share_done == 0.0
     shares = []
     while not run.step(budget_s=1e-9):  # one block per step
@@ -292,7 +305,8 @@ def test_a_run_whose_step_failed_refuses_to_go_on() -> None:
     left then marked done, and result() returning uninitialized rows)."""
     gen = torch.Generator().manual_seed(5)
     q, k, v = (torch.randn(1, 2, 64, 16, generator=gen) for _ in range(3))
-    run = AttentionRun(q, k, v, diagnostics="summary", block_size=8, tiles=4)
+    options = AttentionOptions(diagnostics="summary", block_size=8)
+    run = AttentionRun(q, k, v, options=options, tiles=4)
     real_steps = run._chunked_steps
 
     def failing_steps(*args: Any) -> Any:

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 from sdpa_core import (
     AttentionResult,
+    Masks,
     RowStats,
     SdpaError,
     analyze_scaling,
@@ -42,6 +43,8 @@ from service.runtime.jobs import (
 )
 from service.runtime.policy import length_bucket
 
+BOTTOM_RIGHT = Masks(causal="bottom_right")
+
 CPU = torch.device("cpu")
 
 
@@ -61,10 +64,10 @@ def solo(job: AttentionJob) -> AttentionResult:
         job.q,
         job.k,
         job.v,
-        causal=job.causal,
-        key_lengths=job.key_lengths,
-        key_padding_mask=job.key_padding_mask,
-        attn_mask=job.attn_mask,
+        causal=job.masks.causal,
+        key_lengths=job.masks.key_lengths,
+        key_padding_mask=job.masks.key_padding_mask,
+        attn_mask=job.masks.attn_mask,
         scale=job.scale,
         return_weights=job.return_weights,
         diagnostics=job.diagnostics,
@@ -171,6 +174,7 @@ def make_job(
     key_lengths: str | None = None,  # None | "seq" | "head"
     key_padding_mask: str | None = None,
     attn_mask: str | None = None,  # None | "bool" | "bool_heads" | "float"
+    causal: bool | str = False,
     **options: Any,
 ) -> AttentionJob:
     kv_heads = kv_heads or heads
@@ -194,9 +198,8 @@ def make_job(
     elif attn_mask == "float":
         mask = randn(gen, 1, n_q, n_kv, dtype=dtype)
         mask[..., 1] = -math.inf
-    return AttentionJob(
-        q=q, k=k, v=v, key_lengths=kl, key_padding_mask=kpm, attn_mask=mask, **options
-    )
+    masks = Masks(causal=causal, key_lengths=kl, key_padding_mask=kpm, attn_mask=mask)
+    return AttentionJob(q=q, k=k, v=v, masks=masks, **options)
 
 
 # Mixed leading dims (4-D, 3-D, 5-D) and lengths within one bucket (33..40 for both).
@@ -251,10 +254,7 @@ def test_prepared_jobs_carry_their_validation(options: dict[str, Any]) -> None:
     gen = torch.Generator().manual_seed(12)
     jobs = [make_job(gen, lead, n_q, n_kv, **options) for lead, n_q, n_kv in SHAPES]
     for job in jobs:
-        spec = validate_inputs(
-            job.q, job.k, job.v, key_lengths=job.key_lengths,
-            key_padding_mask=job.key_padding_mask, attn_mask=job.attn_mask,
-        )  # fmt: skip
+        spec = validate_inputs(job.q, job.k, job.v, job.masks)
         prepared_job = prepare(job)
         assert prepared_job.spec == spec
         with pytest.raises(TypeError, match="prepare"):
@@ -332,8 +332,9 @@ def test_padded_batch_against_float64_reference() -> None:
         i = torch.arange(n_q).unsqueeze(-1)
         j = torch.arange(n_kv)
         visible = j <= i + (n_kv - n_q)  # [N_q, N_kv] bottom-right causal
-        assert job.key_lengths is not None
-        visible = visible & (j < job.key_lengths.reshape(-1, 1, 1, 1))  # [B, 1, N_q, N_kv]
+        lengths = job.masks.key_lengths
+        assert isinstance(lengths, torch.Tensor)
+        visible = visible & (j < lengths.reshape(-1, 1, 1, 1))  # [B, 1, N_q, N_kv]
         scores = scores.masked_fill(~visible, -math.inf)
         weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # empty rows -> 0
         torch.testing.assert_close(outcome.result.weights, weights, atol=1e-12, rtol=1e-10)
@@ -350,7 +351,7 @@ def test_bad_request_fails_alone() -> None:
     too_long = torch.tensor([41])
     bad = [
         AttentionJob(q=nan_q, k=good[0].k, v=good[0].v, diagnostics="summary"),
-        AttentionJob(q=good[1].q, k=good[1].k, v=good[1].v, key_lengths=too_long,
+        AttentionJob(q=good[1].q, k=good[1].k, v=good[1].v, masks=Masks(key_lengths=too_long),
                      diagnostics="summary"),
         AttentionJob(q=good[2].q, k=good[2].k[..., :8], v=good[2].v, diagnostics="summary"),
         AttentionJob(q=good[2].q[0, 0, 0], k=good[2].k, v=good[2].v, diagnostics="summary"),
@@ -373,7 +374,8 @@ def test_a_failing_batch_is_retried_one_by_one() -> None:
     batch = prepared(jobs)
     # A job whose tensors turn bad after validation (the engine trusts its spec): its key
     # padding refers to more keys than it has, so the padded call and its own call both fail.
-    broken = replace(batch[1].job, key_lengths=torch.tensor([10**6]))
+    job = batch[1].job
+    broken = replace(job, masks=replace(job.masks, key_lengths=torch.tensor([10**6])))
     assert isinstance(broken, AttentionJob)
     object.__setattr__(batch[1], "job", broken)
     outcomes = make_engine().run_batch(batch)
@@ -388,10 +390,10 @@ def test_analyze_job_runs_alone_and_equals_analyze_scaling() -> None:
     gen = torch.Generator().manual_seed(6)
     q, k = randn(gen, 2, 32, 64), randn(gen, 2, 40, 64)
     engine = make_engine()
-    job = AnalyzeJob(q=q, k=k, strategies=("sqrt_dk", ("custom", 3.0)), causal="bottom_right")
+    job = AnalyzeJob(q=q, k=k, strategies=("sqrt_dk", ("custom", 3.0)), masks=BOTTOM_RIGHT)
     other = make_job(gen, (1,), 33, 40)
     assert key(engine, job) != key(
-        engine, AnalyzeJob(q=q, k=k, strategies=job.strategies, causal=job.causal)
+        engine, AnalyzeJob(q=q, k=k, strategies=job.strategies, masks=job.masks)
     )
     outcomes = engine.run_batch(prepared([job, other]))
     assert isinstance(outcomes[0], AnalyzeOutcome)
@@ -532,17 +534,12 @@ def test_property_any_group_batched_equals_solo(
 
 
 def to_device(job: AttentionJob, device: torch.device) -> AttentionJob:
-    def move(x: torch.Tensor | None) -> torch.Tensor | None:
-        return None if x is None else x.to(device)
-
     return replace(
         job,
         q=job.q.to(device),
         k=job.k.to(device),
         v=job.v.to(device),
-        key_lengths=move(job.key_lengths),
-        key_padding_mask=move(job.key_padding_mask),
-        attn_mask=move(job.attn_mask),
+        masks=job.masks.to(device),
     )
 
 
@@ -626,7 +623,7 @@ def test_a_long_job_in_tiles_equals_the_solo_call(options: dict[str, Any]) -> No
 def test_a_long_analyze_job_in_tiles_equals_analyze_scaling() -> None:
     gen = torch.Generator().manual_seed(22)
     q, k = randn(gen, 2, 4, 32, 16), randn(gen, 2, 4, 40, 16)
-    job = AnalyzeJob(q=q, k=k, strategies=("sqrt_dk", ("tiny", 1e-40)), causal="bottom_right")
+    job = AnalyzeJob(q=q, k=k, strategies=("sqrt_dk", ("tiny", 1e-40)), masks=BOTTOM_RIGHT)
     run = make_engine().start_long(prepare(job), 9)
     while not run.step():
         pass

@@ -54,9 +54,10 @@ def test_a_b64_request_becomes_its_tensors_and_options() -> None:
     for got, want in ((job.q, q), (job.k, k), (job.v, v)):
         assert got.dtype == torch.float32
         assert np.array_equal(got.numpy(), want)
-    assert job.key_lengths is not None
-    assert job.key_lengths.tolist() == [5, 3]
-    assert (job.causal, job.scale, job.diagnostics) == ("bottom_right", 0.25, "full")
+    lengths = job.masks.key_lengths
+    assert isinstance(lengths, torch.Tensor)
+    assert lengths.tolist() == [5, 3]
+    assert (job.masks.causal, job.scale, job.diagnostics) == ("bottom_right", 0.25, "full")
     spec = request.prepared.spec
     assert (spec.batch, spec.heads, spec.n_q, spec.n_kv, spec.d) == (2, 3, 5, 5, 4)
     assert spec.causal == "bottom_right"
@@ -116,8 +117,9 @@ def test_an_analysis_gets_its_strategies_and_masks() -> None:
     job = request.prepared.job
     assert isinstance(job, AnalyzeJob)
     assert job.strategies == ("dk", ("mine", 3.0))
-    assert job.key_lengths is not None
-    assert job.key_lengths.tolist() == 2
+    lengths = job.masks.key_lengths
+    assert isinstance(lengths, torch.Tensor)
+    assert lengths.tolist() == 2
     assert request.encoding == "json"
 
 
