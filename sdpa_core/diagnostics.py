@@ -209,8 +209,7 @@ ROW_STATS_FIELDS: tuple[str, ...] = _field_names(RowStats)
 """The fields of RowStats, the per-row raw material every path produces."""
 
 
-# Summary fields that are plain means over the active rows of a per-row quantity, in the
-# order of the stacked tensor _row_means() builds.
+# Summary fields that are plain means over the active rows of a per-row quantity.
 _ROW_MEAN_FIELDS = (
     "entropy",
     "normalized_entropy",
@@ -221,8 +220,8 @@ _ROW_MEAN_FIELDS = (
     "grad_health",
     "jacobian_fro",
 )
-# RowStats fields summarize() reads as float64, stacked in this order (one conversion).
-_STACKED = (
+# RowStats fields summarize() reads as float64, copied in this order (one conversion).
+_COPIED = (
     "entropy",
     "max_weight",
     "sink_share",
@@ -232,6 +231,13 @@ _STACKED = (
     "score_m2_raw",
     "score_abs_max_raw",
 )
+# The rows of _Rows.table, every one summed over rows: the active-row indicator, the
+# _ROW_MEAN_FIELDS, then the score moments n_i, n_i * mean_i and M2_i of Chan's merge.
+_TABLE = ("active", *_ROW_MEAN_FIELDS, "score_n", "score_n_mean", "score_m2")
+_ACTIVE, _N, _N_MEAN, _M2 = (
+    _TABLE.index(n) for n in ("active", "score_n", "score_n_mean", "score_m2")
+)
+_MEANS = slice(_TABLE.index(_ROW_MEAN_FIELDS[0]), _TABLE.index(_ROW_MEAN_FIELDS[-1]) + 1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -239,78 +245,101 @@ class _Rows:
     """RowStats as summarize() needs them: float64, 0 on fully masked rows."""
 
     active: torch.Tensor  # bool [..., H, N_q]
-    count: torch.Tensor  # visible keys, float64 [..., H, N_q]
-    means: torch.Tensor  # the _ROW_MEAN_FIELDS per row, float64 [F, ..., H, N_q]
+    table: torch.Tensor  # the _TABLE quantities per row, float64 [len(_TABLE), ..., H, N_q]
+    count: torch.Tensor  # visible keys (score_n), [..., H, N_q]
     score_mean: torch.Tensor  # [..., H, N_q]
-    score_m2: torch.Tensor
-    score_abs_max: torch.Tensor
+    score_abs_max: torch.Tensor  # [..., H, N_q]
 
 
 def _rows(rs: RowStats) -> _Rows:
-    """The per-row quantities of every summary statistic, in a few stacked operations (each
-    torch call costs microseconds of overhead, which dominate small requests)."""
+    """Every per-row quantity the summary sums, in one table.
+
+    Each torch call costs microseconds of dispatch, which dominate small requests: the fields
+    are converted to float64 at once, and every summed quantity is stacked so that one
+    reduction pools them all (stacked in one dtype: a stack that converts is several times
+    slower). The copies are contiguous, so equal rows reduce in the same order whatever their
+    origin (a slice of a batch's RowStats, or a solo call's).
+    """
     vis = rs.visible_keys
     active = vis > 0
-    # One float64 copy of every field (contiguous, so equal rows reduce in the same order
-    # whatever their origin), zeroed on fully masked rows.
-    raw = torch.stack([getattr(rs, name) for name in _STACKED]).to(torch.float64)
-    raw = torch.where(active, raw, 0.0)  # [8, ..., H, N_q]
-    ent, mw = raw[0], raw[1]
+    raw = torch.stack([getattr(rs, name) for name in _COPIED]).to(torch.float64)
+    raw = torch.where(active, raw, 0.0)  # [8, ..., H, N_q], 0 on fully masked rows
+    ent, mw, sink, grad, jac, score_mean, score_m2, score_abs_max = raw.unbind(0)
     count = vis.to(torch.float64)
-    # H <= log n exactly; fp32 rounding can put a uniform row a few ulps above 1, which
-    # would leave [0, 1] (and a histogram's le="1.0" bucket). clamp(min=2) keeps log(1) = 0
-    # out of the divide; one visible key has normalized entropy 0.
-    normalized = torch.where(vis > 1, (ent / count.clamp(min=2.0).log()).clamp(max=1.0), 0.0)
-    means = torch.stack(
+    # H <= log n exactly; fp32 rounding can put a uniform row a few ulps above 1, which would
+    # leave [0, 1] (and a histogram's le="1.0" bucket). One visible key (log 1 = 0) has
+    # normalized entropy 0, as a fully masked row: the where drops their 0/0 and 0/-inf.
+    normalized = torch.where(vis > 1, ent / count.log(), 0.0).clamp(max=1.0)
+    table = torch.stack(
         [
+            count.clamp(max=1.0),  # active: 1.0 or 0.0
             ent,
             normalized,
             torch.where(active, ent.exp(), 0.0),  # effective keys
             mw,
             (mw >= SATURATION_THRESHOLD).to(torch.float64),  # 0 on masked rows: mw is 0 there
-            raw[2],  # sink share
-            raw[3],  # grad health
-            raw[4],  # jacobian
+            sink,
+            grad,
+            jac,
+            count,  # score_n
+            count * score_mean,  # score_n_mean
+            score_m2,
         ]
-    )
+    )  # [len(_TABLE), ..., H, N_q]
     return _Rows(
         active=active,
+        table=table,
         count=count,
-        means=means,
-        score_mean=raw[5],
-        score_m2=raw[6],
-        score_abs_max=raw[7],
+        score_mean=score_mean,
+        score_abs_max=score_abs_max,
     )
 
 
-def _pool(rows: _Rows, dim: int | None, *, scale: float) -> dict[str, torch.Tensor]:
-    """The summary's statistics, keyed and ordered as SUMMARY_FIELDS, pooled over `dim`
-    (-1: per head, [..., H]) or over every row (None: 0-d), in float64 (masked_rows int64)."""
-
-    def total(x: torch.Tensor, *, lead: int = 0) -> torch.Tensor:
-        if dim is not None:
-            return x.sum(dim)
-        return x.reshape((*x.shape[:lead], -1)).sum(-1) if lead else x.sum()
-
-    active = rows.active
-    denom = total(active.to(torch.float64)).clamp(min=1.0)  # active rows
-    pooled_means = total(rows.means, lead=1) / denom  # [F, ...]
-    stats = dict(zip(_ROW_MEAN_FIELDS, pooled_means.unbind(0), strict=True))
-
+def _per_head(rows: _Rows, *, scale: float) -> PerHeadStats:
+    """The summary's statistics per head, [..., H] (float64; masked_rows int64)."""
+    sums = rows.table.sum(-1)  # [len(_TABLE), ..., H]
+    means = (sums[_MEANS] / sums[_ACTIVE].clamp(min=1.0)).unbind(0)  # over active rows
     # Chan's parallel merge of per-row (n_i, mean_i, M2_i), written in closed form:
     # n = sum n_i, mean = sum n_i mean_i / n, M2 = sum M2_i + sum n_i (mean_i - mean)^2.
-    n_i, mean_i = rows.count, rows.score_mean
-    n_safe = total(n_i).clamp(min=1.0)
-    mean = total(n_i * mean_i) / n_safe
-    mean_b = mean if dim is None else mean.unsqueeze(-1)
-    variance = (total(rows.score_m2) + total(n_i * (mean_i - mean_b).square())) / n_safe
-    absmax = rows.score_abs_max.amax() if dim is None else rows.score_abs_max.amax(dim)
-    stats["score_mean_raw"] = mean
-    stats["score_variance_raw"] = variance
-    stats["score_variance_scaled"] = (scale * scale) * variance
-    stats["score_abs_max_scaled"] = abs(scale) * absmax
-    stats["masked_rows"] = total((~active).to(torch.int64))
-    return {name: stats[name] for name in SUMMARY_FIELDS}
+    n_safe = sums[_N].clamp(min=1.0)
+    mean = sums[_N_MEAN] / n_safe
+    spread = (rows.count * (rows.score_mean - mean.unsqueeze(-1)).square()).sum(-1)
+    variance = (sums[_M2] + spread) / n_safe
+    return PerHeadStats(
+        **dict(zip(_ROW_MEAN_FIELDS, means, strict=True)),
+        score_mean_raw=mean,
+        score_variance_raw=variance,
+        score_variance_scaled=(scale * scale) * variance,
+        score_abs_max_scaled=abs(scale) * rows.score_abs_max.amax(-1),
+        masked_rows=(~rows.active).sum(-1),
+    )
+
+
+def _summary(rows: _Rows, *, scale: float) -> DiagnosticsSummary:
+    """The summary's scalars: _per_head's formulas, pooled over every row at once. One host
+    transfer for every number (one sync on CUDA); what follows the sums is done on those
+    Python floats (IEEE float64 arithmetic, as torch's)."""
+    table = rows.table
+    sums = table.sum(dim=tuple(range(1, table.dim())))  # [len(_TABLE)]
+    # The pooled score mean is needed on the device, for the spread's second pass.
+    mean = sums[_N_MEAN] / sums[_N].clamp(min=1.0)
+    spread = (rows.count * (rows.score_mean - mean).square()).sum()
+    tail = torch.stack([mean, spread, rows.score_abs_max.amax()])
+    *totals, mean_v, spread_v, abs_max = torch.cat([sums, tail]).tolist()
+    active = totals[_ACTIVE]  # an exact count: a sum of 0s and 1s in float64
+    denom = max(active, 1.0)
+    variance = (totals[_M2] + spread_v) / max(totals[_N], 1.0)
+    return DiagnosticsSummary(
+        **{
+            name: total / denom
+            for name, total in zip(_ROW_MEAN_FIELDS, totals[_MEANS], strict=True)
+        },
+        score_mean_raw=mean_v,
+        score_variance_raw=variance,
+        score_variance_scaled=(scale * scale) * variance,
+        score_abs_max_scaled=abs(scale) * abs_max,
+        masked_rows=rows.active.numel() - int(active),
+    )
 
 
 def summarize(
@@ -330,20 +359,14 @@ def summarize(
             got=repr(level),
         )
     rows = _rows(row_stats)
-    pooled = _pool(rows, None, scale=scale)
-    # One host transfer for every scalar (one sync on CUDA); masked_rows is exact in float64.
-    # Every field but masked_rows is a float64 0-d tensor already.
-    masked = pooled["masked_rows"].to(torch.float64)
-    values = torch.stack([masked if n == "masked_rows" else pooled[n] for n in SUMMARY_FIELDS])
-    scalars: dict[str, Any] = dict(zip(SUMMARY_FIELDS, values.tolist(), strict=True))
-    scalars["masked_rows"] = int(scalars["masked_rows"])
-    summary = DiagnosticsSummary(**scalars)
-    per_head = PerHeadStats(**_pool(rows, -1, scale=scale))
+    summary = _summary(rows, scale=scale)
+    per_head = _per_head(rows, scale=scale)
 
     per_row = None
     if level == "full":
         accum = row_stats.entropy.dtype
-        means = dict(zip(_ROW_MEAN_FIELDS, rows.means.to(accum).unbind(0), strict=True))
+        # [8, ..., H, N_q]: the _ROW_MEAN_FIELDS per row
+        means = dict(zip(_ROW_MEAN_FIELDS, rows.table[_MEANS].to(accum).unbind(0), strict=True))
         per_row = PerRowStats(
             entropy=means["entropy"],
             normalized_entropy=means["normalized_entropy"],
