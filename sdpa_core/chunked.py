@@ -457,17 +457,17 @@ def _additive_tile(
     return add.view(-1, k1 - k0)
 
 
-def _causal_limit(plan: MaskPlan, tile: tuple[int, int, int, int], *, lead: int) -> torch.Tensor:
+def _causal_limit(
+    plan: MaskPlan, tile: tuple[int, int, int, int], *, lead: int
+) -> torch.Tensor | None:
     """The last key of block [k0, k1) each row of [q0, q1) may see under the causal mask, as
-    the kernel takes it: float32 [lead * tq] (rows repeated for the lead B*H dims); k1 - k0 - 1
-    for every row when the mask leaves the block whole."""
+    the kernel takes it: float32 [lead * tq] (rows repeated for the lead B*H dims), or None
+    when the causal mask leaves the block whole."""
     q0, q1, k0, k1 = tile
     if plan.causal_state(q0, q1, k0, k1) == "all":
-        last = torch.full((q1 - q0,), float(k1 - k0 - 1), device=plan.device)
-    else:  # query i sees keys j <= i + offset
-        rows = torch.arange(q0, q1, device=plan.device, dtype=torch.float32)
-        last = rows + float(plan.causal_offset - k0)
-    return last.repeat(lead)  # [lead * tq]
+        return None
+    rows = torch.arange(q0, q1, device=plan.device, dtype=torch.float32)
+    return (rows + float(plan.causal_offset - k0)).repeat(lead)  # query i sees j <= i + offset
 
 
 def kernel_tiles_steps(

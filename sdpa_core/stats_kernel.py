@@ -12,12 +12,13 @@ merges), so both give the float64 reference's numbers within the same tolerances
 loop stays the path wherever this one does not apply.
 
 Compiling costs seconds (tens on a cold cache), so it never happens on a request:
-compile_kernels() compiles the two variants (without and with an additive mask tile) once per
-process, at a service's warm-up, with dynamic shapes. Afterwards every call runs under
-torch.compiler.set_stance("fail_on_recompile"): a call whose guards fail (a shape that inductor
-specialized, a grad mode it did not see) raises instead of compiling, and falls back to the
-same function run eagerly (counted in kernel_stats()). Without compile_kernels(), or when it
-failed (no C++ compiler, an unsupported torch), the chunked path runs its eager loop.
+compile_kernels() compiles the three variants (every key visible; a causal edge; an edge and
+a mask tile) once per process, at a service's warm-up, with dynamic shapes. Afterwards
+every call runs under torch.compiler.set_stance("fail_on_recompile"): a call whose guards
+fail (a shape that inductor specialized, a grad mode it did not see) raises instead of
+compiling, and falls back to the same function run eagerly (counted in kernel_stats()).
+Without compile_kernels(), or when it failed (no C++ compiler, an unsupported torch), the
+chunked path runs its eager loop.
 
 Checked on torch 2.13 (CPU). On CUDA the eager loop's elementwise work is cheap beside the
 kernel launches it saves, and compiling would need Triton: the kernel is CPU-only.
@@ -73,30 +74,41 @@ def initial_state(rows: int, *, device: torch.device) -> BlockState:
 
 def block_update(
     s: torch.Tensor,
-    limit: torch.Tensor,
+    limit: torch.Tensor | None,
     add: torch.Tensor | None,
     state: BlockState,
 ) -> tuple[BlockState, torch.Tensor, torch.Tensor]:
     """One key block's update of the online state -> (new state, alpha [R], e [R, w]).
 
-    s: [R, w] float32 scores already multiplied by the scale. limit: [R] float32, the last key
-    of the block each row may see (a causal mask's edge, computed here from the index instead
-    of read from a mask tile; w - 1 or more: every key). add: None, or [R, w] float32, the
-    rest of the mask tile as an addend: 0 or a float mask's bias where visible, -inf where not.
-    e = exp(s - ref + add - m_new) (the un-normalized weights relative to the new max, for the
-    caller's e @ v) and alpha = e^(m - m_new), the factor on the caller's running e @ v. The
-    formulas are chunked.attend_tiles_steps' (see its module docstring); a first block meets
-    a neutral state and reduces to the eager loop's first-block branch.
+    s: [R, w] float32 scores already multiplied by the scale. limit: None (no causal edge in
+    this block), or [R] float32, the last key of the block each row may see (a causal mask's
+    edge, computed here from the index instead of read from a mask tile). add: None, or
+    [R, w] float32, the rest of the mask tile as an addend: 0 or a float mask's bias where
+    visible, -inf where not. e = exp(s - ref + add - m_new) (the un-normalized weights
+    relative to the new max, for the caller's e @ v) and alpha = e^(m - m_new), the factor on
+    the caller's running e @ v. The formulas are chunked.attend_tiles_steps' (see its module
+    docstring); a first block meets a neutral state and reduces to the eager loop's
+    first-block branch. Without limit and add every entry is visible, and the kernel skips
+    the masked selects (which double its cost in inductor's CPU code).
     """
     fmin = torch.finfo(torch.float32).min
-    cols = torch.arange(s.shape[-1], device=s.device, dtype=torch.float32)
-    keep = cols <= limit.unsqueeze(-1)  # [R, w]
+    keep: torch.Tensor | None = None
+    if limit is not None:
+        cols = torch.arange(s.shape[-1], device=s.device, dtype=torch.float32)
+        keep = cols <= limit.unsqueeze(-1)  # [R, w]
     if add is not None:
-        keep = keep & (add > -math.inf)
-    cnt = keep.to(torch.float32).sum(-1)
-    shift = torch.where(keep, s, 0.0).sum(-1) / cnt.clamp(min=1.0)  # [R]
-    dev = torch.where(keep, s - shift.unsqueeze(-1), 0.0)
-    bmax = torch.where(keep, s.abs(), 0.0).amax(-1)
+        visible = add > -math.inf
+        keep = visible if keep is None else keep & visible
+    if keep is None:
+        cnt = torch.full_like(state.m, float(s.shape[-1]))
+        shift = s.sum(-1) / cnt  # [R]
+        dev = s - shift.unsqueeze(-1)
+        bmax = s.abs().amax(-1)
+    else:
+        cnt = keep.to(torch.float32).sum(-1)
+        shift = torch.where(keep, s, 0.0).sum(-1) / cnt.clamp(min=1.0)
+        dev = torch.where(keep, s - shift.unsqueeze(-1), 0.0)
+        bmax = torch.where(keep, s.abs(), 0.0).amax(-1)
     cnt_safe = cnt.clamp(min=1.0)
     resid = dev.sum(-1)
     bm2 = ((dev * dev).sum(-1) - resid * resid / cnt_safe).clamp(min=0.0)
@@ -116,7 +128,8 @@ def block_update(
     st = s - ref.unsqueeze(-1)
     if add is not None:
         st = st + add
-    st = torch.where(keep, st, -math.inf)
+    if limit is not None:
+        st = torch.where(keep, st, -math.inf)  # type: ignore[arg-type]
     blk_max = st.amax(-1)  # [R]
     m_new = torch.maximum(state.m, blk_max)
     m_safe = torch.where(m_new == -math.inf, 0.0, m_new)
@@ -157,7 +170,7 @@ def block_update(
 
 
 UpdateFn = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor | None, BlockState],
+    [torch.Tensor, torch.Tensor | None, torch.Tensor | None, BlockState],
     tuple[BlockState, torch.Tensor, torch.Tensor],
 ]
 
@@ -193,7 +206,7 @@ _WARM_ROWS, _WARM_KEYS = 24, 40
 
 
 def compile_kernels() -> KernelStats:
-    """Compile both variants of block_update for the CPU (idempotent; thread-safe). Returns
+    """Compile the three variants of block_update for the CPU (idempotent; thread-safe). Returns
     kernel_stats(); on failure the chunked path keeps its eager loop and reason says why."""
     with _KERNELS.lock:
         if _KERNELS.kernel is not None:
@@ -207,10 +220,11 @@ def compile_kernels() -> KernelStats:
             add = torch.zeros_like(s)
             add[:, _WARM_KEYS // 2 :] = -math.inf
             with torch.no_grad():
-                for mask in (None, add):
+                # The three variants: every key visible, a causal edge, an edge and a mask.
+                for edge, mask in ((None, None), (limit, None), (limit, add)):
                     state = initial_state(_WARM_ROWS, device=s.device)
                     for _ in range(2):  # a first block and a merge: the same graph
-                        state, _, _ = compiled(s, limit, mask, state)
+                        state, _, _ = compiled(s, edge, mask, state)
         except Exception as exc:  # no C++ compiler, an inductor bug: keep the eager loop
             _KERNELS.reason = f"compiling failed: {type(exc).__name__}: {exc}"[:500]
             log.warning("diagnostics kernel: %s; the eager loop runs instead", _KERNELS.reason)
@@ -254,10 +268,12 @@ def kernel_ready(device: torch.device) -> bool:
 
 
 def run_update(
-    s: torch.Tensor, limit: torch.Tensor, add: torch.Tensor | None, state: BlockState
+    s: torch.Tensor, limit: torch.Tensor | None, add: torch.Tensor | None, state: BlockState
 ) -> tuple[BlockState, torch.Tensor, torch.Tensor]:
     """block_update, compiled when compile_kernels() succeeded and its guards hold, else
     eagerly (the same numbers up to the order of float reductions)."""
+    if add is not None and limit is None:  # one variant for masks with and without an edge
+        limit = torch.full_like(state.m, float(s.shape[-1]))
     kernel = _KERNELS.kernel
     # Sizes 0 and 1 are specialized by torch's dynamic shapes: such a tile would not match.
     if kernel is not None and min(s.shape) > 1:
