@@ -17,7 +17,8 @@ Cases per N (B=1, H=8, D=64, fp32, no mask):
 - dense+summary: attention(..., return_weights=True, diagnostics="summary"), and
 - bare: torch.softmax(q @ k^T * scale, -1) @ v, the two skipped where the B*H*N^2 fp32
   weights exceed --dense-limit bytes (default 1 GiB),
-- chunked+summary: attention(..., diagnostics="summary") (chunked path, no weights),
+- chunked+summary: attention(..., diagnostics="summary") (chunked path, no weights), with
+  the statistics kernel compiled first (sdpa_core.stats_kernel; --no-kernel: the eager loop),
 - gemm: torch.matmul of [H, 1024, D] x [H, D, N] into a preallocated output, the machine's
   plain GEMM rate on the same operand shapes (2*H*1024*N*D flops).
 Plus the one-head 16k targets (N_q = N_kv = 16384, D = 64): fused and chunked+summary.
@@ -120,6 +121,12 @@ def make_fn(kind: str, case: dict[str, Any], info: dict[str, Any]) -> Any:
             return res
 
     elif kind == "chunked+summary":
+        if case.get("kernel", True):
+            # The statistics kernel the service compiles at warm-up (stats_kernel.py), compiled
+            # before anything is measured; --no-kernel measures the eager loop.
+            from sdpa_core.stats_kernel import compile_kernels
+
+            info["kernel"] = compile_kernels().compiled
 
         def fn() -> Any:
             res = attention(q, k, v, diagnostics="summary", block_size=case.get("block_size"))
@@ -297,6 +304,11 @@ def main() -> int:
     )
     ap.add_argument("--timeout", type=float, default=600.0, help="per case, seconds")
     ap.add_argument("--no-16k-target", action="store_true")
+    ap.add_argument(
+        "--no-kernel",
+        action="store_true",
+        help="the chunked path's eager loop, without the compiled statistics kernel",
+    )
     args = ap.parse_args()
 
     if args.case:
@@ -306,7 +318,14 @@ def main() -> int:
     max_n = min(args.max_n, 2048) if args.quick else args.max_n
     ns = [n for n in (256, 512, 1024, 2048, 4096, 8192, 16384) if n <= max_n]
     h, d = args.heads, args.head_dim
-    base = {"b": 1, "d": d, "threads": args.threads, "reps": args.reps, "min_time": args.min_time}
+    base = {
+        "b": 1,
+        "d": d,
+        "threads": args.threads,
+        "reps": args.reps,
+        "min_time": args.min_time,
+        "kernel": not args.no_kernel,
+    }
     load_before = os.getloadavg()
     started = time.time()
     rows: list[dict[str, Any]] = []
