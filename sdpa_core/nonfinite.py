@@ -30,33 +30,42 @@ if TYPE_CHECKING:  # masks.py imports shapes.py, which imports this module
 _ROWS_PER_TILE = 1024
 
 
+_HALF_TYPES = (torch.float16, torch.bfloat16)
+
+
+def _sum(x: torch.Tensor) -> torch.Tensor:
+    """x's sum, a 0-d tensor; half types accumulate in float32, so that a large but finite
+    float16 tensor (whose float16 sum would overflow at 65504) passes the fast check."""
+    return x.sum(dtype=torch.float32) if x.dtype in _HALF_TYPES else x.sum()
+
+
 def all_finite(*xs: torch.Tensor) -> list[bool]:
     """For each (non-empty) tensor: True when it holds no NaN or Inf.
 
     Fast path: a finite sum proves every entry finite (a NaN or an Inf anywhere makes the sum
     NaN or Inf). It is one read pass with no temporaries, where torch.isfinite(x).all()
     allocates and runs several: it matters for the fused path's overhead budget. Only a
-    non-finite sum (a real NaN/Inf, or a sum that overflowed) takes the exact check. Half
-    types sum in float32 so that large but finite tensors rarely overflow.
+    non-finite sum (a real NaN/Inf, or a sum that overflowed) takes the exact check.
     """
-    sums = [
-        x.sum(dtype=torch.float32) if x.dtype in (torch.float16, torch.bfloat16) else x.sum()
-        for x in xs
-    ]
-    if all(s.device.type == "cpu" for s in sums):
+    if all(x.is_cpu for x in xs):
         # No host sync to save on the CPU: reading each sum is cheaper than stacking them
-        # (measured: 8 us instead of 19 us for three [1, 4, 64, 64] tensors).
-        fast = [s.item() for s in sums]
-    else:
-        fast = torch.stack([s.to(torch.float64) for s in sums]).tolist()  # one host sync
-    return [
-        math.isfinite(val) or bool(torch.isfinite(x).all()) for val, x in zip(fast, xs, strict=True)
-    ]
+        # (measured: 11 us instead of 14 us for three [1, 4, 64, 64] tensors).
+        return [math.isfinite(_sum(x).item()) or _exactly_finite(x) for x in xs]
+    sums = torch.stack([_sum(x) for x in xs]).tolist()  # one host sync for them all
+    return [math.isfinite(s) or _exactly_finite(x) for s, x in zip(sums, xs, strict=True)]
+
+
+def _exactly_finite(x: torch.Tensor) -> bool:
+    """The element scan all_finite falls back to when a sum is not finite."""
+    return bool(torch.isfinite(x).all())
 
 
 def check_finite_inputs(**tensors: torch.Tensor) -> None:
     """Raise NonFiniteError naming the first input (by keyword) that holds NaN or Inf."""
-    for (name, x), ok in zip(tensors.items(), all_finite(*tensors.values()), strict=True):
+    oks = all_finite(*tensors.values())
+    if all(oks):
+        return
+    for (name, x), ok in zip(tensors.items(), oks, strict=True):
         if ok:
             continue
         bad = int((~torch.isfinite(x)).sum())
@@ -69,7 +78,15 @@ def check_finite_inputs(**tensors: torch.Tensor) -> None:
 
 
 def check_finite_bias(mask: torch.Tensor) -> None:
-    """A float attn_mask may hold -inf (not visible) but not NaN or +inf, which mean nothing."""
+    """A float attn_mask may hold -inf (not visible) but not NaN or +inf, which mean nothing.
+
+    Fast path, as all_finite's: a sum that is finite or -inf proves that there is neither NaN
+    (which would make it NaN) nor +inf (+inf, or NaN beside a -inf). Only another sum (a real
+    NaN/+inf, or finite entries that overflowed) takes the exact check.
+    """
+    total = _sum(mask).item()
+    if math.isfinite(total) or total == -math.inf:
+        return
     bad = torch.isnan(mask) | (mask == math.inf)
     if bool(bad.any()):
         raise NonFiniteError(

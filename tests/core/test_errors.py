@@ -219,3 +219,96 @@ def test_key_lengths_accepts_lists_ints_and_per_head() -> None:
     torch.testing.assert_close(a, c)
     d = attention(q, q, q, key_lengths=3).output  # one length for every sequence
     torch.testing.assert_close(d, attention(q, q, q, key_lengths=[3, 3]).output)
+
+
+# ---- the NaN/Inf scan: a sum per tensor first, the element scan only when it is not finite ----
+
+NONFINITE_MESSAGE = "contains NaN or Inf (pass allow_nonfinite=True to accept them)"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("name", ["q", "k", "v"])
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_a_nonfinite_entry_in_each_input_is_named(
+    name: str, dtype: torch.dtype, bad: float
+) -> None:
+    gen = torch.Generator().manual_seed(3)
+    t = {n: torch.randn(2, 2, 3, 4, generator=gen).to(dtype) for n in ("q", "k", "v")}
+    t[name][1, 0, 2, 3] = bad
+    with pytest.raises(NonFiniteError) as info:
+        attention(t["q"], t["k"], t["v"])
+    exc = info.value
+    assert (exc.param, exc.message) == (name, NONFINITE_MESSAGE)
+    assert (exc.expected, exc.got) == ("finite values", "1 non-finite of 48")
+
+
+def test_the_first_nonfinite_input_is_named() -> None:
+    q, k, v = (torch.randn(1, 2, 3, 4) for _ in range(3))
+    k[0, 0, 0, 0] = math.nan
+    v[..., 1] = math.inf
+    with pytest.raises(NonFiniteError) as info:
+        attention(q, k, v)
+    assert (info.value.param, info.value.got) == ("k", "1 non-finite of 24")
+    k[0, 0, 0, 0] = 0.0
+    with pytest.raises(NonFiniteError) as info:
+        attention(q, k, v)
+    assert (info.value.param, info.value.got) == ("v", "6 non-finite of 24")
+
+
+@pytest.mark.parametrize("path", ["fused", "dense", "chunked"])
+def test_large_finite_float16_whose_float16_sum_overflows_is_accepted(path: str) -> None:
+    """float16 sums accumulate in float32: 64 x 60000 is no false alarm."""
+    gen = torch.Generator().manual_seed(4)
+    q, k = (torch.randn(1, 2, 4, 8, generator=gen).half() for _ in range(2))
+    v = torch.full((1, 2, 4, 8), 60000.0, dtype=torch.float16)  # the float16 max is 65504
+    assert torch.isinf(v.sum())
+    res = attention(q, k, v, path=path, diagnostics="none" if path == "fused" else "summary")
+    assert torch.isfinite(res.output).all()
+    torch.testing.assert_close(res.output, v)  # every row averages copies of 60000
+
+
+@pytest.mark.parametrize("path", ["fused", "dense", "chunked"])
+def test_finite_input_whose_float32_sum_overflows_falls_back_to_the_scan(path: str) -> None:
+    q = k = torch.zeros(1, 1, 4, 2)  # uniform weights: every output row is v's mean
+    v = torch.ones(1, 1, 4, 2)
+    v[0, 0, 0, 0] = v[0, 0, 1, 1] = 3e38  # finite, but their sum is not
+    assert torch.isinf(v.sum())
+    res = attention(q, k, v, path=path, diagnostics="none" if path == "fused" else "summary")
+    assert torch.isfinite(res.output).all()  # the output's own sum overflows too: accepted
+    want = v.double().mean(-2, keepdim=True).expand(1, 1, 4, 2)
+    torch.testing.assert_close(res.output.double(), want, rtol=1e-6, atol=0.0)
+
+
+def test_float_mask_may_hold_minus_inf_and_large_finite_values() -> None:
+    q = t(1, 2, 3, 4)
+    bias = torch.zeros(3, 5)
+    bias[0, 1] = -math.inf  # the sum is -inf: no NaN and no +inf
+    validate_inputs(q, t(1, 2, 5, 4), t(1, 2, 5, 4), Masks(attn_mask=bias))
+    bias[1] = 3e38  # the sum is now NaN (+inf overflow beside -inf): the scan accepts it
+    assert torch.isnan(bias.sum())
+    validate_inputs(q, t(1, 2, 5, 4), t(1, 2, 5, 4), Masks(attn_mask=bias))
+    half = torch.full((3, 5), 60000.0, dtype=torch.float16)  # sums in float32: no overflow
+    validate_inputs(q.half(), t(1, 2, 5, 4).half(), t(1, 2, 5, 4).half(), Masks(attn_mask=half))
+
+
+@pytest.mark.parametrize(
+    ("entries", "got"),
+    [
+        ({(0, 0): math.nan}, "1 NaN/+inf entries"),
+        ({(0, 0): math.inf}, "1 NaN/+inf entries"),
+        ({(0, 0): math.inf, (1, 1): -math.inf}, "1 NaN/+inf entries"),  # the sum is NaN
+        ({(0, 0): math.nan, (1, 1): math.inf, (2, 2): -math.inf}, "2 NaN/+inf entries"),
+    ],
+)
+def test_float_mask_with_nan_or_plus_inf_is_refused(
+    entries: dict[tuple[int, int], float], got: str
+) -> None:
+    q = t(1, 2, 3, 4)
+    bias = torch.zeros(3, 5)
+    for at, value in entries.items():
+        bias[at] = value
+    with pytest.raises(NonFiniteError) as info:
+        attention(q, t(1, 2, 5, 4), t(1, 2, 5, 4), attn_mask=bias)
+    exc = info.value
+    assert exc.message == "float attn_mask may hold -inf (not visible) but not NaN or +inf"
+    assert (exc.param, exc.expected, exc.got) == ("attn_mask", "finite values or -inf", got)
