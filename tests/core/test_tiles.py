@@ -1,5 +1,6 @@
 """AttentionRun: attention computed tile by tile (what the service's runtime schedules in
-slices) against the float64 reference, for every path and mask option."""
+slices) against the float64 reference, for every path and mask option; and the one protocol
+of tiles.py (TiledRun) that AttentionRun and AnalysisRun share, and the Masks value they take."""
 
 from __future__ import annotations
 
@@ -20,8 +21,8 @@ from sdpa_core import (
     attention,
 )
 from sdpa_core.analysis import AnalysisRun
-from sdpa_core.attention import AttentionRun
-from sdpa_core.tiles import tile_bounds
+from sdpa_core.attention import AttentionRun, prepare_inputs
+from sdpa_core.tiles import TiledRun, TileInputs, TileOutput, TileResults, tile_bounds
 from tests.core.reference import reference_attention, reference_rows, visibility
 from tests.core.test_paths import (
     AXES,
@@ -325,3 +326,218 @@ def test_a_run_whose_step_failed_refuses_to_go_on() -> None:
     assert not run.done
     with pytest.raises(RuntimeError, match="tiles done"):
         run.result()
+
+
+# -- the one protocol: TiledRun (tiles.py) --------------------------------------------------
+
+# One request for every run kind: GQA, bottom-right causal with N_q < N_kv, key lengths per
+# sequence and a float mask with -inf entries; 40 keys in blocks of 8.
+PROTOCOL_INPUTS = make_inputs(
+    causal="bottom_right",
+    n_q=9,
+    n_kv=40,
+    key_lengths="per_sequence",
+    mask="float",
+    heads=(4, 2),
+    dtype=torch.float32,
+    seed=31,
+)
+STRATEGIES: list[Any] = ["sqrt_dk", ("tiny", 1e-40)]
+RUN_KINDS = ["fused", "dense", "chunked", "chunked_key_splits", "analysis"]
+
+
+def make_run(kind: str) -> TiledRun[Any]:
+    """A run of each kind over PROTOCOL_INPUTS, in tiles (rows cut anywhere)."""
+    inp = PROTOCOL_INPUTS
+    masks = Masks(**inp.kwargs)
+    if kind == "analysis":  # 3 passes (the raw one too) x 2 sequences x 2 row tiles
+        return AnalysisRun(
+            inp.q, inp.k, masks, strategies=STRATEGIES, block_size=8, tiles=12, row_quantum=1
+        )
+    options = {
+        "fused": AttentionOptions(path="fused"),
+        "dense": AttentionOptions(path="dense", return_weights=True, diagnostics="full"),
+        "chunked": AttentionOptions(diagnostics="full", block_size=8),
+        "chunked_key_splits": AttentionOptions(diagnostics="full", block_size=8),
+    }[kind]
+    # 40 tiles asked of 2 sequences x 9 rows: 18 tiles, each in about 3 parts of key blocks.
+    tiles = 40 if kind == "chunked_key_splits" else 5
+    return AttentionRun(inp.q, inp.k, inp.v, masks, options, tiles=tiles, row_quantum=1)
+
+
+def check_run_result(kind: str, result: Any) -> None:
+    """The result against independent truths: the float64 reference (attention's output,
+    weights, per-row entropy; the analysis' raw score variance) and the untiled call."""
+    inp = PROTOCOL_INPUTS
+    if kind == "analysis":
+        whole = analyze_scaling(inp.q, inp.k, strategies=STRATEGIES, block_size=8, **inp.kwargs)
+        raw = reference_attention(inp.q, inp.k, inp.v, inp.visible).raw[inp.visible]  # q.k
+        assert result.raw_score_variance == pytest.approx(float(raw.var(unbiased=False)), rel=1e-5)
+        assert [s.name for s in result.strategies] == [s.name for s in whole.strategies]
+        for got, want in zip(result.strategies, whole.strategies, strict=True):
+            for field in ("score_variance", "entropy", "max_weight", "grad_health"):
+                assert getattr(got, field) == pytest.approx(
+                    getattr(want, field), rel=1e-5, abs=1e-7
+                )
+        return
+    ref = check_output(inp, result.output)
+    if kind == "dense":
+        assert result.weights is not None
+        torch.testing.assert_close(result.weights.double(), ref.weights, atol=1e-5, rtol=1e-5)
+    if kind != "fused":
+        assert result.diagnostics is not None
+        per_row = result.diagnostics.per_row
+        assert per_row is not None
+        rows = reference_rows(ref, scale=1 / math.sqrt(inp.q.shape[-1]), bias=inp.bias)
+        got = per_row.entropy.double().reshape(rows.visible_keys.shape).numpy()
+        np.testing.assert_allclose(got, rows.entropy, rtol=2e-5, atol=2e-5)
+        assert result.diagnostics.summary.masked_rows == rows.masked_rows
+
+
+@pytest.mark.parametrize("budget", [None, 1e-9])
+@pytest.mark.parametrize("kind", RUN_KINDS)
+def test_every_run_kind_keeps_the_protocol(kind: str, budget: float | None) -> None:
+    """AttentionRun on each path and AnalysisRun are one kind of thing to a scheduler: no step
+    before the first, one more per step(), share_done climbing from 0 to exactly 1, at least
+    one step left while not done, tiles_total the steps once done, result() only then (and
+    the untiled result). A budget of 1e-9 s makes a run of key blocks take one block a step;
+    it does not touch the others."""
+    run = make_run(kind)
+    assert isinstance(run, TiledRun)
+    planned = run.tiles_total
+    assert (run.tiles_done, run.share_done, run.done) == (0, 0.0, False)
+    with pytest.raises(RuntimeError, match=f"0 of {planned} tiles done"):
+        run.result()
+    share = 0.0
+    while True:
+        before = run.tiles_done
+        finished = run.step(budget)
+        assert run.tiles_done == before + 1
+        assert finished is run.done
+        assert share <= run.share_done <= 1.0
+        share = run.share_done
+        if finished:
+            break
+        assert run.tiles_total >= run.tiles_done + 1
+    assert run.share_done == 1.0
+    assert run.tiles_total == run.tiles_done
+    if budget is None or kind in ("fused", "dense"):
+        assert run.tiles_done <= planned  # blocks a mask hides take no step
+    if kind in ("fused", "dense", "analysis") and budget is None:
+        assert run.tiles_done == planned  # no key splits: one step a tile
+    assert run.step(budget) is True  # a done run stays done
+    assert run.tiles_done == run.tiles_total
+    check_run_result(kind, run.result())
+
+
+@pytest.mark.parametrize("kind", RUN_KINDS)
+def test_path_and_backend_say_what_ran(kind: str) -> None:
+    """The compute metric's labels come from the run itself, whatever its kind: an attention
+    run's path and backend are its result's; an analysis is "analyze", with no backend."""
+    run = make_run(kind)
+    result = run.run()
+    if kind == "analysis":
+        assert (run.path, run.backend) == ("analyze", None)
+        return
+    assert run.path == result.path == kind.removesuffix("_key_splits")
+    assert run.backend == result.backend
+    if kind != "fused":
+        assert run.backend is None
+
+
+class RowSums(TiledRun[torch.Tensor]):
+    """A third kind of run, on TiledRun alone: pass p gives (p + 1) * q.sum(-1) per row."""
+
+    def __init__(self, q: torch.Tensor, *, tiles: int, passes: int) -> None:
+        inputs = prepare_inputs(q, q, q)
+        tile_inputs = TileInputs(q4=inputs.q4, k4=inputs.k4, v4=inputs.v4, plan=inputs.plan)
+        self.sums: list[torch.Tensor] = []
+        super().__init__(
+            inputs.spec, tile_inputs, tiles=tiles, row_quantum=None, path_rows=1, passes=passes
+        )
+
+    @property
+    def path(self) -> str:
+        return "row_sums"
+
+    def _compute(self, part: TileInputs, pass_index: int) -> TileOutput:
+        return TileOutput((pass_index + 1) * part.q4.sum(-1, keepdim=True))  # [b, H, q, 1]
+
+    def _pass_done(self, pass_index: int, results: TileResults) -> None:
+        assert results.output is not None
+        self.sums.append(results.output)
+
+    def result(self) -> torch.Tensor:
+        self._check_done()
+        return torch.stack(self.sums)  # [passes, B, H, N_q, 1]
+
+
+def test_the_base_class_runs_any_kind_of_tiles() -> None:
+    """The grid, the passes, the placing of each tile's rows and the scheduler's numbers live
+    in TiledRun, not in attention's or analysis' runs: a run of another kind gets them too,
+    and every row of every pass lands where it belongs."""
+    q = torch.randn(3, 2, 7, 4, generator=torch.Generator().manual_seed(8), dtype=torch.float64)
+    run = RowSums(q, tiles=18, passes=2)
+    assert run.tiles_total == 2 * 9  # 2 passes x (3 sequences x 3 row tiles)
+    assert run.run().equal(torch.stack([p * q.sum(-1, keepdim=True) for p in (1, 2)]))
+    assert (run.tiles_done, run.share_done, run.path, run.backend) == (18, 1.0, "row_sums", None)
+
+
+def test_masks_move_every_tensor_and_keep_the_rest() -> None:
+    """Masks.to moves each tensor option once, with the mover given (the service's pinned
+    copies), and keeps the causal option and key lengths given as ints; the moved masks mean
+    what they meant (attention against the float64 reference)."""
+    inp = make_inputs(
+        causal="bottom_right", n_q=6, n_kv=9, key_lengths="per_head", mask="bool",
+        heads=(2, 2), dtype=torch.float32, seed=40,
+    )  # fmt: skip
+    kpm = torch.zeros(2, 9, dtype=torch.bool)
+    kpm[1, 0] = True  # a left-padded second sequence
+    masks = Masks(**inp.kwargs, key_padding_mask=kpm)
+    assert [id(t) for t in masks.tensors()] == [
+        id(inp.kwargs["key_lengths"]),
+        id(kpm),
+        id(inp.kwargs["attn_mask"]),
+    ]
+    moved: list[torch.Tensor] = []
+
+    def copy_to(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+        moved.append(x)
+        return x.clone().to(device)
+
+    copied = masks.to(torch.device("cpu"), move=copy_to)
+    assert [id(t) for t in moved] == [id(t) for t in masks.tensors()]
+    assert copied.causal == "bottom_right"
+    for got, want in zip(copied.tensors(), masks.tensors(), strict=True):
+        assert got is not want
+        assert torch.equal(got, want)
+    vis = inp.visible & ~kpm[:, None, None, :]
+    ref = reference_attention(inp.q, inp.k, inp.v, vis)
+    result = AttentionRun(inp.q, inp.k, inp.v, copied).run()
+    torch.testing.assert_close(result.output.double(), ref.out, atol=1e-5, rtol=1e-5)
+
+    on_meta = masks.to(torch.device("meta"))
+    for got, want in zip(on_meta.tensors(), masks.tensors(), strict=True):
+        assert (got.device.type, got.shape, got.dtype) == ("meta", want.shape, want.dtype)
+    as_ints = Masks(causal=True, key_lengths=[3, 5])
+    assert as_ints.to(torch.device("meta"), move=copy_to) == as_ints  # nothing to move
+    assert len(moved) == 3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_masks_round_trip_to_cuda() -> None:
+    """Masks moved to the GPU give the CPU run's result there, and come back unchanged."""
+    inp = PROTOCOL_INPUTS
+    masks = Masks(**inp.kwargs)
+    cuda = torch.device("cuda")
+    on_gpu = masks.to(cuda)
+    assert all(t.device.type == "cuda" for t in on_gpu.tensors())
+    back = on_gpu.to(torch.device("cpu"))
+    for got, want in zip(back.tensors(), masks.tensors(), strict=True):
+        assert got.device.type == "cpu"
+        assert torch.equal(got, want)
+    options = AttentionOptions(diagnostics="summary")
+    gpu = AttentionRun(inp.q.cuda(), inp.k.cuda(), inp.v.cuda(), on_gpu, options).run()
+    cpu = AttentionRun(inp.q, inp.k, inp.v, masks, options).run()
+    torch.testing.assert_close(gpu.output.cpu(), cpu.output, atol=1e-4, rtol=1e-4)
