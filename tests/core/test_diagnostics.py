@@ -500,3 +500,75 @@ def test_sink_share_skips_key_padding(path: str) -> None:
         res.diagnostics.per_row.sink_share.double(), want, rtol=1e-5, atol=1e-6
     )
     assert res.diagnostics.summary.sink_share == pytest.approx(float(want[:2].mean()), rel=1e-5)
+
+
+def _summary_by_hand(rows: list[dict[str, float]], scale: float) -> dict[str, float]:
+    """The summary's definitions, row by row in Python floats (float64)."""
+    act = [r for r in rows if r["visible_keys"] > 0]
+    out: dict[str, float] = {"masked_rows": len(rows) - len(act)}
+    per_row = {
+        "entropy": lambda r: r["entropy"],
+        "normalized_entropy": lambda r: (
+            min(1.0, r["entropy"] / math.log(r["visible_keys"])) if r["visible_keys"] > 1 else 0.0
+        ),
+        "effective_keys": lambda r: math.exp(r["entropy"]),
+        "max_weight": lambda r: r["max_weight"],
+        "saturated_fraction": lambda r: float(r["max_weight"] >= 0.99),
+        "sink_share": lambda r: r["sink_share"],
+        "grad_health": lambda r: r["grad_health"],
+        "jacobian_fro": lambda r: r["jacobian_fro"],
+    }
+    for name, of in per_row.items():
+        out[name] = sum(of(r) for r in act) / max(len(act), 1)
+    n = sum(r["visible_keys"] for r in act)
+    mean = sum(r["visible_keys"] * r["score_mean_raw"] for r in act) / max(n, 1)
+    m2 = sum(r["score_m2_raw"] + r["visible_keys"] * (r["score_mean_raw"] - mean) ** 2 for r in act)
+    out["score_mean_raw"] = mean
+    out["score_variance_raw"] = m2 / max(n, 1)
+    out["score_variance_scaled"] = scale**2 * m2 / max(n, 1)
+    out["score_abs_max_scaled"] = abs(scale) * max((r["score_abs_max_raw"] for r in act), default=0)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_summarize_matches_its_definitions_row_by_row(dtype: torch.dtype) -> None:
+    """Hand-made RowStats: fully masked rows holding garbage (NaN) count only in masked_rows,
+    one visible key has normalized entropy 0, a head whose every row is masked gives 0s;
+    the summary and every head against a plain Python loop."""
+    gen = torch.Generator().manual_seed(8)
+    vis = torch.tensor([[[0, 1, 5, 9], [3, 0, 2, 1]], [[0, 0, 0, 0], [7, 7, 2, 4]]])
+    shape = tuple(vis.shape)  # [B, H, N_q]
+    fields_ = {
+        name: torch.rand(shape, generator=gen, dtype=torch.float64).to(dtype)
+        for name in ROW_STATS_FIELDS
+        if name != "visible_keys"
+    }
+    fields_["max_weight"][0, 0, 2] = 0.995  # saturated
+    fields_["score_mean_raw"] = fields_["score_mean_raw"] * 40 - 10
+    for t in fields_.values():
+        t[vis == 0] = math.nan  # must not leak into anything
+    rs = RowStats(visible_keys=vis, **fields_)
+    scale = -0.7
+    diag = summarize(rs, scale=scale, level="full")
+
+    def rows_of(index: tuple[int, ...]) -> list[dict[str, float]]:
+        flat = {n: t[index].reshape(-1).tolist() for n, t in rs.as_dict().items()}
+        return [{n: v[i] for n, v in flat.items()} for i in range(len(flat["visible_keys"]))]
+
+    want = _summary_by_hand(rows_of(()), scale)
+    got = diag.summary.as_dict()
+    assert got["masked_rows"] == want["masked_rows"] == 6
+    for name in SUMMARY_FIELDS:
+        assert got[name] == pytest.approx(want[name], rel=1e-12, abs=1e-15), name
+    for b in range(2):
+        for h in range(2):
+            want_h = _summary_by_hand(rows_of((b, h)), scale)
+            for name, tensor in diag.per_head.as_dict().items():
+                assert float(tensor[b, h]) == pytest.approx(want_h[name], rel=1e-12, abs=1e-15)
+    assert diag.per_row is not None
+    assert float(diag.per_row.normalized_entropy[0, 0, 1]) == 0.0  # one visible key
+    for name in ("entropy", "max_weight", "effective_keys", "sink_share"):
+        per_row = getattr(diag.per_row, name)
+        assert per_row.dtype == dtype
+        assert bool((per_row[vis == 0] == 0).all()), name
+    assert bool(torch.isinf(diag.per_row.lse[vis == 0]).all())
