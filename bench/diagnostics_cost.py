@@ -45,14 +45,14 @@ b, h, n, d = (int(x) for x in parts[:4])
 causal = parts[4:] == ["causal"]
 reps = int(sys.argv[2])
 try:  # a tree with the compiled statistics kernel: compile it, as the service's warm-up does
-    from sdpa_core.stats_kernel import compile_kernels, kernel_disabled
+    from sdpa_core.stats_kernel import compile_kernels, kernel_mode
     kernel = compile_kernels().compiled
 except ImportError:
-    kernel, kernel_disabled = False, None
+    kernel, kernel_mode = False, None
 gen = torch.Generator().manual_seed(0)
 q, k, v = (torch.randn(b, h, n, d, generator=gen) for _ in range(3))
 def eager_summary():
-    with kernel_disabled():
+    with kernel_mode("off"):
         return attention(q, k, v, causal=causal, diagnostics="summary")
 cases = {
     "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal),

@@ -615,12 +615,13 @@ def chunked_attention_steps(
     bk = min(block_size, k4.shape[2])
     tq = chunked_tile_rows(h, n_q, k4.shape[2], block_size)
     b_chunk = max(1, TILE_ELEMENTS // (h * tq * bk))
-    # The compiled kernel where it applies (stats_kernel.py); the eager loop elsewhere.
+    # The compiled kernel where it applies (stats_kernel.py); the eager loop elsewhere. Sized
+    # per sequence, so that a row takes the same route in a batch as alone (as the tiles do).
     by_kernel = (
         need_stats
         and accum_dtype == torch.float32
         and 1e-6 <= abs(scale) <= 1e6  # folded into q, as the eager loop folds it
-        and kernel_ready(q4.device)
+        and kernel_ready(q4.device, scores=h * tq * bk)
     )
     outs: list[torch.Tensor] = []
     rows: list[RowStats] = []

@@ -34,7 +34,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Literal, NamedTuple, TypeAlias
 
 import torch
 
@@ -248,23 +248,35 @@ def kernel_stats() -> KernelStats:
     )
 
 
-_USE_KERNEL: ContextVar[bool] = ContextVar("sdpa_core_use_kernel", default=True)
+KernelMode: TypeAlias = Literal["auto", "always", "off"]
+_MODE: ContextVar[KernelMode] = ContextVar("sdpa_core_kernel_mode", default="auto")
+# Scores of one sequence's (query tile x key block) below which "auto" runs the eager loop even
+# where the kernel is compiled: a compiled call costs about 0.1 ms before any work (its guards;
+# torch 2.13, one thread of a 2-core machine), which the eager loop's few small torch calls
+# undercut on small tiles ([1, 4, 64, 64], 2^14 scores: eager 1.68 ms, kernel 1.90 ms,
+# bench/diagnostics_cost.py).
+KERNEL_MIN_SCORES = 1 << 15
 
 
 @contextlib.contextmanager
-def kernel_disabled() -> Iterator[None]:
-    """The eager loop inside this context even where the kernel is compiled (tests and
-    benchmarks compare the two in one process)."""
-    token = _USE_KERNEL.set(False)
+def kernel_mode(mode: KernelMode) -> Iterator[None]:
+    """Where the compiled kernel runs inside this context: "auto" (tiles of at least
+    KERNEL_MIN_SCORES scores per sequence), "always" (any tile it can take) or "off" (the eager
+    loop). Tests and benchmarks compare the two routes in one process."""
+    token = _MODE.set(mode)
     try:
         yield
     finally:
-        _USE_KERNEL.reset(token)
+        _MODE.reset(token)
 
 
-def kernel_ready(device: torch.device) -> bool:
-    """Whether the compiled kernel runs on `device`: compiled, a CPU, not disabled here."""
-    return device.type == "cpu" and _KERNELS.kernel is not None and _USE_KERNEL.get()
+def kernel_ready(device: torch.device, *, scores: int) -> bool:
+    """Whether the compiled kernel runs on `device` for tiles of `scores` scores per sequence:
+    compiled, a CPU, and the mode (kernel_mode) lets it."""
+    mode = _MODE.get()
+    if mode == "off" or device.type != "cpu" or _KERNELS.kernel is None:
+        return False
+    return mode == "always" or scores >= KERNEL_MIN_SCORES
 
 
 def run_update(

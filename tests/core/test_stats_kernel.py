@@ -20,7 +20,7 @@ from sdpa_core import AttentionResult, attention
 from sdpa_core.stats_kernel import (
     KernelStats,
     compile_kernels,
-    kernel_disabled,
+    kernel_mode,
     kernel_stats,
 )
 from tests.core.reference import ATOL, RTOL, reference_attention, reference_rows, visibility
@@ -44,11 +44,12 @@ def _kernel_and_eager(
     it ran compiled, unless must_run is False: a block of one key or one row runs eagerly, and
     so does every block of a scale too small to fold) and with the eager loop."""
     before = kernel_stats()
-    fast = attention(q, k, v, diagnostics="full", path="chunked", **kw)
+    with kernel_mode("always"):  # these tiles are small: "auto" would run the eager loop
+        fast = attention(q, k, v, diagnostics="full", path="chunked", **kw)
     after = kernel_stats()
     assert after.calls > before.calls or not must_run, "the compiled kernel did not run"
     assert after.fallbacks == before.fallbacks, "a call fell back to the eager function"
-    with kernel_disabled():
+    with kernel_mode("off"):
         calls = kernel_stats().calls
         eager = attention(q, k, v, diagnostics="full", path="chunked", **kw)
         assert kernel_stats().calls == calls  # the eager loop, really
