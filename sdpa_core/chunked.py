@@ -36,7 +36,6 @@ import torch
 from sdpa_core.diagnostics import DEFAULT_SINK_TOKENS, ROW_STATS_FIELDS, RowStats
 from sdpa_core.masks import MaskPlan
 from sdpa_core.stats_kernel import initial_state, kernel_ready, run_update
-from sdpa_core.tiles import finish as finish  # dense.py's (TileBlocks too live in tiles.py)
 
 DEFAULT_BLOCK_SIZE = 512
 # Elements of one [B, H, tile_q, block] scratch tile (three live at once): 2^20 fp32 = 4 MiB.

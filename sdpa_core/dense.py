@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import torch
 
-from sdpa_core.chunked import TILE_ELEMENTS, attend_tiles_steps, finish
+from sdpa_core.chunked import TILE_ELEMENTS, attend_tiles_steps
 from sdpa_core.diagnostics import DEFAULT_SINK_TOKENS, RowStats
 from sdpa_core.masks import MaskPlan
+from sdpa_core.tiles import finish
 
 
 def dense_tile_q(q4: torch.Tensor, k4: torch.Tensor) -> int:
