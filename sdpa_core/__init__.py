@@ -70,6 +70,7 @@ from sdpa_core.shapes import (
     score_matrix_nbytes,
     validate_inputs,
 )
+from sdpa_core.stats_kernel import KernelStats, compile_kernels, kernel_mode, kernel_stats
 
 __all__ = [
     "DEFAULT_BLOCK_SIZE",
@@ -91,6 +92,7 @@ __all__ = [
     "Diagnostics",
     "DiagnosticsSummary",
     "InputSpec",
+    "KernelStats",
     "LimitError",
     "MaskError",
     "Masks",
@@ -109,7 +111,10 @@ __all__ = [
     "attn_mask_4d",
     "check_diagnostics_level",
     "choose_path",
+    "compile_kernels",
     "default_scale",
+    "kernel_mode",
+    "kernel_stats",
     "key_lengths_by_head",
     "key_padding",
     "key_padding_from_lengths",

@@ -436,22 +436,22 @@ def _additive_tile(
     *,
     batch: int,
     heads: int,
+    all_visible: bool,
 ) -> torch.Tensor | None:
     """The non-causal part of one tile's mask as the kernel takes it (`parts`: a plan without
-    its causal mask): None when it hides nothing and adds no bias, else float32
-    [B*H*tq, w]: the bias (or 0) where visible, -inf where not (an exact -inf from a boolean,
-    never a large finite number)."""
+    its causal mask; all_visible: the whole plan's sparse_block found every pair visible):
+    None when it hides nothing and adds no bias, else float32 [B*H*tq, w]: the bias (or 0)
+    where visible, -inf where not (an exact -inf from a boolean, never a large finite
+    number)."""
     q0, q1, k0, k1 = tile
-    skip, vis = parts.sparse_block(q0, q1, k0, k1)
+    vis = None if all_visible else parts.block(q0, q1, k0, k1)  # the parts' AND, no host sync
     bias = parts.bias_block(q0, q1, k0, k1)
-    if not skip and vis is None and bias is None:
+    if vis is None and bias is None:
         return None
     add = torch.zeros((batch, heads, q1 - q0, k1 - k0), dtype=torch.float32, device=parts.device)
     if bias is not None:
         add += bias.to(torch.float32)
-    if skip:
-        add.fill_(-math.inf)
-    elif vis is not None:
+    if vis is not None:
         add.masked_fill_(~vis, -math.inf)
     return add.view(-1, k1 - k0)
 
@@ -485,8 +485,8 @@ def kernel_tiles_steps(
     no weights kept) on stats_kernel's compiled block update: the same tiles, the same steps,
     the same results up to the order of float reductions. Per block it runs the q k^T matmul,
     the kernel (every statistic, the softmax's exponentials, the merge into the row state) and
-    the e v matmul; the sink's share is taken at the end of each query tile from the final row
-    max, over the sink's few keys (a small matmul of its own)."""
+    the e v matmul; the sink's part of the exponentials is summed from the kernel's own e, as
+    the eager loop sums it (scores recomputed apart would round apart from them)."""
     b, h, n_q, _ = q4.shape
     h_kv, n_kv, d_v = k4.shape[1], k4.shape[2], v4.shape[-1]
     dev, f32 = q4.device, torch.float32
@@ -495,7 +495,9 @@ def kernel_tiles_steps(
     kT = k4.to(f32).transpose(-1, -2).contiguous()  # [B, H_kv, D, N_kv]
     vf = v4.to(f32)  # [B, H_kv, N_kv, D_v]
     sink_end = min(sink_tokens, n_kv)
+    sink_w: torch.Tensor | None = None
     if sink_cols is not None:
+        sink_w = sink_cols.to(f32).unsqueeze(-2)  # [B|1, H|1, 1, N_kv]
         hits = sink_cols.reshape(-1, n_kv).any(0).nonzero()
         sink_end = int(hits.max()) + 1 if hits.numel() else 0
     out = torch.empty(b, h, n_q, d_v, dtype=f32, device=dev)
@@ -511,10 +513,12 @@ def kernel_tiles_steps(
         qg = group_queries(q4[:, :, q0:q1].to(f32) * scale, h_kv)  # [B, H_kv, G*tq, D]
         state = initial_state(n_rows, device=dev)
         acc = torch.zeros(b, h, tq, d_v, dtype=f32, device=dev)
+        sink = torch.zeros(b, h, tq, dtype=f32, device=dev)
         for k0 in range(0, n_kv, bk):
             k1 = min(k0 + bk, n_kv)
             w = k1 - k0
-            if plan.sparse_block(q0, q1, k0, k1)[0]:
+            skip, vis = plan.sparse_block(q0, q1, k0, k1)
+            if skip:
                 continue  # nothing of this block is visible
             if stepped:  # a step ends before each block but the first
                 yield
@@ -522,32 +526,23 @@ def kernel_tiles_steps(
             s = s_buf[: n_rows * w].view(b, h_kv, -1, w)
             torch.matmul(qg, kT[..., k0:k1], out=s)  # scale * q.k, [B, H_kv, G*tq, w]
             tile = (q0, q1, k0, k1)
-            add = _additive_tile(parts, tile, batch=b, heads=h)
-            limit = _causal_limit(plan, tile, lead=b * h)
+            # vis None: every pair visible (no mask tile, no causal edge) but perhaps a bias
+            add = _additive_tile(parts, tile, batch=b, heads=h, all_visible=vis is None)
+            limit = None if vis is None else _causal_limit(plan, tile, lead=b * h)
             state, alpha, e = run_update(s.view(n_rows, w), limit, add, state)
-            pv = group_queries(e.view(b, h, tq, w), h_kv) @ vf[:, :, k0:k1]
-            acc.mul_(alpha.view(b, h, tq, 1)).add_(pv.view(b, h, tq, d_v))
+            e4 = e.view(b, h, tq, w)
+            pv = group_queries(e4, h_kv) @ vf[:, :, k0:k1]
+            alpha4 = alpha.view(b, h, tq)
+            acc.mul_(alpha4.unsqueeze(-1)).add_(pv.view(b, h, tq, d_v))
+            sink.mul_(alpha4)
+            if k0 < sink_end:  # the sink's part of this block's exponentials
+                part = e4 if sink_w is None else e4 * sink_w[..., k0:k1]
+                sink.add_(part[..., : sink_end - k0].sum(-1))
 
         shape = (b, h, tq)
         m, denom, ref = state.m.view(shape), state.denom.view(shape), state.ref.view(shape)
-        active = denom > 0
-        safe_l = torch.where(active, denom, 1.0)
+        safe_l = torch.where(denom > 0, denom, 1.0)
         out[:, :, q0:q1] = acc / safe_l.unsqueeze(-1)  # fully masked rows: 0 / 1 = 0
-        sink = torch.zeros(shape, dtype=f32, device=dev)
-        if sink_end > 0:
-            s_sink = (qg @ kT[..., :sink_end]).view(b, h, tq, sink_end)
-            s_sink = s_sink - (ref + torch.where(active, m, 0.0)).unsqueeze(-1)
-            if not plan.sparse_block(q0, q1, 0, sink_end)[0]:
-                vis = plan.block(q0, q1, 0, sink_end)
-                if vis is not None:
-                    s_sink = s_sink.masked_fill(~vis, -math.inf)
-                bias = plan.bias_block(q0, q1, 0, sink_end)
-                if bias is not None:
-                    s_sink = s_sink + bias.to(f32)
-                e_sink = torch.exp(s_sink)
-                if sink_cols is not None:
-                    e_sink = e_sink * sink_cols[..., :sink_end].to(f32).unsqueeze(-2)
-                sink = e_sink.sum(-1)
         finished = _finish_rows(
             m=m,
             denom=denom,
@@ -615,7 +610,8 @@ def chunked_attention_steps(
     tq = chunked_tile_rows(h, n_q, k4.shape[2], block_size)
     b_chunk = max(1, TILE_ELEMENTS // (h * tq * bk))
     # The compiled kernel where it applies (stats_kernel.py); the eager loop elsewhere. Sized
-    # per sequence, so that a row takes the same route in a batch as alone (as the tiles do).
+    # per sequence, so that the rows of a batched call take the route a solo call's take (as
+    # they take its tiles).
     by_kernel = (
         need_stats
         and accum_dtype == torch.float32

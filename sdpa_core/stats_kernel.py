@@ -13,12 +13,11 @@ loop stays the path wherever this one does not apply.
 
 Compiling costs seconds (tens on a cold cache), so it never happens on a request:
 compile_kernels() compiles the three variants (every key visible; a causal edge; an edge and
-a mask tile) once per process, at a service's warm-up, with dynamic shapes. Afterwards
-every call runs under torch.compiler.set_stance("fail_on_recompile"): a call whose guards
-fail (a shape that inductor specialized, a grad mode it did not see) raises instead of
-compiling, and falls back to the same function run eagerly (counted in kernel_stats()).
-Without compile_kernels(), or when it failed (no C++ compiler, an unsupported torch), the
-chunked path runs its eager loop.
+a mask tile) once per process, at a service's warm-up, with dynamic shapes. Afterwards every
+call goes through a run-only handle (torch._dynamo.run): a call whose guards would miss (a
+size that inductor specialized, a grad mode it did not see) runs the same function eagerly
+instead of compiling. Without compile_kernels(), or when it failed (no C++ compiler, an
+unsupported torch), the chunked path runs its eager loop.
 
 Checked on torch 2.13 (CPU). On CUDA the eager loop's elementwise work is cheap beside the
 kernel launches it saves, and compiling would need Triton: the kernel is CPU-only.
@@ -97,7 +96,8 @@ def block_update(
         cols = torch.arange(s.shape[-1], device=s.device, dtype=torch.float32)
         keep = cols <= limit.unsqueeze(-1)  # [R, w]
     if add is not None:
-        visible = add > -math.inf
+        # A NaN bias entry stays visible (as on the other paths), its NaN reaching the row.
+        visible = add != -math.inf
         keep = visible if keep is None else keep & visible
     if keep is None:
         cnt = torch.full_like(state.m, float(s.shape[-1]))
@@ -178,24 +178,22 @@ UpdateFn = Callable[
 @dataclass(frozen=True, slots=True)
 class KernelStats:
     """What the compiled kernel did in this process: compiled (ready), the seconds compiling
-    took, calls run compiled, calls that fell back to the eager function, and why not ready."""
+    took, the calls handed to it, and why it is not ready (None when it is)."""
 
     compiled: bool
     compile_s: float
     calls: int
-    fallbacks: int
     reason: str | None
 
 
 class _Kernels:
-    """The compiled variants, once per process (compiling is the expensive, one-time part)."""
+    """The compiled kernel, once per process (compiling is the expensive, one-time part)."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.kernel: UpdateFn | None = None
+        self.kernel: UpdateFn | None = None  # the run-only handle: it never compiles
         self.compile_s = 0.0
-        self.calls = 0
-        self.fallbacks = 0
+        self.calls = 0  # approximate under threads: a statistic, never a decision
         self.reason: str | None = "compile_kernels() was not called"
 
 
@@ -207,7 +205,12 @@ _WARM_ROWS, _WARM_KEYS = 24, 40
 
 def compile_kernels() -> KernelStats:
     """Compile the three variants of block_update for the CPU (idempotent; thread-safe). Returns
-    kernel_stats(); on failure the chunked path keeps its eager loop and reason says why."""
+    kernel_stats(); on failure the chunked path keeps its eager loop and reason says why.
+
+    Calls afterwards go through torch._dynamo.run's handle, which uses the graphs compiled here
+    and never compiles: a call whose guards would miss runs the same function eagerly, with no
+    process-wide setting changed (torch.compiler.set_stance is global, and threads calling
+    under it raced; checked on torch 2.13)."""
     with _KERNELS.lock:
         if _KERNELS.kernel is not None:
             return kernel_stats()
@@ -225,11 +228,12 @@ def compile_kernels() -> KernelStats:
                     state = initial_state(_WARM_ROWS, device=s.device)
                     for _ in range(2):  # a first block and a merge: the same graph
                         state, _, _ = compiled(s, edge, mask, state)
+            run_only: UpdateFn = torch._dynamo.run(compiled)
         except Exception as exc:  # no C++ compiler, an inductor bug: keep the eager loop
             _KERNELS.reason = f"compiling failed: {type(exc).__name__}: {exc}"[:500]
             log.warning("diagnostics kernel: %s; the eager loop runs instead", _KERNELS.reason)
             return kernel_stats()
-        _KERNELS.kernel = compiled
+        _KERNELS.kernel = run_only
         _KERNELS.compile_s = time.perf_counter() - started
         _KERNELS.reason = None
         log.info("diagnostics kernel compiled in %.1f s", _KERNELS.compile_s)
@@ -240,11 +244,7 @@ def kernel_stats() -> KernelStats:
     """The compiled kernel's state and counters in this process."""
     k = _KERNELS
     return KernelStats(
-        compiled=k.kernel is not None,
-        compile_s=k.compile_s,
-        calls=k.calls,
-        fallbacks=k.fallbacks,
-        reason=k.reason,
+        compiled=k.kernel is not None, compile_s=k.compile_s, calls=k.calls, reason=k.reason
     )
 
 
@@ -272,9 +272,14 @@ def kernel_mode(mode: KernelMode) -> Iterator[None]:
 
 def kernel_ready(device: torch.device, *, scores: int) -> bool:
     """Whether the compiled kernel runs on `device` for tiles of `scores` scores per sequence:
-    compiled, a CPU, and the mode (kernel_mode) lets it."""
+    compiled, a CPU, the mode (kernel_mode) lets it, and its guards would hold: not inside
+    inference_mode (the graphs were compiled outside it: every call would miss them and run
+    eagerly, slower than the eager loop) nor inside a caller's own torch.compile region
+    (tracing through a compiled handle is not allowed there; the eager loop traces)."""
     mode = _MODE.get()
     if mode == "off" or device.type != "cpu" or _KERNELS.kernel is None:
+        return False
+    if torch.is_inference_mode_enabled() or torch.compiler.is_compiling():
         return False
     return mode == "always" or scores >= KERNEL_MIN_SCORES
 
@@ -282,22 +287,14 @@ def kernel_ready(device: torch.device, *, scores: int) -> bool:
 def run_update(
     s: torch.Tensor, limit: torch.Tensor | None, add: torch.Tensor | None, state: BlockState
 ) -> tuple[BlockState, torch.Tensor, torch.Tensor]:
-    """block_update, compiled when compile_kernels() succeeded and its guards hold, else
-    eagerly (the same numbers up to the order of float reductions)."""
+    """block_update, compiled when compile_kernels() succeeded, else eagerly (the same numbers
+    up to the order of float reductions)."""
     if add is not None and limit is None:  # one variant for masks with and without an edge
         limit = torch.full_like(state.m, float(s.shape[-1]))
     kernel = _KERNELS.kernel
-    # Sizes 0 and 1 are specialized by torch's dynamic shapes: such a tile would not match.
-    if kernel is not None and min(s.shape) > 1:
-        try:
-            with torch.no_grad(), torch.compiler.set_stance("fail_on_recompile"):
-                result = kernel(s, limit, add, state)
-        except Exception as exc:  # a guard failed: never compile on a request
-            _KERNELS.fallbacks += 1
-            if _KERNELS.fallbacks == 1:
-                log.warning("diagnostics kernel fell back to eager: %s", str(exc)[:300])
-        else:
+    with torch.no_grad():  # the graphs' grad mode
+        # Sizes 0 and 1 are specialized by torch's dynamic shapes: such a tile would miss.
+        if kernel is not None and min(s.shape) > 1:
             _KERNELS.calls += 1
-            return result
-    with torch.no_grad():
+            return kernel(s, limit, add, state)
         return block_update(s, limit, add, state)

@@ -19,7 +19,7 @@ import torch
 from fastapi import FastAPI
 from fastapi_offline import FastAPIOffline
 
-from sdpa_core.stats_kernel import compile_kernels
+from sdpa_core import compile_kernels
 from service.api import analyze, attention, health, ui, v2
 from service.api.deps import AppState, Batcher, state_of
 from service.api.errors import install_error_handlers
