@@ -44,7 +44,12 @@ parts = sys.argv[1].split(",")
 b, h, n, d = (int(x) for x in parts[:4])
 causal = parts[4:] == ["causal"]
 reps = int(sys.argv[2])
+import os, sdpa_core
 try:  # a tree with the compiled statistics kernel: compile it, as the service's warm-up does
+    from sdpa_core import stats_kernel
+    # An editable install's finder serves the working tree's modules to a tree without them.
+    if os.path.dirname(stats_kernel.__file__) != os.path.dirname(sdpa_core.__file__):
+        raise ImportError("not this tree's")
     from sdpa_core.stats_kernel import compile_kernels, kernel_mode
     kernel = compile_kernels().compiled
 except ImportError:

@@ -90,9 +90,9 @@ class Settings(BaseSettings):
     min_body_rate: int = Field(default=32 * 1024, ge=0, le=1024 * 1024 * 1024)
 
     # Compile the chunked path's statistics kernel (sdpa_core.compile_kernels: inductor, which
-    # needs a C++ compiler) at warm-up on a CPU device: diagnostics then cost about half what
-    # the eager loop costs. It takes seconds at start (tens on a cold inductor cache); off, or
-    # when compiling fails, the eager loop computes the same numbers.
+    # needs a C++ compiler) at warm-up on a CPU device: diagnostics on large tiles then cost
+    # 8-17% less (BENCHMARKS.md, issue 26). It takes seconds at start (tens on a cold inductor
+    # cache); off, or when compiling fails, the eager loop computes the same numbers.
     compile_kernels: bool = True
 
     # Comma-separated keys, or a JSON list. Empty = authentication off.
