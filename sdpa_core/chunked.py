@@ -555,8 +555,11 @@ def kernel_tiles_steps(
             acc.mul_(alpha4.unsqueeze(-1)).add_(pv.view(b, h, tq, d_v))
             sink.mul_(alpha4)
             if k0 < sink_end:  # the sink's part of this block's exponentials
-                part = e4 if sink_w is None else e4 * sink_w[..., k0:k1]
-                sink.add_(part[..., : sink_end - k0].sum(-1))
+                cut = min(sink_end, k1) - k0
+                part = e4[..., :cut]
+                if sink_w is not None:
+                    part = part * sink_w[..., k0 : k0 + cut]
+                sink.add_(part.sum(-1))
 
         shape = (b, h, tq)
         m, denom, ref = state.m.view(shape), state.denom.view(shape), state.ref.view(shape)
