@@ -166,7 +166,10 @@ def test_pipelined_requests_never_read_stop_the_reading_not_the_server(
         with contextlib.suppress(TimeoutError):
             while len(answers) < MiB and (chunk := sock.recv(1 << 16)):
                 answers += chunk
-    statuses = [line for line in answers.split(b"\r\n") if b"HTTP/1.1 " in line]
+    # The read stops at a MiB, mid-answer: only complete lines count (a last line cut inside
+    # "HTTP/1.1 200 OK" failed this test about one run in five).
+    complete = answers[: answers.rfind(b"\r\n")]
+    statuses = [line for line in complete.split(b"\r\n") if b"HTTP/1.1 " in line]
     assert len(statuses) > 1000
     assert all(line.endswith(b"HTTP/1.1 200 OK") for line in statuses)
     assert metric(server, "sdpa_connection_reads_paused_total") > paused
