@@ -75,6 +75,38 @@ def optional_float(x: float | None) -> float | None:
     return None if x is None else float(x)
 
 
+def checked_priority(priority: object) -> int:
+    """A request's priority level as sent: Triton's convention, 1 the highest level, larger
+    numbers lower, 0 the server's default level. The server refuses a level above its
+    SDPA_PRIORITY_LEVELS (a 422 that names the field); only the type and sign are checked here.
+
+    Raises:
+        TypeError: not an integer (a bool is refused: True is not a level).
+        ValueError: a negative number.
+    """
+    if isinstance(priority, bool | np.bool_) or not isinstance(priority, int | np.integer):
+        raise TypeError(
+            f"priority: expected a non-negative int (1 = highest, 0 = the server's default), "
+            f"got {type(priority).__name__} {priority!r}"
+        )
+    if priority < 0:
+        raise ValueError(
+            f"priority: expected a non-negative int (1 = highest, 0 = the server's default), "
+            f"got {priority}"
+        )
+    return int(priority)
+
+
+def priority_field(priority: object | None) -> dict[str, int]:
+    """{"priority": level} for a v1 body, or nothing for None (the server's default level; a
+    server older than the field still takes the request).
+
+    Raises:
+        TypeError, ValueError: as `checked_priority`.
+    """
+    return {} if priority is None else {"priority": checked_priority(priority)}
+
+
 def analyze_inputs(
     q: object | None, k: object | None, synthetic: Mapping[str, Any] | None, encoding: Encoding
 ) -> dict[str, Any]:

@@ -24,6 +24,7 @@ from sdpa_client.bodies import (
     analyze_inputs,
     mask_fields,
     optional_float,
+    priority_field,
     strategy_list,
     tensors,
 )
@@ -155,6 +156,7 @@ class Endpoints(Generic[AttentionOut, AnalyzeOut, InfoOut, ProbeOut]):
         temperature: float | None = None,
         tag: str | None = None,
         return_output: bool = True,
+        priority: int | None = None,
     ) -> AttentionOut:
         """Compute softmax(q kᵀ · scale + masks) v on the server (POST /v1/attention).
 
@@ -190,6 +192,11 @@ class Endpoints(Generic[AttentionOut, AnalyzeOut, InfoOut, ProbeOut]):
                 alone; the result's `output` is then None. v1 sends `return_output: false`
                 (only then, so that a server older than the field still takes the request); v2
                 names the outputs it wants, without "output".
+            priority: the request's level among this tenant's own waiting requests (never
+                ahead of another tenant's): 1 the highest, larger numbers lower, 0 the server's
+                default; None sends none (the default). v1 sends the field "priority", v2 the
+                request parameter "priority" (as tritonclient does). A level above the
+                server's SDPA_PRIORITY_LEVELS is a 422 that names the field.
 
         Returns:
             An `AttentionResponse`: output [..., H, N_q, D_v] (None without return_output),
@@ -201,11 +208,15 @@ class Endpoints(Generic[AttentionOut, AnalyzeOut, InfoOut, ProbeOut]):
                 NaN/Inf, limits); `.errors` names the fields at fault.
             SDPAAuthError: 401/403, missing or wrong API key.
             SDPAPayloadTooLarge: 413, the body is over the server's limit.
+            SDPARateLimited: 429 (this tenant's share of the queue is full) once the retries
+                are spent.
             SDPAUnavailable: 503 (queue full, draining) once the retries are spent.
             SDPATimeout: 504, the deadline passed, once the retries are spent.
             SDPAConnectionError: no answer (SDPAReadTimeout: none within the read timeout).
             SDPAProtocolError: a 2xx answer that cannot be read.
-            TypeError: a tensor of a dtype the wire cannot carry, found before sending.
+            TypeError: a tensor of a dtype the wire cannot carry, or a priority that is not
+                an int, found before sending.
+            ValueError: a negative priority, found before sending.
         """
 
         def make() -> Call[AttentionResponse]:
@@ -216,7 +227,7 @@ class Endpoints(Generic[AttentionOut, AnalyzeOut, InfoOut, ProbeOut]):
                     key_padding_mask=key_padding_mask, attn_mask=attn_mask, scale=scale,
                     temperature=temperature, return_weights=return_weights,
                     diagnostics=diagnostics, timeout_ms=timeout_ms, binary=encoding == "base64",
-                    tag=tag, return_output=return_output,
+                    tag=tag, return_output=return_output, priority=priority,
                 )  # fmt: skip
                 return Call(
                     "POST", INFER_PATH, None, read, timeout_ms=timeout_ms,
@@ -233,6 +244,7 @@ class Endpoints(Generic[AttentionOut, AnalyzeOut, InfoOut, ProbeOut]):
                 "response_encoding": encoding,
                 "timeout_ms": optional_float(timeout_ms),
                 **({} if tag is None else {"tag": tag}),
+                **priority_field(priority),
                 **({} if return_output else {"return_output": False}),
             }
             return Call(
@@ -256,6 +268,7 @@ class Endpoints(Generic[AttentionOut, AnalyzeOut, InfoOut, ProbeOut]):
         timeout_ms: float | None = None,
         encoding: Encoding = "base64",
         request_id: str | None = None,
+        priority: int | None = None,
     ) -> AnalyzeOut:
         """Compare scalings of the attention scores on the server (POST /v1/analyze).
 
@@ -273,15 +286,19 @@ class Endpoints(Generic[AttentionOut, AnalyzeOut, InfoOut, ProbeOut]):
             timeout_ms: the server's deadline for this request.
             encoding: "base64" or "json", for q and k.
             request_id: sent as X-Request-ID.
+            priority: as in `attention` (the body's field "priority"; None sends none).
 
         Returns:
             An `AnalyzeResponse`: d_k, raw score variance, the recommended divisor and the
             statistics of each strategy (from AsyncSDPAClient, a coroutine that returns it).
 
         Raises:
-            ValueError: only one of q and k, or neither q/k nor synthetic (before sending).
+            ValueError: only one of q and k, neither q/k nor synthetic, or a negative priority
+                (before sending).
+            TypeError: a priority that is not an int (before sending).
             SDPAValidationError: 422, the server refused the inputs.
             SDPAAuthError: 401/403, missing or wrong API key.
+            SDPARateLimited: 429 once the retries are spent.
             SDPAUnavailable: 503 once the retries are spent.
             SDPATimeout: 504 once the retries are spent.
             SDPAConnectionError: no answer.
@@ -295,6 +312,7 @@ class Endpoints(Generic[AttentionOut, AnalyzeOut, InfoOut, ProbeOut]):
                 "causal": causal,
                 **mask_fields(key_lengths, key_padding_mask, attn_mask, encoding),
                 **({} if timeout_ms is None else {"timeout_ms": float(timeout_ms)}),
+                **priority_field(priority),
             }
             return Call(
                 "POST", "/v1/analyze", body, _read_analyze,

@@ -1,9 +1,10 @@
 """The exceptions this client raises, and how an HTTP error answer becomes one of them.
 
 Every error is an `SDPARequestError`. An answer other than 2xx becomes the subclass for its
-status (`SDPAValidationError` for 422, `SDPAUnavailable` for 503, ...), carrying the fields of the
-server's problem+json body (RFC 9457): status, title, detail, and `errors` with the `loc` of each
-field at fault. No answer at all (refused, reset, timed out) is an `SDPAConnectionError`.
+status (`SDPAValidationError` for 422, `SDPARateLimited` for 429, `SDPAUnavailable` for 503,
+...), carrying the fields of the server's problem+json body (RFC 9457): status, title, detail,
+and `errors` with the `loc` of each field at fault (a v2 answer's {"error": ...} is its detail).
+No answer at all (refused, reset, timed out) is an `SDPAConnectionError`.
 """
 
 from __future__ import annotations
@@ -93,7 +94,8 @@ def _rebuild_error(cls: type[SDPARequestError], state: dict[str, Any]) -> SDPARe
 
 
 class SDPAClientError(SDPARequestError):
-    """4xx: the request was wrong; repeating it unchanged will fail again."""
+    """4xx: the request was wrong; repeating it unchanged will fail again (except 429,
+    `SDPARateLimited`: the request was right but came too soon)."""
 
 
 class SDPAAuthError(SDPAClientError):
@@ -110,6 +112,16 @@ class SDPAUnsupportedMediaType(SDPAClientError):
 
 class SDPAValidationError(SDPAClientError):
     """400/422: shapes, masks, dtypes, non-finite values or limits; see `.errors`."""
+
+
+class SDPARateLimited(SDPAClientError):
+    """429: this caller's tenant (its API key) holds its whole share of the server's queue.
+
+    Other tenants are still served (503, `SDPAUnavailable`, is the whole server being full).
+    The request itself was fine: it is retried after `.retry_after_s` (the tenant's own
+    backlog) like a 503, within the client's RetryPolicy; raised once the retries are spent.
+    `.detail` names the share, e.g. "tenant 'team-a' holds 512 of its 512 queued requests".
+    """
 
 
 class SDPAServerError(SDPARequestError):
@@ -143,6 +155,7 @@ _STATUS_CLASSES: dict[int, type[SDPARequestError]] = {
     413: SDPAPayloadTooLarge,
     415: SDPAUnsupportedMediaType,
     422: SDPAValidationError,
+    429: SDPARateLimited,
     503: SDPAUnavailable,
     504: SDPATimeout,
 }

@@ -1,10 +1,11 @@
 """When to send a request again: the policy, and the bookkeeping of one call's attempts.
 
 /v1/attention and /v1/analyze are pure functions of their input, so repeating them is safe.
-503 (queue full, draining), 504 (deadline passed before compute) and connection failures are
-retried with exponential backoff and jitter, honouring Retry-After, within
-`RetryPolicy.max_attempts` and `RetryPolicy.max_total_s`. A client-side read timeout is not
-retried: the server may still be computing, and a retry would double its load.
+429 (this tenant's share of the queue is full), 503 (queue full, draining), 504 (deadline passed
+before compute) and connection failures are retried with exponential backoff and jitter,
+honouring Retry-After, within `RetryPolicy.max_attempts` and `RetryPolicy.max_total_s`. A
+client-side read timeout is not retried: the server may still be computing, and a retry would
+double its load.
 
 Nothing here sends or sleeps: `Attempts` is told what each attempt gave and answers "done",
 "wait this long, then send again", or raises the error to give up with. The sync and async
@@ -59,7 +60,7 @@ class RetryPolicy:
     jitter: float = 1.0
     retry_after_spread: float = 0.1
     max_total_s: float = 60.0
-    retry_statuses: frozenset[int] = frozenset({503, 504})
+    retry_statuses: frozenset[int] = frozenset({429, 503, 504})
     retry_connection_errors: bool = True
 
     def __post_init__(self) -> None:

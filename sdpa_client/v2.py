@@ -20,6 +20,7 @@ from typing import Any, Final
 import httpx
 import numpy as np
 
+from sdpa_client.bodies import checked_priority
 from sdpa_client.codec import AnyArray, is_torch_tensor, to_numpy
 from sdpa_client.errors import SDPAProtocolError
 from sdpa_client.fields import (
@@ -109,20 +110,25 @@ def build_infer_request(
     binary: bool = True,
     tag: str | None = None,
     return_output: bool = True,
+    priority: int | None = None,
 ) -> tuple[bytes, dict[str, str]]:
     """The body and headers of a v2 infer request with `SDPAClient.attention`'s arguments.
 
     The outputs it names: "output" (unless return_output is False), "weights" (with
     return_weights), the per-row statistics (diagnostics "full") and every per-head one,
-    "<stat>_per_head" (diagnostics "summary" or "full").
+    "<stat>_per_head" (diagnostics "summary" or "full"). priority travels as the request
+    parameter "priority" (an int), as tritonclient sends it; None sends none.
 
     Returns:
         (body bytes, headers): with binary data, the JSON header, then the tensors' bytes, and
         Inference-Header-Content-Length.
 
     Raises:
-        TypeError: a dtype the protocol cannot carry, or BF16 without binary data.
+        TypeError: a dtype the protocol cannot carry, BF16 without binary data, or a priority
+            that is not an int.
+        ValueError: a negative priority.
     """
+    level = None if priority is None else checked_priority(priority)
     parts: list[tuple[dict[str, Any], bytes | None]] = [
         _tensor_input(name, x, binary=binary) for name, x in (("q", q), ("k", k), ("v", v))
     ]
@@ -153,6 +159,8 @@ def build_infer_request(
         parameters["tag"] = tag
     if timeout_ms is not None:
         parameters["timeout"] = max(1, round(timeout_ms * 1000))  # microseconds
+    if level is not None:
+        parameters["priority"] = level
     header = json.dumps(
         {
             "inputs": [entry for entry, _ in parts],
