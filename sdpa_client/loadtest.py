@@ -3,10 +3,14 @@
     sdpa-loadtest --preset small --concurrency 8 --duration 10
     sdpa-loadtest --preset large --rate 20 --duration 30 --json report.json --csv requests.csv
     sdpa-loadtest --request-file body.json --path /v1/analyze --requests 500
+    sdpa-loadtest --tenant flood=KEY_A:24:large --tenant calm=KEY_B:1:small --duration 30
 
 Closed loop with `--concurrency N`, open loop with `--rate R` (Poisson arrivals, at most
 `--max-in-flight` outstanding); a run ends after `--duration` and/or `--requests` (10 s when
-neither is given). The core it drives (`sdpa_client.loadgen`: presets, payloads, the run,
+neither is given). With `--tenant NAME=KEY[:CONCURRENCY[:PRESET]]`, given once per tenant,
+each tenant runs its own closed loop with its own API key at once, and the report gives each
+tenant's latency percentiles, errors by status and 429s apart, then all together. The core it
+drives (`sdpa_client.loadgen`: presets, payloads, the run,
 the sender) serves benchmarks too, so that every system is measured with the same generator.
 The progress bar needs `rich`, --histogram needs `matplotlib`, and uvloop is used when
 installed; none of them is required.
@@ -21,18 +25,35 @@ import importlib
 import importlib.util
 import json
 import math
+import re
 import sys
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 from sdpa_client.loadgen.payloads import PRESETS, Payload
-from sdpa_client.loadgen.report import format_report, require_matplotlib, write_csv, write_histogram
-from sdpa_client.loadgen.run import LoadPlan, LoadReport, Progress, run_load
+from sdpa_client.loadgen.report import (
+    format_report,
+    format_tenants,
+    require_matplotlib,
+    write_csv,
+    write_histogram,
+)
+from sdpa_client.loadgen.run import (
+    LoadPlan,
+    LoadReport,
+    MultiTenantReport,
+    Progress,
+    TenantLoad,
+    run_load,
+    run_tenants,
+)
 from sdpa_client.loadgen.sender import HttpSender
 
-__all__ = ["DEFAULT_DURATION_S", "build_parser", "main"]
+__all__ = ["DEFAULT_DURATION_S", "TenantSpec", "build_parser", "main"]
 
 DEFAULT_DURATION_S = 10.0
 
@@ -56,6 +77,64 @@ def _warmup_arg(text: str) -> tuple[int, float]:
         ) from None
 
 
+# A tenant's name as the server names its keys (DESIGN.md "Tenants, fair shares and priority").
+_TENANT_NAME = re.compile(r"[A-Za-z0-9_.-]{1,32}")
+_TENANT_FORM = "--tenant takes NAME=KEY[:CONCURRENCY[:PRESET]]"
+
+
+@dataclass(frozen=True, slots=True)
+class TenantSpec:
+    """One --tenant: the report's label, its API key ("" sends none: the server's "anonymous"
+    tenant), and its concurrency and preset (None: --concurrency's and --preset's)."""
+
+    name: str
+    key: str = field(repr=False)  # never printed
+    concurrency: int | None = None
+    preset: str | None = None
+
+
+def _tenant_arg(text: str) -> TenantSpec:
+    """NAME=KEY[:CONCURRENCY[:PRESET]]. The messages never repeat the key."""
+    name, sep, rest = text.partition("=")
+    if not sep or not _TENANT_NAME.fullmatch(name):
+        raise argparse.ArgumentTypeError(
+            f"{_TENANT_FORM}, NAME 1-32 of A-Z a-z 0-9 _ . - (got a NAME of {len(name)} "
+            f"characters{'' if sep else ' and no ='})"
+        )
+    parts = rest.split(":")
+    if len(parts) > 3:
+        raise argparse.ArgumentTypeError(
+            f"{_TENANT_FORM}: tenant {name!r} has {len(parts) - 1} ':' (a KEY may not hold one)"
+        )
+    concurrency: int | None = None
+    if len(parts) > 1 and parts[1]:
+        try:
+            concurrency = _positive(int)(parts[1])
+        except argparse.ArgumentTypeError as exc:
+            raise argparse.ArgumentTypeError(
+                f"{_TENANT_FORM}: tenant {name!r}: CONCURRENCY {exc}"
+            ) from None
+    preset = parts[2] if len(parts) > 2 and parts[2] else None
+    if preset is not None and preset not in PRESETS:
+        raise argparse.ArgumentTypeError(
+            f"{_TENANT_FORM}: tenant {name!r}: PRESET must be one of {', '.join(sorted(PRESETS))},"
+            f" got {preset!r}"
+        )
+    return TenantSpec(name, parts[0], concurrency, preset)
+
+
+def _priority_arg(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(
+            f"--priority takes an int >= 0 (1 = highest, 0 = the server's default), got {text!r}"
+        )
+    return value
+
+
 def _positive(kind: type[int] | type[float]) -> Callable[[str], Any]:
     def parse(text: str) -> Any:
         try:
@@ -74,6 +153,11 @@ def build_parser() -> argparse.ArgumentParser:
         prog="sdpa-loadtest",
         description="Load-test an sdpa-service (closed loop with --concurrency, open loop with "
         "--rate). A run ends after --duration and/or --requests (10 s when neither is given).",
+        epilog="Several tenants at once: one --tenant per API key, each a closed loop of its "
+        "own, e.g. a flood of 24 concurrent large requests beside one tenant's sequential small "
+        "ones: sdpa-loadtest --tenant flood=KEY_A:24:large --tenant calm=KEY_B:1:small "
+        "--duration 30. The report (and --json's \"tenants\") gives each tenant's latency "
+        "percentiles, errors by status and 429s apart, then all of them together.",
     )
     parser.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL")
     parser.add_argument(
@@ -122,6 +206,26 @@ def build_parser() -> argparse.ArgumentParser:
     timeout_help = "seconds one request may take (default %(default)s)"
     parser.add_argument("--timeout", type=_positive(float), default=60.0, help=timeout_help)
     parser.add_argument("--api-key", help="sent as 'Authorization: Bearer <key>'")
+    parser.add_argument(
+        "--tenant",
+        dest="tenants",
+        action="append",
+        type=_tenant_arg,
+        metavar="NAME=KEY[:CONCURRENCY[:PRESET]]",
+        help="a tenant of a multi-tenant run; give one per API key (instead of --api-key). "
+        "NAME labels its report (1-32 of A-Z a-z 0-9 _ . -); KEY is its API key (empty: none; "
+        "it may not hold ':'); CONCURRENCY its closed loop's requests in flight (default "
+        "--concurrency); PRESET its payload (default --preset). --duration bounds the whole "
+        "run, --requests each tenant's count; no --rate",
+    )
+    parser.add_argument(
+        "--priority",
+        type=_priority_arg,
+        metavar="N",
+        help='the requests\' priority level (v1 field, v2 parameter "priority"): 1 the '
+        "highest, larger numbers lower, 0 the server's default; not sent when not given. It "
+        "orders a tenant's own waiting requests, never one tenant before another",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the preset data and arrivals")
     parser.add_argument("--no-progress", action="store_true", help="no live progress bar")
     parser.add_argument("--json", dest="json_path", help="write the report as JSON (- = stdout)")
@@ -158,8 +262,15 @@ def _progress_display(enabled: bool, plan: LoadPlan) -> Iterator[Callable[[Progr
         yield update
 
 
-async def _run_cli(args: argparse.Namespace, payload: Payload, plan: LoadPlan) -> LoadReport:
-    async with HttpSender(args.url, payload, api_key=args.api_key, timeout_s=args.timeout) as send:
+async def _run_cli(
+    args: argparse.Namespace,
+    payload: Payload,
+    plan: LoadPlan,
+    transport: httpx.AsyncBaseTransport | None,
+) -> LoadReport:
+    async with HttpSender(
+        args.url, payload, api_key=args.api_key, timeout_s=args.timeout, transport=transport
+    ) as send:
         warm_requests, warm_seconds = args.warmup
         if warm_requests or warm_seconds:
             warm = LoadPlan(
@@ -173,6 +284,43 @@ async def _run_cli(args: argparse.Namespace, payload: Payload, plan: LoadPlan) -
             return await run_load(send, plan, progress=progress)
 
 
+@dataclass(frozen=True, slots=True)
+class _Tenant:
+    spec: TenantSpec
+    payload: Payload
+    plan: LoadPlan
+
+
+async def _run_tenants_cli(
+    args: argparse.Namespace,
+    tenants: Sequence[_Tenant],
+    overall: LoadPlan,
+    transport: httpx.AsyncBaseTransport | None,
+) -> MultiTenantReport:
+    async with contextlib.AsyncExitStack() as stack:
+        senders: list[HttpSender] = []
+        for t in tenants:
+            sender = HttpSender(
+                args.url, t.payload, api_key=t.spec.key or None, timeout_s=args.timeout,
+                transport=transport,
+            )  # fmt: skip
+            senders.append(await stack.enter_async_context(sender))
+        warm_requests, warm_seconds = args.warmup
+        if warm_requests or warm_seconds:
+            bounds = {"requests": warm_requests or None, "duration_s": warm_seconds or None}
+            warm = [
+                TenantLoad(t.spec.name, send, LoadPlan(**{**asdict(t.plan), **bounds}))
+                for t, send in zip(tenants, senders, strict=True)
+            ]
+            await run_tenants(warm)
+        loads = [
+            TenantLoad(t.spec.name, send, t.plan) for t, send in zip(tenants, senders, strict=True)
+        ]
+        show = not args.no_progress and sys.stderr.isatty()
+        with _progress_display(show, overall) as progress:
+            return await run_tenants(loads, progress=progress)
+
+
 def _event_loop_runner() -> asyncio.Runner:
     # uvloop (installed with uvicorn[standard]) roughly halves the generator's CPU per request.
     try:
@@ -182,11 +330,51 @@ def _event_loop_runner() -> asyncio.Runner:
     return asyncio.Runner(loop_factory=uvloop.new_event_loop)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def _payload(args: argparse.Namespace, preset: str) -> Payload:
+    if args.request_file is not None:
+        return Payload.from_file(args.request_file, path=args.path or "/v1/attention")
+    return Payload.from_preset(
+        PRESETS[preset], encoding=args.encoding, seed=args.seed, path=args.path,
+        protocol=args.protocol, priority=args.priority,
+    )  # fmt: skip
+
+
+def _check_tenants(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """What --tenant may not be given with (before anything is sent)."""
+    specs: list[TenantSpec] = args.tenants
+    names = [spec.name for spec in specs]
+    if len(set(names)) != len(names):
+        parser.error(f"--tenant: each NAME once, got {', '.join(names)}")
+    if args.api_key is not None:
+        parser.error("--api-key and --tenant: give each tenant its key in its --tenant")
+    if args.rate is not None:
+        parser.error("--tenant runs a closed loop per tenant (its CONCURRENCY); no --rate")
+    if args.request_file is not None and any(spec.preset for spec in specs):
+        parser.error("--request-file and a --tenant with a PRESET: every tenant sends the file")
+
+
+def main(
+    argv: Sequence[str] | None = None, *, transport: httpx.AsyncBaseTransport | None = None
+) -> int:
+    """Run sdpa-loadtest with these arguments (default: sys.argv's).
+
+    Args:
+        argv: the command line, without the program's name.
+        transport: an httpx transport in place of the network (tests: the app in process).
+
+    Returns:
+        The exit status: 1 when requests were sent and none succeeded (in a multi-tenant run:
+        for some tenant), else 0.
+    """
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.histogram is not None:
         require_matplotlib()  # fail before the run, not after it
+    if args.priority is not None and args.request_file is not None:
+        parser.error('--priority and --request-file: the file is sent as-is; put "priority" in it')
+    specs: list[TenantSpec] = args.tenants or []
+    if specs:
+        _check_tenants(parser, args)
     duration = args.duration
     if duration is None and args.requests is None:
         duration = DEFAULT_DURATION_S
@@ -194,29 +382,58 @@ def main(argv: Sequence[str] | None = None) -> int:
         concurrency=args.concurrency, rate=args.rate, max_in_flight=args.max_in_flight,
         duration_s=duration, requests=args.requests, timeout_s=args.timeout, seed=args.seed,
     )  # fmt: skip
+    presets = {args.preset, *(spec.preset or args.preset for spec in specs)}
     try:
-        if args.request_file is not None:
-            payload = Payload.from_file(args.request_file, path=args.path or "/v1/attention")
-        else:
-            payload = Payload.from_preset(
-                PRESETS[args.preset], encoding=args.encoding, seed=args.seed, path=args.path,
-                protocol=args.protocol,
-            )  # fmt: skip
+        payloads = {preset: _payload(args, preset) for preset in presets}
     except (OSError, ValueError) as exc:
         parser.error(str(exc))
+    payload = payloads[args.preset]
+    tenants = [
+        _Tenant(
+            spec,
+            payloads[spec.preset or args.preset],
+            replace(plan, concurrency=spec.concurrency or args.concurrency),
+        )
+        for spec in specs
+    ]
+    multi: MultiTenantReport | None = None
     with _event_loop_runner() as runner:
-        report = runner.run(_run_cli(args, payload, plan))
+        if tenants:
+            requests = None if args.requests is None else args.requests * len(tenants)
+            concurrency = sum(t.plan.concurrency for t in tenants)
+            plan = replace(plan, concurrency=concurrency, requests=requests)
+            multi = runner.run(_run_tenants_cli(args, tenants, plan, transport))
+            report = multi.overall
+        else:
+            report = runner.run(_run_cli(args, payload, plan, transport))
 
-    target = f"{args.url.rstrip('/')}{payload.path}  {payload.name}: {payload.description}"
+    used = {t.payload.name: t.payload for t in tenants} or {payload.name: payload}
+    if len(used) == 1:
+        [payload] = used.values()
+        name, description, body_bytes = payload.name, payload.description, len(payload.body)
+    else:
+        name, description, body_bytes = "+".join(sorted(used)), "one per tenant", None
+    target = f"{args.url.rstrip('/')}{payload.path}  {name}: {description}"
     text_out = sys.stderr if args.json_path == "-" else sys.stdout
     print(format_report(report, target=target), file=text_out)
+    if multi is not None:
+        labels = {t.spec.name: t.payload.name for t in tenants}
+        print(format_tenants(multi, payloads=labels), file=text_out)
     if args.json_path is not None:
-        document = {
-            "target": {"url": args.url, "path": payload.path, "payload": payload.name,
-                       "description": payload.description, "body_bytes": len(payload.body)},
+        document: dict[str, Any] = {
+            "target": {"url": args.url, "path": payload.path, "payload": name,
+                       "description": description, "body_bytes": body_bytes,
+                       "priority": args.priority},
             "plan": asdict(plan),
             "report": report.summary(),
         }  # fmt: skip
+        if multi is not None:
+            document["tenants"] = {
+                t.spec.name: {"payload": t.payload.name, "description": t.payload.description,
+                              "body_bytes": len(t.payload.body), "plan": asdict(t.plan),
+                              "report": part.summary()}
+                for t, part in zip(tenants, multi.tenants, strict=True)
+            }  # fmt: skip
         text = json.dumps(document, indent=2, allow_nan=False)
         if args.json_path == "-":
             print(text)
@@ -226,8 +443,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         with args.csv_path.open("w", newline="", encoding="utf-8") as out:
             write_csv(report.records, out)
     if args.histogram is not None:
-        write_histogram(report, args.histogram, title=f"{payload.name}: {report.mode} loop")
-    return 1 if report.sent > 0 and report.ok == 0 else 0
+        write_histogram(report, args.histogram, title=f"{name}: {report.mode} loop")
+    parts = multi.tenants if multi is not None else (report,)
+    return 1 if any(part.sent > 0 and part.ok == 0 for part in parts) else 0
 
 
 if __name__ == "__main__":

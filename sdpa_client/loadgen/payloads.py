@@ -43,21 +43,25 @@ class Preset:
         q, k, v = (rng.standard_normal(self.shape, dtype=np.float32) for _ in range(3))
         return q, k, v  # [B, H, N, D] each
 
-    def request(self, *, encoding: Encoding, seed: int = 0) -> dict[str, Any]:
-        """The JSON body of this preset's /v1/attention request."""
+    def request(
+        self, *, encoding: Encoding, seed: int = 0, priority: int | None = None
+    ) -> dict[str, Any]:
+        """The JSON body of this preset's /v1/attention request (with "priority" when given)."""
         q, k, v = self.arrays(seed=seed)
         return build_attention_body(
             q, k, v, return_weights=self.return_weights, diagnostics=self.diagnostics,
-            encoding=encoding,
+            encoding=encoding, priority=priority,
         )  # fmt: skip
 
-    def infer_request(self, *, binary: bool, seed: int = 0) -> tuple[bytes, dict[str, str]]:
+    def infer_request(
+        self, *, binary: bool, seed: int = 0, priority: int | None = None
+    ) -> tuple[bytes, dict[str, str]]:
         """The body and headers of this preset's v2 infer request (binary tensor data, or
-        JSON lists)."""
+        JSON lists; the request parameter "priority" when given)."""
         q, k, v = self.arrays(seed=seed)
         return build_infer_request(
             q, k, v, return_weights=self.return_weights, diagnostics=self.diagnostics,
-            binary=binary,
+            binary=binary, priority=priority,
         )  # fmt: skip
 
     def describe(self) -> str:
@@ -91,19 +95,24 @@ class Payload:
     @classmethod
     def from_preset(
         cls, preset: Preset, *, encoding: Encoding = "base64", seed: int = 0,
-        path: str | None = None, protocol: Protocol = "v1",
+        path: str | None = None, protocol: Protocol = "v1", priority: int | None = None,
     ) -> Payload:  # fmt: skip
         """A preset's request: v1 JSON (encoding: base64 or lists), or v2 (encoding base64:
-        binary tensor data; json: JSON lists). `path` None: the protocol's endpoint."""
+        binary tensor data; json: JSON lists). `path` None: the protocol's endpoint.
+        `priority`: the request's priority level (v1 field, v2 parameter), None for none."""
+        level = "" if priority is None else f", priority {priority}"
         if protocol == "v2":
-            body, headers = preset.infer_request(binary=encoding == "base64", seed=seed)
+            body, headers = preset.infer_request(
+                binary=encoding == "base64", seed=seed, priority=priority
+            )
             form = "binary" if encoding == "base64" else "json"
             return cls(
-                preset.name, path or INFER_PATH, body, f"{preset.describe()}, v2 {form}",
+                preset.name, path or INFER_PATH, body, f"{preset.describe()}, v2 {form}{level}",
                 tuple(headers.items()),
             )  # fmt: skip
-        body = encode_body(preset.request(encoding=encoding, seed=seed))
-        return cls(preset.name, path or "/v1/attention", body, f"{preset.describe()}, {encoding}")
+        body = encode_body(preset.request(encoding=encoding, seed=seed, priority=priority))
+        description = f"{preset.describe()}, {encoding}{level}"
+        return cls(preset.name, path or "/v1/attention", body, description)
 
     @classmethod
     def from_file(cls, file: Path, *, path: str = "/v1/attention") -> Payload:

@@ -4,20 +4,23 @@ from __future__ import annotations
 
 import csv
 import importlib
-from collections.abc import Sequence
+import math
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
-from sdpa_client.loadgen.run import LoadReport, RequestRecord
+from sdpa_client.loadgen.run import LoadReport, MultiTenantReport, RequestRecord
 
 
 def write_csv(records: Sequence[RequestRecord], out: TextIO) -> None:
+    """One row per request; a "tenant" column too when the records come from a multi-tenant
+    run."""
+    tenants = any(r.tenant is not None for r in records)
     writer = csv.writer(out)
-    writer.writerow(["index", "start_s", "latency_ms", "status", "error"])
+    writer.writerow(["index", "start_s", "latency_ms", "status", "error", *(["tenant"] * tenants)])
     for i, r in enumerate(records):
-        writer.writerow(
-            [i, f"{r.start_s:.6f}", f"{r.latency_s * 1000:.3f}", r.status, r.error or ""]
-        )
+        row = [i, f"{r.start_s:.6f}", f"{r.latency_s * 1000:.3f}", r.status, r.error or ""]
+        writer.writerow([*row, *([r.tenant or ""] * tenants)])
 
 
 def require_matplotlib() -> Any:
@@ -73,3 +76,31 @@ def format_report(report: LoadReport, *, target: str) -> str:
             "            the generator is near one full core: it may be the limit, not the server"
         )
     return "\n".join(lines)
+
+
+def format_tenants(report: MultiTenantReport, *, payloads: Mapping[str, str]) -> str:
+    """One line per tenant: its payload, concurrency, counts (429 apart), errors by kind and
+    latency percentiles of its successful requests (ms; "-" when it had none)."""
+
+    def ms(value: float) -> str:
+        return "-" if math.isnan(value) else f"{value:.2f}"
+
+    head = ("tenant", "payload", "conc", "sent", "ok", "429", "p50 ms", "p90 ms", "p99 ms",
+            "ok/s", "errors")  # fmt: skip
+    rows = [head]
+    for t in report.tenants:
+        lat = t.latency
+        errors = ", ".join(f"{k}: {v}" for k, v in t.errors.items()) or "none"
+        rows.append((
+            t.name, payloads.get(t.name, ""), str(t.concurrency), str(t.sent), str(t.ok),
+            str(t.rate_limited), ms(lat.p50_ms), ms(lat.p90_ms), ms(lat.p99_ms),
+            f"{t.throughput_rps:.1f}", errors,
+        ))  # fmt: skip
+    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+    lines = []
+    for row in rows:
+        # names left-aligned, numbers right-aligned, the errors (last) as they are
+        pairs = enumerate(zip(row, widths, strict=True))
+        cells = [c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in pairs]
+        lines.append("  ".join([*cells[:-1], row[-1]]))
+    return "per tenant\n" + "\n".join("  " + line for line in lines)

@@ -7,6 +7,10 @@ outstanding; an arrival that finds that bound full is counted as dropped (never 
 always stops: after `duration_s` and/or `requests` arrivals; requests in flight then finish,
 each bounded by `timeout_s`. The report gives the generator's own CPU use (process CPU time /
 wall time): near 100% of one core, the generator, not the server, is the limit.
+
+Several tenants at once (`run_tenants`): each `TenantLoad` has its own sender (its API key, its
+payload) and its own plan, all started together; the report measures each tenant apart (its
+latency percentiles, its errors by status, its 429s) and all of them together.
 """
 
 from __future__ import annotations
@@ -17,8 +21,8 @@ import math
 import random
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal
 
 import numpy as np
@@ -65,12 +69,14 @@ class LoadPlan:
 @dataclass(frozen=True, slots=True)
 class RequestRecord:
     """One request: start (s since the run began), latency (s), HTTP status (0 when there was
-    no answer) and the error kind ("503", "ReadTimeout", ...) or None when 2xx."""
+    no answer), the error kind ("503", "ReadTimeout", ...) or None when 2xx, and the tenant that
+    sent it (None outside a multi-tenant run)."""
 
     start_s: float
     latency_s: float
     status: int
     error: str | None
+    tenant: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,20 +126,117 @@ class LoadReport:
 
     def summary(self) -> dict[str, Any]:
         """JSON-ready summary (every field but the per-request records)."""
-        data = {k: v for k, v in asdict(self).items() if k != "records"}
+        data = _fields_but(self, "records")
         data["errors"] = dict(self.errors)
-        # JSON has no NaN: a run without successes has no latencies.
-        data["latency"] = {
-            k: None if isinstance(v, float) and math.isnan(v) else v
-            for k, v in data["latency"].items()
-        }
+        data["latency"] = _latency_json(self.latency)
         data["generator_busy"] = self.generator_busy
         return data
+
+
+def _fields_but(report: LoadReport | TenantReport, *left_out: str) -> dict[str, Any]:
+    # Not asdict(report): it would copy every per-request record first.
+    return {f.name: getattr(report, f.name) for f in fields(report) if f.name not in left_out}
+
+
+def _latency_json(latency: LatencySummary) -> dict[str, Any]:
+    # JSON has no NaN: a run without successes has no latencies.
+    return {
+        k: None if isinstance(v, float) and math.isnan(v) else v for k, v in asdict(latency).items()
+    }
+
+
+@dataclass(frozen=True, slots=True)
+class TenantLoad:
+    """One tenant of a multi-tenant run: its name (the report's label; unique within the run),
+    the sender of its requests (which carries its API key and payload), and its plan."""
+
+    name: str
+    send: Sender
+    plan: LoadPlan
+
+
+@dataclass(frozen=True, slots=True)
+class TenantReport:
+    """One tenant's part of a multi-tenant run. sent = ok + sum(errors.values()); errors by
+    kind as in `LoadReport` ("429", "503", "ConnectError", ...); latency over its successful
+    requests; throughput_rps its successful answers per second of the whole run."""
+
+    name: str
+    mode: Literal["closed", "open"]
+    concurrency: int
+    rate: float | None
+    sent: int
+    ok: int
+    errors: Mapping[str, int]
+    dropped: int
+    throughput_rps: float
+    latency: LatencySummary
+    records: tuple[RequestRecord, ...] = field(repr=False)
+
+    @property
+    def rate_limited(self) -> int:
+        """Its requests answered 429: its share of the server's queue was full."""
+        return self.errors.get("429", 0)
+
+    @classmethod
+    def of(
+        cls,
+        name: str,
+        plan: LoadPlan,
+        records: Sequence[RequestRecord],
+        *,
+        dropped: int = 0,
+        elapsed_s: float,
+    ) -> TenantReport:
+        """The report of one tenant's requests (records) in a run that lasted elapsed_s."""
+        errors, ok = _outcomes(records)
+        return cls(
+            name=name, mode=plan.mode, concurrency=_concurrency(plan), rate=plan.rate,
+            sent=len(records), ok=len(ok), errors=errors, dropped=dropped,
+            throughput_rps=len(ok) / elapsed_s if elapsed_s > 0 else 0.0,
+            latency=LatencySummary.of(ok), records=tuple(records),
+        )  # fmt: skip
+
+    def summary(self) -> dict[str, Any]:
+        """JSON-ready summary (every field but the per-request records, plus rate_limited)."""
+        data = _fields_but(self, "records", "name")
+        data["errors"] = dict(self.errors)
+        data["rate_limited"] = self.rate_limited
+        data["latency"] = _latency_json(self.latency)
+        return data
+
+
+@dataclass(frozen=True, slots=True)
+class MultiTenantReport:
+    """The outcome of a multi-tenant run: `overall` over every request (mode, concurrency and
+    rate summed over the tenants; the generator's CPU is the whole process's), and each tenant
+    apart, in the order of the run's loads."""
+
+    overall: LoadReport
+    tenants: tuple[TenantReport, ...]
+
+    def summary(self) -> dict[str, Any]:
+        """JSON-ready: {"overall": ..., "tenants": {name: ...}}."""
+        return {
+            "overall": self.overall.summary(),
+            "tenants": {t.name: t.summary() for t in self.tenants},
+        }
+
+
+def _outcomes(records: Sequence[RequestRecord]) -> tuple[dict[str, int], list[float]]:
+    """(the count of each error kind, sorted by kind; the latencies of the successes)."""
+    errors = Counter(r.error for r in records if r.error is not None)
+    return dict(sorted(errors.items())), [r.latency_s for r in records if r.error is None]
+
+
+def _concurrency(plan: LoadPlan) -> int:
+    return plan.concurrency if plan.rate is None else plan.max_in_flight
 
 
 @dataclass(slots=True)
 class _Tally:
     started: float
+    tenant: str | None = None
     records: list[RequestRecord] = field(default_factory=list)
     ok: int = 0
     failed: int = 0
@@ -171,7 +274,9 @@ async def _one(send: Sender, tally: _Tally, timeout_s: float) -> None:
         error = _error_kind(exc)
     end = time.perf_counter()
     tally.in_flight -= 1
-    tally.records.append(RequestRecord(start - tally.started, end - start, status, error))
+    tally.records.append(
+        RequestRecord(start - tally.started, end - start, status, error, tally.tenant)
+    )
     if error is None:
         tally.ok += 1
     else:
@@ -218,6 +323,66 @@ async def _open_loop(send: Sender, plan: LoadPlan, tally: _Tally, stop_at: float
         await asyncio.gather(*tasks)
 
 
+async def _drive(send: Sender, plan: LoadPlan, tally: _Tally) -> None:
+    stop_at = tally.started + plan.duration_s if plan.duration_s is not None else math.inf
+    if plan.mode == "closed":
+        await _closed_loop(send, plan, tally, stop_at)
+    else:
+        await _open_loop(send, plan, tally, stop_at)
+
+
+@contextlib.asynccontextmanager
+async def _ticking(
+    progress: Callable[[Progress], None] | None, tallies: Sequence[_Tally], interval_s: float
+) -> AsyncIterator[None]:
+    """Reports progress every interval_s while the body runs, and once at its end."""
+
+    async def ticker() -> None:
+        assert progress is not None
+        while True:
+            await asyncio.sleep(interval_s)
+            progress(_progress(tallies))
+
+    ticker_task = asyncio.create_task(ticker()) if progress is not None else None
+    try:
+        yield
+    finally:
+        if ticker_task is not None:
+            ticker_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await ticker_task
+    if progress is not None:
+        progress(_progress(tallies))
+
+
+def _load_report(
+    *,
+    mode: Literal["closed", "open"],
+    concurrency: int,
+    rate: float | None,
+    records: Sequence[RequestRecord],
+    dropped: int,
+    elapsed_s: float,
+    cpu_s: float,
+) -> LoadReport:
+    errors, ok_latencies = _outcomes(records)
+    return LoadReport(
+        mode=mode,
+        concurrency=concurrency,
+        rate=rate,
+        sent=len(records),
+        ok=len(ok_latencies),
+        errors=errors,
+        dropped=dropped,
+        elapsed_s=elapsed_s,
+        throughput_rps=len(ok_latencies) / elapsed_s if elapsed_s > 0 else 0.0,
+        latency=LatencySummary.of(ok_latencies),
+        client_cpu_s=cpu_s,
+        client_cpu_percent=100.0 * cpu_s / elapsed_s if elapsed_s > 0 else 0.0,
+        records=tuple(records),
+    )
+
+
 async def run_load(
     send: Sender,
     plan: LoadPlan,
@@ -227,55 +392,67 @@ async def run_load(
 ) -> LoadReport:
     """Drive `send` according to `plan` and measure every request."""
     cpu0 = time.process_time()
+    tally = _Tally(started=time.perf_counter())
+    async with _ticking(progress, [tally], progress_interval_s):
+        await _drive(send, plan, tally)
+    elapsed = time.perf_counter() - tally.started
+    return _load_report(
+        mode=plan.mode, concurrency=_concurrency(plan), rate=plan.rate, records=tally.records,
+        dropped=tally.dropped, elapsed_s=elapsed, cpu_s=time.process_time() - cpu0,
+    )  # fmt: skip
+
+
+async def run_tenants(
+    loads: Sequence[TenantLoad],
+    *,
+    progress: Callable[[Progress], None] | None = None,
+    progress_interval_s: float = 0.25,
+) -> MultiTenantReport:
+    """Drive every tenant's sender by its own plan, all from one start, and measure each
+    tenant apart and all of them together. Each plan bounds its own loop (duration_s from the
+    common start, and/or its own request count).
+
+    Raises:
+        ValueError: no loads, a name empty or repeated, or closed and open plans mixed (the
+            overall report has one mode).
+    """
+    names = [load.name for load in loads]
+    if not loads or not all(names) or len(set(names)) != len(names):
+        raise ValueError(f"run_tenants needs loads with distinct non-empty names, got {names}")
+    modes = {load.plan.mode for load in loads}
+    if len(modes) != 1:
+        raise ValueError("run_tenants: every plan must be closed loop, or every plan open loop")
+    cpu0 = time.process_time()
     started = time.perf_counter()
-    stop_at = started + plan.duration_s if plan.duration_s is not None else math.inf
-    tally = _Tally(started=started)
-
-    async def ticker() -> None:
-        assert progress is not None
-        while True:
-            await asyncio.sleep(progress_interval_s)
-            progress(_progress(tally))
-
-    ticker_task = asyncio.create_task(ticker()) if progress is not None else None
-    try:
-        if plan.mode == "closed":
-            await _closed_loop(send, plan, tally, stop_at)
-        else:
-            await _open_loop(send, plan, tally, stop_at)
-    finally:
-        if ticker_task is not None:
-            ticker_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await ticker_task
+    tallies = [_Tally(started=started, tenant=load.name) for load in loads]
+    async with _ticking(progress, tallies, progress_interval_s):
+        drives = [_drive(load.send, load.plan, t) for load, t in zip(loads, tallies, strict=True)]
+        await asyncio.gather(*drives)
     elapsed = time.perf_counter() - started
     cpu = time.process_time() - cpu0
-    if progress is not None:
-        progress(_progress(tally))
-    errors = Counter(r.error for r in tally.records if r.error is not None)
-    ok_latencies = [r.latency_s for r in tally.records if r.error is None]
-    return LoadReport(
-        mode=plan.mode,
-        concurrency=plan.concurrency if plan.rate is None else plan.max_in_flight,
-        rate=plan.rate,
-        sent=len(tally.records),
-        ok=tally.ok,
-        errors=dict(sorted(errors.items())),
-        dropped=tally.dropped,
+    tenants = tuple(
+        TenantReport.of(load.name, load.plan, tally.records, dropped=tally.dropped,
+                        elapsed_s=elapsed)
+        for load, tally in zip(loads, tallies, strict=True)
+    )  # fmt: skip
+    rates = [load.plan.rate for load in loads if load.plan.rate is not None]
+    overall = _load_report(
+        mode=modes.pop(),
+        concurrency=sum(t.concurrency for t in tenants),
+        rate=sum(rates) if rates else None,
+        records=sorted((r for t in tallies for r in t.records), key=lambda r: r.start_s),
+        dropped=sum(t.dropped for t in tallies),
         elapsed_s=elapsed,
-        throughput_rps=tally.ok / elapsed if elapsed > 0 else 0.0,
-        latency=LatencySummary.of(ok_latencies),
-        client_cpu_s=cpu,
-        client_cpu_percent=100.0 * cpu / elapsed if elapsed > 0 else 0.0,
-        records=tuple(tally.records),
+        cpu_s=cpu,
     )
+    return MultiTenantReport(overall=overall, tenants=tenants)
 
 
-def _progress(tally: _Tally) -> Progress:
+def _progress(tallies: Sequence[_Tally]) -> Progress:
     return Progress(
-        elapsed_s=time.perf_counter() - tally.started,
-        done=len(tally.records),
-        ok=tally.ok,
-        failed=tally.failed,
-        in_flight=tally.in_flight,
+        elapsed_s=time.perf_counter() - tallies[0].started,
+        done=sum(len(t.records) for t in tallies),
+        ok=sum(t.ok for t in tallies),
+        failed=sum(t.failed for t in tallies),
+        in_flight=sum(t.in_flight for t in tallies),
     )

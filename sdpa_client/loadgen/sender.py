@@ -24,7 +24,7 @@ class HttpSender:
 
     def __init__(
         self, base_url: str, payload: Payload, *, api_key: str | None = None,
-        timeout_s: float = 60.0,
+        timeout_s: float = 60.0, transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:  # fmt: skip
         self._base_url = base_url.rstrip("/")
         self._path = payload.path
@@ -42,6 +42,7 @@ class HttpSender:
         # httpx builds an SSL context per client unless given one (tens of ms of CPU each,
         # even for http:// URLs): share one.
         self._ssl = ssl.create_default_context()
+        self._transport = transport  # in place of the network (tests: the app in process)
 
     def _client(self) -> httpx.AsyncClient:
         if self._idle:
@@ -52,6 +53,7 @@ class HttpSender:
             headers=self._headers,
             verify=self._ssl,
             limits=httpx.Limits(max_connections=1, max_keepalive_connections=1),
+            transport=self._transport,
         )
         self._all.append(client)
         return client
