@@ -249,7 +249,7 @@ def wrong_answers() -> None:
         print(f"tags with series of their own: {len(tags - {'other'})} (+ other)")
         for series in (
             'sdpa_rejected_total{reason="unauthorized"}',
-            'sdpa_requests_total{route="/v1/attention",status="401"}',
+            'sdpa_requests_total{route="/v1/attention",status="401",tenant="anonymous"}',
             "sdpa_health_tags_evicted_total",
         ):
             print(f"{series} {metric(server, series, headers=auth)}")

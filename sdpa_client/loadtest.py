@@ -77,7 +77,7 @@ def _warmup_arg(text: str) -> tuple[int, float]:
         ) from None
 
 
-# A tenant's name as the server names its keys (DESIGN.md "Tenants, fair shares and priority").
+# A tenant's name as the server names its keys (SDPA_API_KEYS entries name=key).
 _TENANT_NAME = re.compile(r"[A-Za-z0-9_.-]{1,32}")
 _TENANT_FORM = "--tenant takes NAME=KEY[:CONCURRENCY[:PRESET]]"
 

@@ -133,6 +133,9 @@ def _lifespan(engine: Engine | None, *, device_threads: int | None) -> Any:
             max_batch_size=settings.max_batch_size,
             max_batch_delay_s=settings.max_batch_delay_ms / 1000.0,
             max_queue=settings.max_queue,
+            # Fair shares across tenants (service.runtime.queue), and each one's queue share.
+            tenant_weights=settings.tenant_weights,
+            tenant_queue_share=settings.queue_share(),
             metrics=state.metrics,
             # Sampled health summaries run on the device only while nothing is queued.
             idle_work=health.next_sample,
@@ -188,7 +191,7 @@ def create_app(
     """
     settings = settings if settings is not None else Settings()
     metrics = Metrics()
-    api_keys = settings.resolved_api_keys()
+    api_keys = settings.tenant_keys()
 
     # A FastAPI app whose /docs and /redoc pages load Swagger UI and ReDoc from this service
     # (DOCS_ASSETS), not from a CDN: they work on a cluster without internet access.

@@ -65,11 +65,8 @@ class InvalidRequest(ServiceError):
     title = "Invalid request"
 
 
-class Unavailable(ServiceError):
-    """503: the queue is full or the service is draining. Always carries Retry-After."""
-
-    status = 503
-    title = "Service unavailable"
+class RetryLater(ServiceError):
+    """A momentary refusal: it always carries Retry-After, in whole seconds."""
 
     def __init__(
         self, detail: str, *, retry_after_s: float, errors: list[FieldError] | None = None
@@ -81,6 +78,21 @@ class Unavailable(ServiceError):
     @property
     def headers(self) -> dict[str, str]:
         return {"Retry-After": str(self.retry_after_s)}
+
+
+class TenantQueueFull(RetryLater):
+    """429: the request's tenant holds its whole share of the queue (SDPA_TENANT_MAX_QUEUE_SHARE);
+    Retry-After is that tenant's own backlog at its fair share of the device."""
+
+    status = 429
+    title = "Too many requests"
+
+
+class Unavailable(RetryLater):
+    """503: the queue is full or the service is draining."""
+
+    status = 503
+    title = "Service unavailable"
 
 
 class QueueFull(Unavailable):
@@ -154,6 +166,7 @@ _DEFAULT_TITLES = {
     413: "Payload too large",
     415: "Unsupported media type",
     422: "Invalid request",
+    429: "Too many requests",
     500: "Internal server error",
     503: "Service unavailable",
     504: "Deadline exceeded",

@@ -52,7 +52,10 @@ class Metrics:
         PlatformCollector(registry=reg)
         GCCollector(registry=reg)  # registers nothing off CPython
         self.requests_total = Counter(
-            "sdpa_requests_total", "HTTP requests answered.", ["route", "status"], registry=reg
+            "sdpa_requests_total",
+            "HTTP requests answered, by the tenant (API key name) they came as.",
+            ["route", "status", "tenant"],
+            registry=reg,
         )
         self.request_duration_seconds = Histogram(
             "sdpa_request_duration_seconds",
@@ -73,6 +76,13 @@ class Metrics:
             "sdpa_backlog_seconds",
             "Estimated seconds to work off the queue and the batch on the device: the cost "
             "model's estimate over the measured throughput (what Retry-After says).",
+            registry=reg,
+        )
+        self.tenant_backlog_seconds = Gauge(
+            "sdpa_tenant_backlog_seconds",
+            "Estimated seconds to work off one tenant's queued and running work at its fair "
+            "share of the device now (what its 429's Retry-After says).",
+            ["tenant"],
             registry=reg,
         )
         self.queue_wait_seconds = Histogram(

@@ -10,6 +10,8 @@ from typing import Annotated, Final, Literal
 from pydantic import Field, PrivateAttr, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from service.tenants import ANONYMOUS, check_weights, parse_weights, tenants_by_key
+
 MiB = 1024 * 1024
 # An API key travels in a header (Authorization: Bearer <key>, or X-API-Key), which the server
 # reads as Latin-1 while the configured key is UTF-8: only printable ASCII reads the same both
@@ -95,10 +97,20 @@ class Settings(BaseSettings):
     # cache); off, or when compiling fails, the eager loop computes the same numbers.
     compile_kernels: bool = True
 
-    # Comma-separated keys, or a JSON list. Empty = authentication off.
+    # Comma-separated keys, or a JSON list. Empty = authentication off. Each entry is `key` or
+    # `name=key`: the name is the tenant (service.tenants).
     api_keys: Annotated[tuple[SecretStr, ...], NoDecode] = ()
     # A file with one key per line ('#' comments allowed); merged with api_keys.
     api_keys_file: Path | None = None
+
+    # Tenants (service.runtime.queue): "name=w,..." weights of the fair shares (default 1 each);
+    # the share of MAX_QUEUE one tenant may hold before its requests get 429 (default 0.5, and
+    # 1 when only one tenant can exist); priority levels within a tenant (1 the highest), the
+    # level of a request that names none (or 0).
+    tenant_weights: Annotated[dict[str, float], NoDecode] = Field(default_factory=dict)
+    tenant_max_queue_share: float | None = Field(default=None, gt=0.0, le=1.0)
+    priority_levels: int = Field(default=3, ge=1, le=1000)
+    default_priority: int = Field(default=2, ge=1, le=1000)
 
     # Attention health (service.serving.health): the share of requests that did not ask for
     # diagnostics whose summary is still computed for the metrics, when the device is idle;
@@ -141,6 +153,11 @@ class Settings(BaseSettings):
     def _lower_log_level(cls, value: object) -> object:
         return value.lower() if isinstance(value, str) else value
 
+    @field_validator("tenant_weights", mode="before")
+    @classmethod
+    def _parse_tenant_weights(cls, value: object) -> object:
+        return parse_weights(value) if isinstance(value, str) else value
+
     @field_validator("api_keys", mode="before")
     @classmethod
     def _split_api_keys(cls, value: object) -> object:
@@ -160,6 +177,13 @@ class Settings(BaseSettings):
     @model_validator(mode="after")
     def _api_keys_file_is_usable(self) -> Settings:
         self._file_keys = self._read_api_keys_file()  # a bad file fails start-up
+        self.tenant_keys()  # one key under two names fails start-up
+        check_weights(self.tenant_weights, self.tenant_names())
+        if self.default_priority > self.priority_levels:
+            raise ValueError(
+                f"SDPA_DEFAULT_PRIORITY {self.default_priority} is past SDPA_PRIORITY_LEVELS "
+                f"{self.priority_levels}"
+            )
         return self
 
     def _read_api_keys_file(self) -> tuple[str, ...]:
@@ -175,8 +199,23 @@ class Settings(BaseSettings):
         _check_api_keys(keys, source=f"SDPA_API_KEYS_FILE ({self.api_keys_file})")
         return tuple(keys)
 
+    def tenant_keys(self) -> dict[str, str]:
+        """Every configured key (SDPA_API_KEYS plus the lines of SDPA_API_KEYS_FILE) -> the
+        name of its tenant."""
+        entries = [key.get_secret_value() for key in self.api_keys] + list(self._file_keys)
+        return tenants_by_key(entries, source="SDPA_API_KEYS / SDPA_API_KEYS_FILE")
+
     def resolved_api_keys(self) -> frozenset[str]:
-        """All configured keys: SDPA_API_KEYS plus the lines of SDPA_API_KEYS_FILE."""
-        keys = {key.get_secret_value() for key in self.api_keys}
-        keys.update(self._file_keys)
-        return frozenset(keys)
+        """All configured keys, without their names."""
+        return frozenset(self.tenant_keys())
+
+    def tenant_names(self) -> frozenset[str]:
+        """The tenants that can exist: the keys' names, or "anonymous" without keys."""
+        return frozenset(self.tenant_keys().values()) or frozenset({ANONYMOUS})
+
+    def queue_share(self) -> float:
+        """The share of MAX_QUEUE one tenant may hold: SDPA_TENANT_MAX_QUEUE_SHARE, else 0.5,
+        or 1 when only one tenant can exist."""
+        if self.tenant_max_queue_share is not None:
+            return self.tenant_max_queue_share
+        return 1.0 if len(self.tenant_names()) <= 1 else 0.5

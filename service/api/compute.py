@@ -28,6 +28,7 @@ from service.middleware.inflight import RESERVE_ANSWER
 from service.runtime.batcher import BatchResult
 from service.runtime.jobs import Outcome, PreparedJob
 from service.serving.pipeline import Call, Reply
+from service.tenants import ANONYMOUS
 
 # A serving pipeline: body bytes and a Call -> a Reply (service.serving.pipeline).
 Pipeline = Callable[[bytes, Call], Awaitable[Reply]]
@@ -106,10 +107,14 @@ async def read_call(
     received = time.monotonic()
     batcher = running_batcher(state)
 
-    async def submit(job: PreparedJob, deadline: float) -> BatchResult[Outcome]:
+    # The tenant the auth middleware named (service.tenants); without keys, "anonymous".
+    tenant = getattr(request.state, "tenant", ANONYMOUS)
+
+    async def submit(job: PreparedJob, deadline: float, priority: int) -> BatchResult[Outcome]:
         queued()
         # A client that disconnects while its job waits takes the job out of the queue.
-        return await cancel_on_disconnect(request, batcher.submit(job, deadline=deadline))
+        queueing = batcher.submit(job, deadline=deadline, tenant=tenant, priority=priority)
+        return await cancel_on_disconnect(request, queueing)
 
     call = Call(
         settings=state.settings,

@@ -9,6 +9,7 @@ model is usable are a known problem of other servers).
 from __future__ import annotations
 
 import asyncio
+import math
 from typing import Any, Final
 
 import torch
@@ -16,7 +17,7 @@ from fastapi import APIRouter
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.responses import PlainTextResponse, Response
 
-from service.api.deps import MetricsDep, StateDep
+from service.api.deps import AppState, MetricsDep, StateDep
 from service.api.errors import problem_response
 from service.api.openapi import UNAUTHORIZED_DOC, json_ref, problem_doc
 from service.version import VERSION
@@ -72,6 +73,13 @@ _INFO_EXAMPLE: Final = {
         "max_queue": 1024,
         "slice_ms": 50.0,
         "backlog_seconds": 0.0,
+    },
+    "tenants": {
+        "max_queue_share": 1.0,
+        "max_queue_per_tenant": 1024,
+        "priority_levels": 3,
+        "default_priority": 2,
+        "tenants": [{"name": "anonymous", "weight": 1.0, "share": 1.0, "backlog_seconds": 0.0}],
     },
     "auth": False,
 }
@@ -154,9 +162,36 @@ async def info(state: StateDep) -> Response:
                 if state.batcher is None
                 else round(state.batcher.backlog_seconds(), 3),
             },
+            "tenants": _tenants(state),
             "auth": state.auth_enabled,
         }
     )
+
+
+def _tenants(state: AppState) -> dict[str, object]:
+    """The tenants, their weights and shares (service.tenants): names only, never keys."""
+    settings, batcher = state.settings, state.batcher
+    names = sorted(settings.tenant_names())
+    weights = {name: settings.tenant_weights.get(name, 1.0) for name in names}
+    total = sum(weights.values())
+    share = settings.queue_share()
+    return {
+        "max_queue_share": share,
+        "max_queue_per_tenant": max(1, math.floor(settings.max_queue * share)),
+        "priority_levels": settings.priority_levels,
+        "default_priority": settings.default_priority,
+        "tenants": [
+            {
+                "name": name,
+                "weight": weight,
+                "share": round(weight / total, 6),
+                "backlog_seconds": 0.0
+                if batcher is None
+                else round(batcher.tenant_backlog_seconds(name), 3),
+            }
+            for name, weight in weights.items()
+        ],
+    }
 
 
 @router.get(

@@ -8,7 +8,8 @@ For every HTTP request it
   method, route, status, latency_ms, batch_size, client (service.server's JSON formatter writes
   them as one JSON line). Never the body, the query string or any header value but the id:
   tensors and keys cannot reach the log;
-- records sdpa_requests_total{route,status} and sdpa_request_duration_seconds{route}, labelled
+- records sdpa_requests_total{route,status,tenant} (the tenant the auth middleware named)
+  and sdpa_request_duration_seconds{route}, labelled
   by the route TEMPLATE (scope["route"].path, set by the router; a mounted app's mount path) so
   that label cardinality stays bounded. A request refused before routing (401, 413, 415, the
   in-flight 503) is labelled with the route it was refused at, found as the router would find
@@ -30,6 +31,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.metrics import Metrics
 from service.middleware.connections import DELIVERY_EXTENSION, Delivery
+from service.tenants import ANONYMOUS
 
 ACCESS_LOGGER = "sdpa.access"
 REQUEST_ID_HEADER = b"x-request-id"
@@ -149,7 +151,10 @@ class AccessLogMiddleware:
     ) -> None:
         final_status = CLIENT_CLOSED_STATUS if status is None else status
         route = route_template(scope, self.included)
-        self.metrics.requests_total.labels(route=route, status=str(final_status)).inc()
+        tenant = state.get("tenant", ANONYMOUS)
+        self.metrics.requests_total.labels(
+            route=route, status=str(final_status), tenant=tenant
+        ).inc()
         self.metrics.request_duration_seconds.labels(route=route).observe(elapsed_s)
 
         batch_size = state.get("batch_size")
@@ -160,6 +165,7 @@ class AccessLogMiddleware:
             "method": scope.get("method", ""),
             "route": route,
             "status": final_status,
+            "tenant": tenant,
             "latency_ms": round(elapsed_s * 1000.0, 3),
             "batch_size": batch_size if isinstance(batch_size, int) else None,
             "client": client[0] if client else None,

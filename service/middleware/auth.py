@@ -12,6 +12,10 @@ A request presents exactly one key: several (two X-API-Key headers, or a Bearer 
 an X-API-Key) are refused without trying any, so that one request is one guess and the refusal
 count in sdpa_rejected_total{reason="unauthorized"} counts guesses.
 
+A request whose key matched belongs to that key's tenant (service.tenants): its name goes to
+scope["state"]["tenant"], where the routes, the queue's fair shares and the access log's
+sdpa_requests_total{tenant} read it; a refused request stays "anonymous".
+
 Comparison is constant time in the key's content and length: both sides are hashed to a fixed
 32-byte SHA-256 digest and compared with hmac.compare_digest against every configured key,
 accumulating the result without an early exit, so neither timing nor the order of keys reveals
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+from collections.abc import Mapping
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -40,8 +45,8 @@ def _digest(secret: str) -> bytes:
 class ApiKeyMiddleware:
     """Reject HTTP requests without a valid API key with 401 problem+json.
 
-    `open_paths` are matched exactly against the request path, `open_prefixes` as prefixes.
-    Non-HTTP scopes (lifespan) pass.
+    `keys` maps each key to its tenant's name. `open_paths` are matched exactly against the
+    request path, `open_prefixes` as prefixes. Non-HTTP scopes (lifespan) pass.
     `metrics`, when given, counts refusals as sdpa_rejected_total{reason="unauthorized"}.
     """
 
@@ -49,7 +54,7 @@ class ApiKeyMiddleware:
         self,
         app: ASGIApp,
         *,
-        keys: frozenset[str],
+        keys: Mapping[str, str],
         open_paths: frozenset[str] = DEFAULT_OPEN_PATHS,
         open_prefixes: tuple[str, ...] = DEFAULT_OPEN_PREFIXES,
         metrics: Metrics | None = None,
@@ -61,14 +66,18 @@ class ApiKeyMiddleware:
         self.open_paths = open_paths
         self.open_prefixes = open_prefixes
         self.metrics = metrics
-        self._key_digests: tuple[bytes, ...] = tuple(_digest(k) for k in sorted(keys))
+        self._key_digests: tuple[tuple[bytes, str], ...] = tuple(
+            (_digest(key), keys[key]) for key in sorted(keys)
+        )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or self._is_open(scope["path"]):
             await self.app(scope, receive, send)
             return
         presented = _presented_keys(scope)
-        if len(presented) == 1 and self._matches(presented[0]):
+        tenant = self._tenant_of(presented[0]) if len(presented) == 1 else None
+        if tenant is not None:
+            scope.setdefault("state", {})["tenant"] = tenant
             await self.app(scope, receive, send)
             return
         if self.metrics is not None:
@@ -84,13 +93,15 @@ class ApiKeyMiddleware:
         # Static asset paths are normalized by the UI route, which 404s anything leaving static/.
         return path in self.open_paths or path.startswith(self.open_prefixes)
 
-    def _matches(self, candidate: str) -> bool:
+    def _tenant_of(self, candidate: str) -> str | None:
+        """The tenant of the configured key equal to `candidate`, None when none is."""
         candidate_digest = _digest(candidate)
-        matched = False
-        for key_digest in self._key_digests:
-            # `|` (not `or`): every comparison runs, whatever matched before.
-            matched |= hmac.compare_digest(candidate_digest, key_digest)
-        return matched
+        tenant = None
+        for key_digest, name in self._key_digests:
+            # Every comparison runs, whatever matched before; the names are no secret.
+            if hmac.compare_digest(candidate_digest, key_digest):
+                tenant = name
+        return tenant
 
 
 def _presented_keys(scope: Scope) -> list[str]:

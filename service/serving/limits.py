@@ -26,6 +26,20 @@ def over_limit(loc: Loc, msg: str, *, kind: str = "limit") -> InvalidRequest:
     return InvalidRequest(msg, errors=[FieldError(loc=loc, msg=msg, type=kind)])
 
 
+def check_priority(priority: int | None, *, settings: Settings, loc: Loc) -> int | None:
+    """The request's priority as sent, within SDPA_PRIORITY_LEVELS (a 422 naming `loc` past
+    it); 0 means the default, as absent does."""
+    if priority is not None and priority > settings.priority_levels:
+        raise over_limit(
+            loc,
+            f"priority {priority} is past the server's {settings.priority_levels} levels "
+            f"(SDPA_PRIORITY_LEVELS): send 1 (the highest) to {settings.priority_levels}, or 0 "
+            f"for the default, {settings.default_priority}",
+            kind="less_than_equal",
+        )
+    return priority or None
+
+
 def check_attention_limits(spec: InputSpec, *, return_weights: bool, settings: Settings) -> None:
     """The output, and the weights when asked for, must fit the element limits."""
     rows = spec.batch * spec.heads * spec.n_q

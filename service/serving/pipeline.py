@@ -35,9 +35,10 @@ from service.wire.json_arrays import PIECES
 T = TypeVar("T")
 OutcomeT = TypeVar("OutcomeT", AttentionOutcome, AnalyzeOutcome)
 
-# Queue a prepared job with its deadline (time.monotonic()) -> its answer. The api layer binds
-# it to the batcher and to the client's connection (a disconnect cancels the wait).
-Submit = Callable[[PreparedJob, float], Awaitable[BatchResult[Outcome]]]
+# Queue a prepared job with its deadline (time.monotonic()) and its priority level (1 the
+# highest) -> its answer. The api layer binds it to the batcher, to the request's tenant and to
+# the client's connection (a disconnect cancels the wait).
+Submit = Callable[[PreparedJob, float, int], Awaitable[BatchResult[Outcome]]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,7 +81,8 @@ async def run_prepared(
     """Queue the prepared job and wait for its outcome -> (outcome, its batch, the meta fields)."""
     if call.reserve_answer is not None and request.working_bytes:
         call.reserve_answer(request.working_bytes)
-    batch = await call.submit(request.prepared, _deadline(request, call))
+    priority = request.priority or call.settings.default_priority
+    batch = await call.submit(request.prepared, _deadline(request, call), priority)
     outcome = batch.value
     if not isinstance(outcome, kind):  # the engine answered another job kind: our bug, a 500
         raise TypeError(f"engine returned {type(outcome).__name__} for a {kind.__name__} job")

@@ -23,6 +23,7 @@ from service.serving.limits import (
     attention_work_hint,
     check_analysis_limits,
     check_attention_limits,
+    check_priority,
     check_response_size,
     check_synthetic_limits,
     check_work,
@@ -62,6 +63,8 @@ class PreparedRequest:
     timeout_ms: float | None
     response_bytes: int = 0  # the answer's estimated size (0: a small, fixed-size answer)
     tag: str | None = None  # labels the request's health metrics (service.serving.health)
+    # Its level among its tenant's waiting requests (1 the highest); None: the default.
+    priority: int | None = None
     # Whether the answer carries the output (v1 return_output; v2: "output" among the outputs).
     return_output: bool = True
     # What the request holds at its peak from compute to send (limits.answer_working_bytes):
@@ -133,6 +136,7 @@ def prepare_attention(
         cost=cost,
         tag=req.tag,
         return_output=req.return_output,
+        priority=check_priority(req.priority, settings=settings, loc=("body", "priority")),
     )
 
 
@@ -170,6 +174,7 @@ def prepare_attention_job(
     tag: str | None = None,
     sized_as: SizedAs | None = None,
     return_output: bool = True,
+    priority: int | None = None,
 ) -> PreparedRequest:
     """A decoded attention job -> validated once and within every limit. Both protocols' doors
     (v1 JSON, v2) come through here. The answer is sized in `encoding`, or in `sized_as` when
@@ -206,6 +211,7 @@ def prepare_attention_job(
         working_bytes=working,
         tag=tag,
         return_output=return_output,
+        priority=priority,
     )
 
 
@@ -292,4 +298,7 @@ def prepare_analyze(
         heads=spec.heads, batch=spec.batch, n_q=spec.n_q, n_kv=spec.n_kv, d=spec.d,
         strategies=strategies, cost=cost, settings=settings, loc=where,
     )  # fmt: skip
-    return PreparedRequest(prepared=prepared, encoding="json", timeout_ms=req.timeout_ms)
+    priority = check_priority(req.priority, settings=settings, loc=("body", "priority"))
+    return PreparedRequest(
+        prepared=prepared, encoding="json", timeout_ms=req.timeout_ms, priority=priority
+    )

@@ -20,6 +20,7 @@ from sdpa_core import PER_HEAD_FIELDS, PER_ROW_FIELDS, Masks
 from service.errors import MAX_LOC_TEXT, FieldError, InvalidRequest, clip
 from service.runtime.jobs import AttentionJob
 from service.runtime.policy import CostModel
+from service.serving.limits import check_priority
 from service.serving.prepare import PreparedRequest, prepare_attention_job, temperature_scale
 from service.settings import Settings
 from service.wire.codec import loads_request
@@ -151,6 +152,9 @@ def prepare_infer(
         cost=cost,
         tag=params.tag,
         return_output="output" in named,
+        priority=check_priority(
+            params.priority, settings=settings, loc=("v2", "parameters", "priority")
+        ),
     )
     return PreparedInfer(
         request=prepared,

@@ -414,6 +414,14 @@ class _MaskFields(RequestModel):
         le=3_600_000,
         description="Deadline for this request; null = the server's SDPA_REQUEST_TIMEOUT_MS.",
     )
+    priority: int | None = Field(
+        default=None,
+        ge=0,
+        le=2**31 - 1,
+        description="Its place among this tenant's own waiting requests (Triton's convention): 1 "
+        "is the highest level, larger values lower; 0 or null = SDPA_DEFAULT_PRIORITY. At most "
+        "SDPA_PRIORITY_LEVELS. It never puts one tenant before another.",
+    )
 
 
 _SMALL_Q = [[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]]
@@ -696,6 +704,33 @@ class BatchingOut(_Out):
     )
 
 
+class TenantOut(_Out):
+    name: str
+    weight: float = Field(description="Its weight in the fair shares (SDPA_TENANT_WEIGHTS).")
+    share: float = Field(
+        description="Its share of the device when every tenant has work waiting: its weight "
+        "over all the weights."
+    )
+    backlog_seconds: float = Field(
+        description="Estimated seconds to work off its queued and running work at its fair "
+        "share now (what its 429's Retry-After says)."
+    )
+
+
+class TenantsOut(_Out):
+    max_queue_share: float = Field(
+        description="The share of max_queue one tenant may hold; past it, 429 "
+        "(SDPA_TENANT_MAX_QUEUE_SHARE)."
+    )
+    max_queue_per_tenant: int
+    priority_levels: int = Field(description="1 is the highest (SDPA_PRIORITY_LEVELS).")
+    default_priority: int = Field(description="A request's level when it names none, or 0.")
+    tenants: list[TenantOut] = Field(
+        description='The configured tenants (the API keys\' names; "anonymous" without keys). '
+        "Never the keys."
+    )
+
+
 class InfoOut(_Out):
     version: str
     device: str
@@ -709,6 +744,7 @@ class InfoOut(_Out):
     limits: LimitsOut
     cost_model: CostModelOut
     batching: BatchingOut
+    tenants: TenantsOut
     auth: bool = Field(description="True when an API key is required.")
 
 

@@ -137,8 +137,10 @@ class RequestParameters(RequestModel):
     priority: int | None = Field(
         default=None,
         ge=0,
-        description="Accepted as tritonclient sends it; the queue serves requests in arrival "
-        "order (it has one priority level).",
+        le=2**31 - 1,
+        description="As tritonclient sends it: the request's place among its tenant's own "
+        "waiting requests, 1 the highest level, larger values lower; 0 or absent: "
+        "SDPA_DEFAULT_PRIORITY. At most SDPA_PRIORITY_LEVELS.",
     )
     binary_data_output: bool = Field(
         default=False, description="Every output as binary data unless it says otherwise."

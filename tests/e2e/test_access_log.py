@@ -101,7 +101,8 @@ def test_missing_or_insane_request_ids_are_replaced(server: LiveServer, sent: st
 
 def test_route_templates_statuses_and_metrics(server: LiveServer) -> None:
     def count(text: str, route: str, status: str) -> float:
-        pattern = rf'^sdpa_requests_total\{{route="{re.escape(route)}",status="{status}"\}} (\S+)$'
+        labels = rf'route="{re.escape(route)}",status="{status}",tenant="[^"]+"'
+        pattern = rf"^sdpa_requests_total\{{{labels}\}} (\S+)$"
         match = re.search(pattern, text, re.M)
         return float(match.group(1)) if match else 0.0
 

@@ -219,4 +219,5 @@ def test_one_request_is_one_guess_of_the_api_key(tmp_path: Path) -> None:
             assert one.status_code == 200
             metrics = client.get("/metrics", headers={"X-API-Key": "right-key"}).text
         assert re.search(r'^sdpa_rejected_total\{reason="unauthorized"\} 1\.0$', metrics, re.M)
-        assert 'sdpa_requests_total{route="/v1/attention",status="401"} 1.0' in metrics
+        refused = 'sdpa_requests_total{route="/v1/attention",status="401",tenant="anonymous"}'
+        assert f"{refused} 1.0" in metrics

@@ -161,10 +161,11 @@ def test_without_keys_everything_is_open(tmp_path: Path) -> None:
 
 def _app(metrics: Metrics) -> ApiKeyMiddleware:
     async def echo(request: Request) -> PlainTextResponse:
-        return PlainTextResponse(request.url.path)
+        # The tenant the middleware named, for the routes behind it.
+        return PlainTextResponse(f"{request.url.path} {getattr(request.state, 'tenant', '-')}")
 
     inner = Starlette(routes=[Route("/{path:path}", echo, methods=["GET", "POST"])])
-    return ApiKeyMiddleware(inner, keys=frozenset({"a", "bb"}), metrics=metrics)
+    return ApiKeyMiddleware(inner, keys={"a": "team-a", "bb": "team-b"}, metrics=metrics)
 
 
 def test_middleware_header_handling() -> None:
@@ -196,6 +197,10 @@ def test_middleware_header_handling() -> None:
     # Open paths match exactly: a longer path is not a loophole.
     assert got["healthz/extra"].status_code == got["readyzz"].status_code == 401
     assert got["x-api-key"].status_code == got["bearer"].status_code == 200
+    # Each key's requests belong to its tenant; the open paths to nobody.
+    assert got["x-api-key"].text == "/x team-b"
+    assert got["bearer"].text == "/x team-a"
+    assert got["healthz"].text == "/healthz -"
     # One request is one guess: several keys are refused, none tried, even when one is right.
     assert got["both"].status_code == got["right_twice"].status_code == 401
     assert got["guesses"].status_code == 401
@@ -209,4 +214,4 @@ def test_middleware_header_handling() -> None:
 
 def test_middleware_refuses_an_empty_key_set() -> None:
     with pytest.raises(ValueError, match="at least one key"):
-        ApiKeyMiddleware(_app(Metrics()), keys=frozenset())
+        ApiKeyMiddleware(_app(Metrics()), keys={})

@@ -247,7 +247,7 @@ def test_a_client_that_reads_nothing_is_aborted_after_the_send_timeout(
             pass
     assert 0 < received < 20_000_000  # cut off: what the buffers held, not the 89 MB
     assert access_record(server, "never-read")["status"] == 499
-    aborted = 'sdpa_requests_total{route="/v1/attention",status="499"}'
+    aborted = 'sdpa_requests_total{route="/v1/attention",status="499",tenant="anonymous"}'
     assert counter(httpx.get(f"{server.url}/metrics").text, aborted) == (
         counter(metrics_before, aborted) + 1
     )

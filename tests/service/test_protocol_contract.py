@@ -673,7 +673,8 @@ def test_a_trailer_section_past_its_bound_is_answered_431_by_the_app_then_closed
         assert not transport.closed
         await asyncio.sleep(0.1)
         assert transport.closed
-        assert counter(metrics, "sdpa_requests_total", route="unmatched", status="431") == 1
+        labels = {"route": "unmatched", "status": "431", "tenant": "anonymous"}
+        assert counter(metrics, "sdpa_requests_total", **labels) == 1
 
     with caplog.at_level(logging.INFO, logger="sdpa.access"):
         run(scenario)

@@ -62,4 +62,5 @@ def test_unknown_docs_asset_is_a_404_problem_labelled_by_its_mount(client: httpx
     metrics = client.get("/metrics").text
     # The assets are a mounted app, which sets no route: the label is the mount path, so
     # that dashboards see the docs assets (not "unmatched").
-    assert f'sdpa_requests_total{{route="{DOCS_ASSETS}",status="404"}}' in metrics
+    labels = f'route="{DOCS_ASSETS}",status="404",tenant="anonymous"'
+    assert f"sdpa_requests_total{{{labels}}}" in metrics

@@ -38,7 +38,7 @@ def test_v1_compressed_equals_plain(client: httpx.Client, encoding: str) -> None
 def test_compressed_requests_are_counted_under_their_route(client: httpx.Client) -> None:
     """The access log and the metrics label a compressed request by its route, not
     "unmatched" (the router must record the route in the scope the access log reads)."""
-    series = 'sdpa_requests_total{route="/v1/attention",status="200"}'
+    series = 'sdpa_requests_total{route="/v1/attention",status="200",tenant="anonymous"}'
 
     def count() -> float:
         for line in client.get("/metrics").text.splitlines():

@@ -546,7 +546,7 @@ def test_deadlines_are_instants_of_the_injected_clock() -> None:
         answers = list(await asyncio.gather(first, doomed, kept, return_exceptions=True))
         # 10 s a batch, one unit of work each (no cost model): the pace says so, after the
         # prior of one second per unit; timed on the real clock, it would say ~0 s.
-        pace = b._busy_s / b._done_work
+        pace = b._pace.seconds_per_work()
         await b.drain(5)
         assert 5.0 < pace < 10.0
         return answers

@@ -21,7 +21,7 @@ import pytest
 
 from service.errors import DeadlineExceeded, DeadlineUnreachable, ShuttingDown
 from service.metrics import Metrics
-from service.runtime import batcher as batcher_module
+from service.runtime import turns as turns_module
 from service.runtime.batcher import FEW_SLICES, MAX_RUNNING_LONG, BatchResult, DynamicBatcher
 from tests.service.runtime.test_batcher import FAR, deadline_in, rejected, run, until
 
@@ -262,7 +262,7 @@ def test_at_most_max_running_long_run_the_rest_wait_oldest_first() -> None:
         names = [f"L{i}:{SLICES}" for i in range(MAX_RUNNING_LONG + 2)]
         tasks = [submit(b, name) for name in names]
         while not all(task.done() for task in tasks):
-            running.append(len(b._longs))
+            running.append(len(b._turns.longs))
             await asyncio.sleep(TILE_S / 4)
         await asyncio.gather(*tasks)
         await b.drain(5)
@@ -394,10 +394,10 @@ def test_a_share_done_out_of_bounds_never_makes_the_backlog_negative_or_nan() ->
 
     async def main() -> tuple[float, float]:
         await batcher.start()
-        credited_before = batcher._done_work
+        credited_before = batcher._pace.done_work
         await batcher.submit("Lwild:10", deadline=deadline_in(FAR))
         backlogs.append(batcher.backlog_seconds())
-        credited = batcher._done_work - credited_before
+        credited = batcher._pace.done_work - credited_before
         await batcher.drain(5)
         return credited, work_of("Lwild:10")
 
@@ -503,7 +503,7 @@ def test_a_long_item_of_few_slices_joins_past_the_cap() -> None:
         await b.start()
         bigs = [submit(b, f"L{i}:100") for i in range(MAX_RUNNING_LONG)]
         # all four admitted to run (they take their tiles one after another: least work left)
-        await until(lambda: len(b._longs) == MAX_RUNNING_LONG and device.tiles_of("L0") >= 1)
+        await until(lambda: len(b._turns.longs) == MAX_RUNNING_LONG and device.tiles_of("L0") >= 1)
         started = time.monotonic()
         await b.submit("Lfew:2", deadline=deadline_in(FAR))
         waited = time.monotonic() - started
@@ -537,7 +537,7 @@ def test_the_pace_learns_from_long_items_that_finish_early() -> None:
         await b.start()
         for i in range(5):
             await b.submit(f"L{i}:10", deadline=deadline_in(FAR))
-        pace = b._busy_s / b._done_work  # device seconds per estimated second
+        pace = b._pace.seconds_per_work()  # device seconds per estimated second
         await b.drain(5)
         return pace
 
@@ -555,10 +555,10 @@ def test_long_items_of_few_slices_join_past_the_cap_only_up_to_twice_it() -> Non
         await b.start()
         bigs = [submit(b, f"L{i}:100") for i in range(MAX_RUNNING_LONG)]
         # all four admitted to run (they take their tiles one after another: least work left)
-        await until(lambda: len(b._longs) == MAX_RUNNING_LONG and device.tiles_of("L0") >= 1)
+        await until(lambda: len(b._turns.longs) == MAX_RUNNING_LONG and device.tiles_of("L0") >= 1)
         few = [submit(b, f"Lf{i}:2") for i in range(3 * MAX_RUNNING_LONG)]
         while not all(task.done() for task in few):
-            running.append(len(b._longs))
+            running.append(len(b._turns.longs))
             await asyncio.sleep(TILE_S / 4)
         for task in bigs:
             task.cancel()
@@ -883,7 +883,8 @@ def test_a_queued_long_item_joins_by_deadline_not_behind_far_ones() -> None:
         await b.start()
         far = [submit_in(b, f"L{i}:6", 1000.0) for i in range(12)]
         await held_at(device, START + 5)  # L0 ran 5 tiles, its 6th is on the device
-        assert [long.pending.item for long in b._longs.values()] == [f"L{i}:6" for i in range(4)]
+        running = [long.pending.item for long in b._turns.longs.values()]
+        assert running == [f"L{i}:6" for i in range(4)]
         x = asyncio.create_task(b.submit("Lx:5", deadline=clock.now + 7.0))
         await asyncio.sleep(0)  # admitted, or refused, before the device goes on
         let_go(device)
@@ -985,7 +986,7 @@ def test_retry_after_of_a_deadline_refusal_is_searched_among_many_and_holds() ->
     assert rejected(metrics, "deadline_unreachable") == 2
 
 
-class CountedTurns(batcher_module._Turns):
+class CountedTurns(turns_module.Turns):
     """A projection that counts the items it takes in (running or joining): its cost."""
 
     taken: ClassVar[list[int]] = []
@@ -997,7 +998,7 @@ class CountedTurns(batcher_module._Turns):
 
 def count_admissions(b: DynamicBatcher[str, str], costs: dict[str, int]) -> None:
     """costs[item]: how many items the admission of `item` took into projections."""
-    refusal = b._refusal
+    refusal = b._turns.refusal
 
     def counted(pending: Any, now: float) -> Any:
         before = len(CountedTurns.taken)
@@ -1006,7 +1007,7 @@ def count_admissions(b: DynamicBatcher[str, str], costs: dict[str, int]) -> None
         finally:
             costs[pending.item] = len(CountedTurns.taken) - before
 
-    b._refusal = counted  # type: ignore[method-assign]
+    b._turns.refusal = counted  # type: ignore[method-assign]
 
 
 def test_a_refusal_behind_a_thousand_far_items_projects_a_few_of_them(
@@ -1021,7 +1022,7 @@ def test_a_refusal_behind_a_thousand_far_items_projects_a_few_of_them(
     is done or dropped, as the rest would all finish whatever the order. (Before, the
     refusal projected all 1004 twice, at about 5 ms each on the event loop, and said 60.)
     The thousand were admitted without a projection: each is last in line."""
-    monkeypatch.setattr(batcher_module, "_Turns", CountedTurns)
+    monkeypatch.setattr(turns_module, "Turns", CountedTurns)
     CountedTurns.taken = []
     clock = Clock()
     device = ClockedDevice(clock)
@@ -1100,9 +1101,9 @@ def test_the_projections_give_up_past_a_bound_and_refuse_what_they_cannot_tell(
     admitted and X due at 5(B + 10) + 0.25 s, B the bound, k >= 5N + 5 - (5(B + 10) +
     0.25) = 54.75 s, so 55. A submit never takes more items into the projections than that
     bound, however long the queue (before, each refusal projected the whole queue twice)."""
-    monkeypatch.setattr(batcher_module, "_Turns", CountedTurns)
+    monkeypatch.setattr(turns_module, "Turns", CountedTurns)
     CountedTurns.taken = []
-    bound = batcher_module._PROJECTED_LONGS
+    bound = turns_module._PROJECTED_LONGS
     count = bound + 20
     clock = Clock()
     device = ClockedDevice(clock)
@@ -1154,7 +1155,7 @@ async def play(workload: list[tuple[int, str, float]]) -> list[str]:
     for second in sorted({at for at, _, _ in workload}):
         device.pause_at = START + second if clock.now < START + second else -math.inf
         while not await asyncio.to_thread(device.paused.wait, 0.005):
-            if not b._longs and not b.depth and not b.device_busy:
+            if not b._turns.longs and not b.depth and not b.device_busy:
                 break  # idle: the clock stands still, the items arrive now
         device.pause_at = -math.inf  # (should it start a tile meanwhile, it holds first)
         for at, item, seconds in workload:

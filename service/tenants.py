@@ -1,0 +1,85 @@
+"""Tenants: who a request belongs to, by the API key it came with.
+
+A tenant is the name of an API key. SDPA_API_KEYS entries (and SDPA_API_KEYS_FILE lines) are
+`key` or `name=key`, name [A-Za-z0-9_.-]{1,32}; a bare key is named by the first 8 hex digits of
+its sha256, so the name never reveals the key. Several keys may share a name (a team rotating
+its key keeps its share). Without keys, every request belongs to the tenant "anonymous". The
+names are the only values of the metrics' `tenant` label, so its cardinality is what the
+operator configured, whatever clients send.
+
+This module owns the naming rules and the parsing of SDPA_TENANT_WEIGHTS; the queue
+(service.runtime.queue) serves tenants by their weights.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import re
+from collections.abc import Iterable, Mapping
+from typing import Final
+
+ANONYMOUS: Final = "anonymous"
+TENANT_NAME: Final = re.compile(r"[A-Za-z0-9_.-]{1,32}")
+_NAMED_KEY: Final = re.compile(r"([A-Za-z0-9_.-]{1,32})=(.+)", re.DOTALL)
+
+
+def bare_key_name(key: str) -> str:
+    """The name of a key configured without one: the first 8 hex digits of its sha256."""
+    return hashlib.sha256(key.encode("utf-8")).hexdigest()[:8]
+
+
+def split_key_entry(entry: str) -> tuple[str, str]:
+    """`name=key` -> (name, key); a bare `key` -> (its hashed name, key). An entry whose part
+    before the first '=' is not a valid name is a bare key (keys may hold '=')."""
+    match = _NAMED_KEY.fullmatch(entry)
+    if match is not None:
+        return match.group(1), match.group(2)
+    return bare_key_name(entry), entry
+
+
+def tenants_by_key(entries: Iterable[str], *, source: str) -> dict[str, str]:
+    """key -> tenant name for every configured entry. One key under two names fails: which
+    tenant would its requests belong to? (The message names the key by position only.)"""
+    names: dict[str, str] = {}
+    for number, entry in enumerate(entries, start=1):
+        name, key = split_key_entry(entry)
+        if names.setdefault(key, name) != name:
+            raise ValueError(
+                f"{source}: key #{number} is configured for tenants {names[key]!r} and {name!r}"
+            )
+    return names
+
+
+def parse_weights(text: str) -> dict[str, float]:
+    """SDPA_TENANT_WEIGHTS, "name=w,..." (w a positive finite number) -> {name: w}."""
+    weights: dict[str, float] = {}
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        name, sep, value = part.partition("=")
+        name = name.strip()
+        if not sep or not TENANT_NAME.fullmatch(name):
+            raise ValueError(f"{part!r}: each entry is name=weight, name of [A-Za-z0-9_.-]{{1,32}}")
+        try:
+            weight = float(value)
+        except ValueError:
+            raise ValueError(f"{part!r}: the weight must be a number") from None
+        if not (0.0 < weight < math.inf):
+            raise ValueError(f"{part!r}: the weight must be positive and finite")
+        if name in weights:
+            raise ValueError(f"{name!r} is given a weight twice")
+        weights[name] = weight
+    return weights
+
+
+def check_weights(weights: Mapping[str, float], names: Iterable[str]) -> None:
+    """Every weighted tenant must be one that can exist: a configured name, or "anonymous"
+    without keys (a typo would otherwise weigh nobody, silently)."""
+    known = set(names)
+    unknown = sorted(set(weights) - known)
+    if unknown:
+        raise ValueError(
+            f"SDPA_TENANT_WEIGHTS names {', '.join(map(repr, unknown))}, not a configured "
+            f"tenant (the tenants are: {', '.join(map(repr, sorted(known)))})"
+        )
