@@ -7,6 +7,7 @@ attention TFLOP/s against torch's SDPA called directly.
 2. Attention TFLOP/s (4 * B * H * N_q * N_kv * D, halved for causal) of sdpa_core's fused path
    (attention(), what the engine calls) ÷ torch.nn.functional.scaled_dot_product_attention on
    the same tensors, alternated, timed with CUDA events. Goal: >= 0.95.
+3. Summary diagnostics ÷ the fused path and ÷ SDPA at N >= 1024 (issue 26). Goal: <= 1.3.
 
 Runs on CUDA; `--device cpu` runs the same measurements on the CPU (the issue's goals are
 for a GPU). Writes bench/results/gpu.json and gpu.md (gpu-cpu.* with --device cpu).
@@ -52,6 +53,8 @@ SHAPES = [
     (2, 16, 4096, 64, True),
     (1, 32, 8192, 128, True),
 ]
+# Issue 26's summary-diagnostics shapes (N >= 1024).
+SUMMARY_SHAPES = [(1, 8, 1024, 64, False), (1, 8, 2048, 64, True), (4, 16, 4096, 64, False)]
 
 
 def synchronize(device: torch.device) -> None:
@@ -136,6 +139,43 @@ def fused_against_sdpa(
     return rows
 
 
+def summary_against_fused(
+    device: torch.device, dtype: torch.dtype, repeats: int
+) -> list[dict[str, Any]]:
+    """Issue 26's GPU target: attention(..., diagnostics="summary") ÷ the fused path and ÷
+    torch's SDPA (flash or cuDNN) on the same tensors, alternated, at N >= 1024."""
+    rows = []
+    gen = torch.Generator().manual_seed(1)
+    shapes = SUMMARY_SHAPES if device.type == "cuda" else [(1, 8, 1024, 64, False)]
+    for b, h, n, d, causal in shapes:
+        q, k, v = (torch.randn(b, h, n, d, generator=gen).to(device, dtype) for _ in range(3))
+        calls = {
+            "summary": functools.partial(attention, q, k, v, causal=causal, diagnostics="summary"),
+            "fused": functools.partial(attention, q, k, v, causal=causal),
+            "sdpa": functools.partial(scaled_dot_product_attention, q, k, v, is_causal=causal),
+        }
+        seconds: dict[str, list[float]] = {name: [] for name in calls}
+        for order in (("summary", "fused", "sdpa"), ("sdpa", "fused", "summary")):
+            for name in order:
+                seconds[name].append(timed(calls[name], device, repeats))
+        best = {name: min(values) for name, values in seconds.items()}
+        rows.append(
+            {
+                "shape": [b, h, n, d],
+                "causal": causal,
+                "dtype": str(dtype).removeprefix("torch."),
+                "summary_ms": best["summary"] * 1e3,
+                "fused_ms": best["fused"] * 1e3,
+                "sdpa_ms": best["sdpa"] * 1e3,
+                "summary_over_fused": best["summary"] / best["fused"],
+                "summary_over_sdpa": best["summary"] / best["sdpa"],
+                "goal": 1.3,
+            }
+        )
+        del q, k, v
+    return rows
+
+
 def markdown(report: dict[str, Any]) -> str:
     e = report["engine_batching"]
     lines = [
@@ -155,6 +195,22 @@ def markdown(report: dict[str, Any]) -> str:
         lines.append(
             f"| {r['shape']} | {r['causal']} | {r['dtype']} | {r['backend']} | "
             f"{r['fused_tflops']:.2f} | {r['sdpa_tflops']:.2f} | {r['ratio']:.3f} ({met}) |"
+        )
+    lines += [
+        "",
+        'Summary diagnostics (attention(..., diagnostics="summary")) against the fused path and',
+        "torch's SDPA, best of alternated medians (issue 26's goal: summary ÷ flash <= 1.3):",
+        "",
+        "| shape [B, H, N, D] | causal | dtype | summary ms | fused ms | SDPA ms "
+        "| summary ÷ fused | summary ÷ SDPA |",
+        "|---|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in report["summary_vs_fused"]:
+        met = "met" if r["summary_over_sdpa"] <= r["goal"] else "missed"
+        lines.append(
+            f"| {r['shape']} | {r['causal']} | {r['dtype']} | {r['summary_ms']:.3f} | "
+            f"{r['fused_ms']:.3f} | {r['sdpa_ms']:.3f} | {r['summary_over_fused']:.2f} | "
+            f"{r['summary_over_sdpa']:.2f} ({met}) |"
         )
     return "\n".join(lines) + "\n"
 
@@ -181,6 +237,7 @@ def main() -> int:
         "torch": torch.__version__,
         "engine_batching": engine_batching(device, args.seconds),
         "fused_vs_sdpa": fused_against_sdpa(device, dtype, args.repeats),
+        "summary_vs_fused": summary_against_fused(device, dtype, args.repeats),
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
     stem = "gpu" if device.type == "cuda" else "gpu-cpu"
