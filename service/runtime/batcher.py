@@ -49,7 +49,8 @@ The rooms
 - here: submit, the deadline timers, the worker that takes batches and tiles, and the drain.
 
 Time (deadlines, the pace, the projections) comes from one ``clock``, time.monotonic unless
-another is given; the deadline timer runs on the event loop's clock, the same one by default.
+another is given; the deadline timers run on the event loop's clock (the same one by default)
+unless ``call_at`` schedules them on the injected clock (tests step a fake one: no sleeps).
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Hashable, Mapping, Sequence
-from typing import Generic, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 from service.errors import (
     DeadlineExceeded,
@@ -91,6 +92,12 @@ R = TypeVar("R")
 V = TypeVar("V")
 
 logger = logging.getLogger("sdpa.batcher")
+
+
+class Cancellable(Protocol):
+    """A scheduled call that can be called off (asyncio.TimerHandle is one)."""
+
+    def cancel(self) -> None: ...
 
 
 def _twin(error: Exception) -> BaseException:
@@ -142,6 +149,7 @@ class DynamicBatcher(Generic[T, R]):
         slice_s: float | None = None,
         start_long: Callable[[T, int], Resumable[R]] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        call_at: Callable[[float, Callable[[], None]], Cancellable] | None = None,
         tenant_weights: Mapping[str, float] | None = None,
         tenant_queue_share: float = 1.0,
     ) -> None:
@@ -161,6 +169,10 @@ class DynamicBatcher(Generic[T, R]):
         # The one time source: deadlines are its instants, and the pace, the backlog and the
         # long items' projections are measured on it (a test injects a clock it steps).
         self._clock = clock
+        # Schedules fn at an instant of that clock (the deadline timers): by default on the
+        # event loop, whose clock may run apart from `clock`; a test's fake clock fires them
+        # itself as it steps.
+        self._call_at = call_at
         self._group_key = group_key
         self._max_batch_size = max_batch_size
         self._max_batch_delay_s = max_batch_delay_s
@@ -328,7 +340,11 @@ class DynamicBatcher(Generic[T, R]):
         # asyncio.wait) saves an event-loop round trip per request, which costs milliseconds
         # when the loop is saturated.
         future = pending.future
-        timer = asyncio.get_running_loop().call_later(remaining, self._expire, pending)
+        expire = functools.partial(self._expire, pending)
+        if self._call_at is None:
+            timer: Cancellable = asyncio.get_running_loop().call_later(remaining, expire)
+        else:
+            timer = self._call_at(deadline, expire)
         try:
             return await future
         except asyncio.CancelledError:

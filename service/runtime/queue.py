@@ -32,8 +32,8 @@ the device and the other tenants' fair shares, not by the flood.
 Within one tenant, ``priority`` orders its own waiting items (Triton's convention: 1 the
 highest level, larger values lower), the oldest first within a level; it never puts one
 tenant before another. A batch takes the chosen tenant's items of its first item's group by
-priority, then the same group's items of other tenants in arrival order (each charged to its
-own tenant: riding along costs their shares what they use). With one tenant and one priority
+priority, then the same group's items of other tenants by priority and arrival (each charged to
+its own tenant: riding along costs their shares what they use). With one tenant and one priority
 level this is exactly first come, first served by group.
 
 Each tenant may hold at most its share of the queue (``tenant_limit``); the batcher answers a
@@ -332,7 +332,8 @@ class WorkQueue(Generic[T, R]):
 
     def batch_order(self, first: Item[T, R]) -> list[Item[T, R]]:
         """The short items of `first`'s group in the order a batch takes them: its tenant's by
-        priority (oldest first within a level), then other tenants' in arrival order."""
+        priority (oldest first within a level), then other tenants' likewise (by priority,
+        then arrival: each tenant's own order is kept)."""
         own: dict[int, list[Item[T, R]]] = {}
         others: list[Item[T, R]] = []
         for item in self._groups[first.key].values():
@@ -343,6 +344,8 @@ class WorkQueue(Generic[T, R]):
             else:
                 others.append(item)
         ordered = [item for level in sorted(own) for item in own[level]]
+        if others:
+            others.sort(key=lambda item: (item.priority, item.seq))
         return ordered + others
 
     def queued_of(self, name: str) -> int:

@@ -562,26 +562,6 @@ def test_deadlines_are_instants_of_the_injected_clock() -> None:
     assert rejected(metrics, "deadline") == 1
 
 
-def test_deadline_does_not_interrupt_a_request_already_on_the_device() -> None:
-    device = FakeDevice()
-    metrics = Metrics()
-
-    async def main() -> BatchResult[str]:
-        b = make(device, metrics=metrics)
-        device.hold()
-        await b.start()
-        task = submit(b, "a1", timeout=0.05)
-        await device.wait_busy()
-        await asyncio.sleep(0.1)  # the deadline passes while a1 computes
-        device.release()
-        result = await task
-        await b.drain(5)
-        return result
-
-    assert run(main()).value == "A1"
-    assert rejected(metrics, "deadline") == 0
-
-
 def test_cancelled_request_is_dropped_before_compute_and_counted() -> None:
     device = FakeDevice()
     metrics = Metrics()

@@ -1,0 +1,307 @@
+"""Tenants in the runtime (service.runtime.queue, service.runtime.batcher): fair shares by
+weight in estimated work, no credit banked while idle, priority within a tenant only, the
+per-tenant share of the queue (429) beside the service-wide 503, and each item answered once.
+The queue is driven directly (its order computed by hand), the batcher on a fake clock: nothing
+here sleeps to test an order or a deadline."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Coroutine, Sequence
+from typing import Any, TypeVar
+
+import pytest
+
+from service.errors import DeadlineExceeded, QueueFull, TenantQueueFull
+from service.metrics import Metrics
+from service.runtime.batcher import BatchResult, DynamicBatcher
+from service.runtime.queue import Item, State, WorkQueue
+from tests.support.fake_clock import FakeClock
+
+T = TypeVar("T")
+
+
+def run(coro: Coroutine[Any, Any, T]) -> T:
+    return asyncio.run(coro)
+
+
+class Queue:
+    """A WorkQueue of string items ('<group><n>'), each of the given work, for a test that
+    takes batches the way the batcher does (next_short, batch_order, take)."""
+
+    def __init__(self, weights: dict[str, float] | None = None) -> None:
+        self.queue: WorkQueue[str, str] = WorkQueue(weights=weights)
+        self.loop = asyncio.new_event_loop()
+
+    def close(self) -> None:
+        self.loop.close()
+
+    def add(
+        self, name: str, tenant: str, *, work: float = 1.0, priority: int = 1
+    ) -> Item[str, str]:
+        item: Item[str, str] = Item(
+            item=name, key=name[0], cost=0.0, work=work, seq=self.queue.next_seq(),
+            deadline=1e9, enqueued=0.0, future=self.loop.create_future(), tenant=tenant,
+            priority=priority,
+        )  # fmt: skip
+        self.queue.enqueue(item)
+        return item
+
+    def serve(self, batches: int, *, max_batch: int = 1) -> list[str]:
+        """The items of the next `batches` batches, in the order taken."""
+        taken: list[str] = []
+        for _ in range(batches):
+            first = self.queue.next_short()
+            if first is None:
+                break
+            for item in self.queue.batch_order(first)[:max_batch]:
+                self.queue.take(item, now=0.0)
+                taken.append(item.item)
+        return taken
+
+
+@pytest.fixture
+def q() -> Any:
+    queue = Queue()
+    yield queue
+    queue.close()
+
+
+def test_tenants_are_served_in_proportion_to_their_weights() -> None:
+    """A weighs 1, B 4, items of equal work, interleaved A0 B0 A1 B1 ...; start-time fair
+    queueing by hand: A0 (tie at 0, the oldest), then B until its virtual time reaches A's 1
+    (B0..B3: 1/4 .. 1), A1 on the tie (older), B4..B7, A2 ...: 1 to 4. (Quarters are exact in
+    binary: thirds summed drift below the tie.)"""
+    queue = Queue({"A": 1.0, "B": 4.0})
+    for i in range(12):
+        queue.add(f"a{i}", "A")
+        queue.add(f"b{i}", "B")
+    order = queue.serve(12)
+    queue.close()
+    assert order == ["a0", "b0", "b1", "b2", "b3", "a1", "b4", "b5", "b6", "b7", "a2", "b8"]
+
+
+def test_shares_are_measured_in_work_not_in_requests() -> None:
+    """A's items cost 10 units, B's 1, equal weights: B is served ten items per item of A
+    (by hand: A0 at 0; B0..B9 take B from 0 to 10; then A1 on the tie at 10, the older)."""
+    queue = Queue()
+    for i in range(3):
+        queue.add(f"a{i}", "A", work=10.0)
+    for i in range(20):
+        queue.add(f"b{i}", "B", work=1.0)
+    order = queue.serve(13)
+    queue.close()
+    assert order == ["a0", *[f"b{i}" for i in range(10)], "a1", "b10"]
+
+
+def test_a_flood_delays_another_tenant_by_one_batch_only(q: Queue) -> None:
+    """A queued 24 heavy items first; B's one item, queued last, is served second: after the
+    one batch of A's that the tie gave A (both at virtual time 0, A's the older)."""
+    for i in range(24):
+        q.add(f"a{i}", "A", work=5.0)
+    q.add("b0", "B", work=0.1)
+    assert q.serve(2) == ["a0", "b0"]
+
+
+def test_a_tenant_that_was_idle_banks_no_credit(q: Queue) -> None:
+    """A ran alone for 99 units (its virtual time: 99, the last choice made at 98); B arrives
+    and starts from 98, not from 0: it goes first once, then the two alternate (the older
+    first on ties). From 0, B would have run its five in a row and then some."""
+    for i in range(200):
+        q.add(f"a{i}", "A")
+    assert len(q.serve(99)) == 99
+    for i in range(5):
+        q.add(f"b{i}", "B")
+    assert q.serve(10) == ["b0", "a99", "b1", "a100", "b2", "a101", "b3", "a102", "b4", "a103"]
+
+
+def test_priority_orders_a_tenants_own_items(q: Queue) -> None:
+    """24 items of priority 3, then one of priority 1, all one tenant and one group: the
+    priority-1 item goes next, and first in its batch."""
+    for i in range(24):
+        q.add(f"a{i}", "A", priority=3)
+    q.add("a99", "A", priority=1)
+    first = q.queue.next_short()
+    assert first is not None
+    assert first.item == "a99"
+    assert [item.item for item in q.queue.batch_order(first)][:3] == ["a99", "a0", "a1"]
+
+
+def test_priority_never_puts_one_tenant_before_another(q: Queue) -> None:
+    """A's items are all priority 1, B's priority 3: they still alternate by share."""
+    for i in range(3):
+        q.add(f"a{i}", "A", priority=1)
+        q.add(f"b{i}", "B", priority=3)
+    assert q.serve(6) == ["a0", "b0", "a1", "b1", "a2", "b2"]
+
+
+def test_other_tenants_ride_along_after_the_chosen_tenants_items(q: Queue) -> None:
+    """A batch is the chosen tenant's items of the group by priority, then others' of the
+    same group by their priority and arrival, each charged to its own tenant."""
+    q.add("g1", "B")
+    q.add("g2", "A", priority=2)
+    q.add("g3", "A", priority=1)
+    q.add("h1", "A")
+    q.add("g4", "B")
+    first = q.queue.next_short()  # B's g1 is the oldest on the tie at 0
+    assert first is not None
+    assert first.item == "g1"
+    assert [item.item for item in q.queue.batch_order(first)] == ["g1", "g4", "g3", "g2"]
+
+
+def test_each_item_is_answered_exactly_once(q: Queue) -> None:
+    item = q.add("a0", "A")
+    q.queue.take(item, now=0.0)
+    assert q.queue.answer(item, "A0") is True
+    assert q.queue.answer(item, RuntimeError("late")) is False
+    assert item.state is State.DONE
+    assert item.future.result() == BatchResult(value="A0", batch_size=1, queue_ms=0.0)
+    gone = q.add("a1", "A")
+    gone.future.cancel()  # the client left
+    q.queue.take(gone, now=0.0)
+    assert q.queue.answer(gone, "A1") is False
+    assert gone.state is State.DONE
+
+
+# -- the batcher on a fake clock -------------------------------------------------------------
+
+
+class HeldDevice:
+    """run_batch for string items ('x' -> 'X'); 'hold*' items wait for release(); records the
+    batches in the order they ran."""
+
+    def __init__(self) -> None:
+        self.batches: list[list[str]] = []
+        self.released = asyncio.Event()
+        self.entered = asyncio.Event()
+        self._loop = asyncio.get_running_loop()
+        self._gate = threading.Event()
+
+    def __call__(self, items: Sequence[str]) -> list[str | BaseException]:
+        self.batches.append(list(items))
+        if any(item.startswith("hold") for item in items):
+            self._loop.call_soon_threadsafe(self.entered.set)
+            assert self._gate.wait(10), "never released"
+        return [item.upper() for item in items]
+
+    def release(self) -> None:
+        self._gate.set()
+
+
+def batcher(
+    device: HeldDevice, clock: FakeClock, *, max_queue: int = 64, share: float = 1.0,
+    metrics: Metrics | None = None, weights: dict[str, float] | None = None,
+) -> DynamicBatcher[str, str]:  # fmt: skip
+    return DynamicBatcher(
+        device, group_key=lambda item: item[0], max_batch_size=8, max_batch_delay_s=0.0,
+        max_queue=max_queue, metrics=metrics, clock=clock, call_at=clock.call_at,
+        tenant_queue_share=share, tenant_weights=weights,
+    )  # fmt: skip
+
+
+def test_a_tenant_past_its_queue_share_gets_429_while_others_are_admitted() -> None:
+    """max_queue 8, share 0.5: 4 queued per tenant. A's fifth is 429 with Retry-After, B is
+    still admitted; once A and B hold all 8 places, C gets the service-wide 503."""
+    metrics = Metrics()
+
+    async def main() -> tuple[TenantQueueFull, QueueFull, list[str]]:
+        clock = FakeClock()
+        device = HeldDevice()
+        b = batcher(device, clock, max_queue=8, share=0.5, metrics=metrics)
+        await b.start()
+        deadline = clock.now + 60
+        held = asyncio.create_task(b.submit("hold", deadline=deadline, tenant="A"))
+        await device.entered.wait()
+        tasks = [
+            asyncio.create_task(b.submit(f"a{i}", deadline=deadline, tenant="A")) for i in range(4)
+        ]
+        await asyncio.sleep(0)
+        with pytest.raises(TenantQueueFull) as too_many:
+            await b.submit("a4", deadline=deadline, tenant="A")
+        tasks += [
+            asyncio.create_task(b.submit(f"b{i}", deadline=deadline, tenant="B")) for i in range(4)
+        ]
+        await asyncio.sleep(0)
+        assert b.depth == 8
+        with pytest.raises(QueueFull) as full:
+            await b.submit("c0", deadline=deadline, tenant="C")
+        device.release()
+        answers = [r.value for r in await asyncio.gather(held, *tasks)]
+        await b.drain(5)
+        return too_many.value, full.value, answers
+
+    too_many, full, answers = run(main())
+    assert too_many.status == 429
+    assert too_many.retry_after_s >= 1
+    assert "tenant 'A'" in too_many.detail
+    assert "SDPA_TENANT_MAX_QUEUE_SHARE 0.5" in too_many.detail
+    assert full.status == 503
+    assert sorted(answers) == sorted(
+        ["HOLD", *(f"A{i}" for i in range(4)), *(f"B{i}" for i in range(4))]
+    )
+    assert (
+        metrics.registry.get_sample_value("sdpa_rejected_total", {"reason": "tenant_queue_full"})
+        == 1
+    )
+
+
+def test_the_batcher_serves_a_small_tenant_right_after_the_batch_on_the_device() -> None:
+    """A flood of A (20 items of group 'a', work 1 each) queued behind a held batch; B's one
+    item of group 'b' runs in the very next batch, not after A's 20."""
+
+    async def main() -> list[list[str]]:
+        clock = FakeClock()
+        device = HeldDevice()
+        b = batcher(device, clock)
+        await b.start()
+        deadline = clock.now + 60
+        held = asyncio.create_task(b.submit("hold", deadline=deadline, tenant="A"))
+        await device.entered.wait()
+        flood = [
+            asyncio.create_task(b.submit(f"a{i}", deadline=deadline, tenant="A")) for i in range(20)
+        ]
+        small = asyncio.create_task(b.submit("b0", deadline=deadline, tenant="B"))
+        await asyncio.sleep(0)
+        device.release()
+        await asyncio.gather(held, small, *flood)
+        await b.drain(5)
+        return device.batches
+
+    batches = run(main())
+    assert batches[0] == ["hold"]
+    # After the held batch A's virtual time is past B's: B's item is next.
+    assert batches[1] == ["b0"]
+    assert sum(len(batch) for batch in batches) == 22
+
+
+def test_a_queued_deadline_passes_on_the_fake_clock_without_sleeping() -> None:
+    """A item queued behind a held batch: stepping the clock past its deadline fails it at
+    once (504, never computed); the held item, past its own deadline on the device, still
+    gets its result (a short batch runs to its end)."""
+
+    metrics = Metrics()
+
+    async def main() -> tuple[BatchResult[str], BaseException, list[list[str]]]:
+        clock = FakeClock()
+        device = HeldDevice()
+        b = batcher(device, clock, metrics=metrics)
+        await b.start()
+        held = asyncio.create_task(b.submit("hold", deadline=clock.now + 0.05))
+        await device.entered.wait()
+        queued = asyncio.create_task(b.submit("q0", deadline=clock.now + 0.05))
+        await asyncio.sleep(0)
+        clock.advance(0.1)
+        error = await asyncio.gather(queued, return_exceptions=True)
+        device.release()
+        result = await held
+        await b.drain(5)
+        return result, error[0], device.batches
+
+    result, error, batches = run(main())
+    assert result.value == "HOLD"
+    assert isinstance(error, DeadlineExceeded)
+    assert batches == [["hold"]]
+    # Only the queued one was refused for its deadline (moved from test_batcher's
+    # test_deadline_does_not_interrupt_a_request_already_on_the_device, which slept 0.1 s).
+    assert metrics.registry.get_sample_value("sdpa_rejected_total", {"reason": "deadline"}) == 1
