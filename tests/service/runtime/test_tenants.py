@@ -305,3 +305,71 @@ def test_a_queued_deadline_passes_on_the_fake_clock_without_sleeping() -> None:
     # Only the queued one was refused for its deadline (moved from test_batcher's
     # test_deadline_does_not_interrupt_a_request_already_on_the_device, which slept 0.1 s).
     assert metrics.registry.get_sample_value("sdpa_rejected_total", {"reason": "deadline"}) == 1
+
+
+class TiledDevice:
+    """Long items 'L<name>:<tiles>' (work: that many slices) run one tile a step; each step
+    moves the fake clock by one slice (without firing its timers: that is the loop's job).
+    The device logs each tile."""
+
+    def __init__(self, clock: FakeClock) -> None:
+        self.clock = clock
+        self.log: list[str] = []
+
+    def run_batch(self, items: Sequence[str]) -> list[str | BaseException]:
+        return [item.upper() for item in items]
+
+    def start_long(self, item: str, tiles: int) -> TiledRun:
+        return TiledRun(self, item)
+
+
+class TiledRun:
+    def __init__(self, device: TiledDevice, item: str) -> None:
+        self.device, self.name = device, item.split(":")[0]
+        self.tiles_total, self.tiles_done = int(item.split(":")[1]), 0
+
+    @property
+    def share_done(self) -> float:
+        return self.tiles_done / self.tiles_total
+
+    def step(self, budget_s: float) -> bool:
+        self.device.clock.now += SLICE
+        self.device.log.append(self.name)
+        self.tiles_done += 1
+        return self.tiles_done == self.tiles_total
+
+    def outcome(self) -> str | BaseException:
+        return self.name
+
+
+SLICE = 0.05
+
+
+def test_long_items_take_their_tiles_by_the_tenants_shares() -> None:
+    """A's two long items (10 tiles each) and B's one, all running: the tiles alternate
+    between the tenants (A first on the tie at 0, its item the oldest), A's own by the least
+    work left (LA1 to its end, then LA2). By hand: LA1 LB1 x 10, then LA2 alone. Without
+    tenants LA1 and LA2 (equal, older) would both run before LB1."""
+
+    async def main() -> list[str]:
+        clock = FakeClock()
+        device = TiledDevice(clock)
+        b: DynamicBatcher[str, str] = DynamicBatcher(
+            device.run_batch, group_key=lambda item: item, max_batch_size=8,
+            max_batch_delay_s=0.0, max_queue=64, clock=clock, call_at=clock.call_at,
+            work_seconds=lambda item: int(item.split(":")[1]) * SLICE, slice_s=SLICE,
+            start_long=device.start_long,
+        )  # fmt: skip
+        await b.start()
+        deadline = clock.now + 3600
+        tasks = [
+            asyncio.create_task(b.submit(item, deadline=deadline, tenant=tenant))
+            for item, tenant in (("LA1:10", "A"), ("LA2:10", "A"), ("LB1:10", "B"))
+        ]
+        results = [r.value for r in await asyncio.gather(*tasks)]
+        await b.drain(5)
+        assert results == ["LA1", "LA2", "LB1"]
+        return device.log
+
+    log = run(main())
+    assert log == ["LA1", "LB1"] * 10 + ["LA2"] * 10
