@@ -84,6 +84,11 @@ def compute_responses(ok_schema: Mapping[str, Any], ok_description: str) -> dict
             "Invalid request: JSON, fields, shapes, masks, dtypes, non-finite values or limits; "
             "errors[].loc names the field."
         ),
+        429: problem_doc(
+            "Your tenant (API key) holds its share of the queue (SDPA_TENANT_MAX_QUEUE_SHARE); "
+            "retry after Retry-After, its own backlog.",
+            retry_after=True,
+        ),
         503: problem_doc("Queue full or shutting down; retry after Retry-After.", retry_after=True),
         504: problem_doc("The deadline passed while the request was queued; it was not computed."),
     }

@@ -237,6 +237,11 @@ _INFER_DOC: Final[dict[int | str, dict[str, Any]]] = {
     ),
     401: _UNAUTHORIZED,
     413: v2_error_doc("Body larger than SDPA_MAX_BODY_BYTES (after inflation)."),
+    429: v2_error_doc(
+        "Your tenant (API key) holds its share of the queue (SDPA_TENANT_MAX_QUEUE_SHARE); "
+        "retry after Retry-After, its own backlog.",
+        retry_after=True,
+    ),
     503: v2_error_doc("Queue full or shutting down; retry after Retry-After.", retry_after=True),
     504: v2_error_doc("The deadline passed while the request was queued; it was not computed."),
 }
