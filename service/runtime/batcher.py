@@ -65,6 +65,8 @@ import time
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Generic, Protocol, TypeVar
 
+from prometheus_client import Gauge
+
 from service.errors import (
     DeadlineExceeded,
     DeadlineUnreachable,
@@ -207,6 +209,7 @@ class DynamicBatcher(Generic[T, R]):
         self._arrival: asyncio.Event | None = None
         self._worker: asyncio.Task[None] | None = None
         self._draining = False
+        self._tenant_gauges: dict[str, Gauge] = {}  # sdpa_tenant_backlog_seconds{tenant}
 
     # -- properties ------------------------------------------------------------------------
 
@@ -728,16 +731,15 @@ class DynamicBatcher(Generic[T, R]):
         estimated work over the measured throughput (service.runtime.pace)."""
         return self._pace.backlog_seconds(self._queue.work + self._running_long_work() + extra_work)
 
-    def tenant_backlog_seconds(self, tenant: str, extra_work: float = 0.0) -> float:
+    def tenant_backlog_seconds(
+        self, tenant: str, extra_work: float = 0.0, *, backlogged_weight: float | None = None
+    ) -> float:
         """Estimated seconds until the tenant's queued and running work and `extra_work` are
         done at its fair share of the device now (service.runtime.queue)."""
         state = self._queue.tenant(tenant)
         work = state.queued_work + self._running_long_work(tenant) + extra_work
-        return work * self._pace.seconds_per_work() / self._queue.share_of(state)
-
-    def tenants(self) -> dict[str, float]:
-        """Each tenant seen so far, by name: its fair share of the device now."""
-        return {t.name: self._queue.share_of(t) for t in self._queue.tenants()}
+        share = self._queue.share_of(state, backlogged_weight)
+        return work * self._pace.seconds_per_work() / share
 
     def _retry_after_s(self, item: T) -> float:
         """Seconds until the backlog and this item are likely worked off, within [1, 60]."""
@@ -755,10 +757,17 @@ class DynamicBatcher(Generic[T, R]):
             self._metrics.rejected_total.labels(reason=reason).inc()
 
     def _set_depth(self) -> None:
-        if self._metrics is not None:
-            self._metrics.queue_depth.set(len(self._queue))
-            self._metrics.backlog_seconds.set(self.backlog_seconds())
-            for tenant in self._queue.tenants():
-                self._metrics.tenant_backlog_seconds.labels(tenant=tenant.name).set(
-                    self.tenant_backlog_seconds(tenant.name)
-                )
+        metrics = self._metrics
+        if metrics is None:
+            return
+        metrics.queue_depth.set(len(self._queue))
+        metrics.backlog_seconds.set(self.backlog_seconds())
+        # Every tenant's: one tenant's arrival moves the others' shares. (Tenants are the
+        # configured names: few; their gauges are looked up once.)
+        weight = self._queue.backlogged_weight()
+        for tenant in self._queue.tenants():
+            gauge = self._tenant_gauges.get(tenant.name)
+            if gauge is None:
+                gauge = metrics.tenant_backlog_seconds.labels(tenant=tenant.name)
+                self._tenant_gauges[tenant.name] = gauge
+            gauge.set(self.tenant_backlog_seconds(tenant.name, backlogged_weight=weight))

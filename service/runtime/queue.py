@@ -225,11 +225,17 @@ class WorkQueue(Generic[T, R]):
         self._virtual_now = max(self._virtual_now, chosen.vtime)
         return chosen
 
-    def share_of(self, tenant: Tenant) -> float:
+    def backlogged_weight(self) -> float:
+        """The weights of the tenants with work waiting or running, summed."""
+        return sum(t.weight for t in self._tenants.values() if t.backlogged)
+
+    def share_of(self, tenant: Tenant, backlogged_weight: float | None = None) -> float:
         """The tenant's fair share of the device now: its weight over the weights of the
-        tenants with work (itself counted)."""
-        total = sum(t.weight for t in self._tenants.values() if t.backlogged and t is not tenant)
-        return tenant.weight / (total + tenant.weight)
+        tenants with work (itself counted). `backlogged_weight`: backlogged_weight(), when the
+        caller asks for many tenants at once."""
+        total = self.backlogged_weight() if backlogged_weight is None else backlogged_weight
+        others = total - tenant.weight if tenant.backlogged else total
+        return tenant.weight / (max(0.0, others) + tenant.weight)
 
     # -- arrivals and departures -----------------------------------------------------------
 
