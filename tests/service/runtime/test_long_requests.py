@@ -211,9 +211,12 @@ def test_a_long_item_whose_client_left_is_dropped_at_the_next_tile() -> None:
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        await b.submit("a1", deadline=deadline_in(FAR))
+        # Dropped at its next turn: counted, and gone from the running items, so no tile of
+        # it can run again; a worker turn later (a short item answered) the count holds.
+        await until(lambda: abandoned(metrics, "disconnected") == 1)
         tiles = device.tiles_of("Lgone")
-        await asyncio.sleep(10 * TILE_S)
+        assert not b._turns.longs
+        await b.submit("a1", deadline=deadline_in(FAR))
         assert device.tiles_of("Lgone") == tiles  # nothing more of it ran
         await b.drain(5)
         return tiles
@@ -420,8 +423,11 @@ def test_a_drain_that_times_out_stops_a_long_item_between_tiles() -> None:
         with pytest.raises(ShuttingDown):
             await task
         tiles = device.tiles_of("Lhuge")
-        await asyncio.sleep(5 * TILE_S)
-        assert device.tiles_of("Lhuge") <= tiles + 1  # at most the tile that was running
+        # The worker is gone (no tile can be handed over again): once the device thread is
+        # idle, at most the tile that was running when the drain ended has been added.
+        assert not b.running
+        await until(lambda: not b.device_busy)
+        assert device.tiles_of("Lhuge") <= tiles + 1
 
     run(main())
 
@@ -432,10 +438,12 @@ def test_a_drain_that_times_out_during_a_short_batch_answers_the_long_items() ->
     unanswered until its own deadline)."""
     device = Device()
     gate = threading.Event()
+    entered = threading.Event()
     original = device.run_batch
 
     def slow_batch(items: Sequence[str]) -> list[str | BaseException]:
         if items[0] == "slow":
+            entered.set()
             gate.wait(5)
         return original(items)
 
@@ -447,8 +455,7 @@ def test_a_drain_that_times_out_during_a_short_batch_answers_the_long_items() ->
         long = submit(b, "Lbig:100")
         await until(lambda: device.tiles_of("Lbig") >= 1)
         short = submit(b, "slow")
-        await until(lambda: "batch:slow" in device.log or b.depth == 0)
-        await asyncio.sleep(2 * TILE_S)  # the short batch is on the device now
+        assert await asyncio.to_thread(entered.wait, 5)  # the short batch is on the device
         await b.drain(0.05)
         gate.set()
         for task in (short, long):
