@@ -134,7 +134,9 @@ def _lifespan(engine: Engine | None, *, device_threads: int | None) -> Any:
             max_batch_delay_s=settings.max_batch_delay_ms / 1000.0,
             max_queue=settings.max_queue,
             # Fair shares across tenants (service.runtime.queue), and each one's queue share.
-            tenant_weights=settings.tenant_weights,
+            tenant_weights={
+                name: settings.tenant_weights.get(name, 1.0) for name in settings.tenant_names()
+            },
             tenant_queue_share=settings.queue_share(),
             metrics=state.metrics,
             # Sampled health summaries run on the device only while nothing is queued.

@@ -14,12 +14,14 @@ This module owns the naming rules and the parsing of SDPA_TENANT_WEIGHTS; the qu
 from __future__ import annotations
 
 import hashlib
-import math
 import re
 from collections.abc import Iterable, Mapping
 from typing import Final
 
 ANONYMOUS: Final = "anonymous"
+# A weight's bounds: a million to one at most between two tenants, so that no share underflows.
+MIN_WEIGHT: Final = 1e-3
+MAX_WEIGHT: Final = 1e3
 TENANT_NAME: Final = re.compile(r"[A-Za-z0-9_.-]{1,32}")
 _NAMED_KEY: Final = re.compile(r"([A-Za-z0-9_.-]{1,32})=(.+)", re.DOTALL)
 
@@ -31,11 +33,20 @@ def bare_key_name(key: str) -> str:
 
 def split_key_entry(entry: str) -> tuple[str, str]:
     """`name=key` -> (name, key); a bare `key` -> (its hashed name, key). An entry whose part
-    before the first '=' is not a valid name is a bare key (keys may hold '=')."""
+    before the first '=' is not a valid name, or whose part after it starts with '=' (base64
+    padding: `dGVzdA==`), is a bare key. So a bare key that holds '=' after a name-like
+    start must be given a name (`team=abc=def`). Raises ValueError for a key part that begins or
+    ends with a space (it could never match what a client sends) and for the reserved name
+    "anonymous" (the tenant of requests without a key)."""
     match = _NAMED_KEY.fullmatch(entry)
-    if match is not None:
-        return match.group(1), match.group(2)
-    return bare_key_name(entry), entry
+    if match is None or match.group(2).startswith("="):
+        return bare_key_name(entry), entry
+    name, key = match.group(1), match.group(2)
+    if key != key.strip():
+        raise ValueError(f"the key of tenant {name!r} begins or ends with a space")
+    if name == ANONYMOUS:
+        raise ValueError(f"{ANONYMOUS!r} names the requests without a key: pick another name")
+    return name, key
 
 
 def tenants_by_key(entries: Iterable[str], *, source: str) -> dict[str, str]:
@@ -43,7 +54,10 @@ def tenants_by_key(entries: Iterable[str], *, source: str) -> dict[str, str]:
     tenant would its requests belong to? (The message names the key by position only.)"""
     names: dict[str, str] = {}
     for number, entry in enumerate(entries, start=1):
-        name, key = split_key_entry(entry)
+        try:
+            name, key = split_key_entry(entry)
+        except ValueError as exc:
+            raise ValueError(f"{source}: entry #{number}: {exc}") from None
         if names.setdefault(key, name) != name:
             raise ValueError(
                 f"{source}: key #{number} is configured for tenants {names[key]!r} and {name!r}"
@@ -65,8 +79,10 @@ def parse_weights(text: str) -> dict[str, float]:
             weight = float(value)
         except ValueError:
             raise ValueError(f"{part!r}: the weight must be a number") from None
-        if not (0.0 < weight < math.inf):
-            raise ValueError(f"{part!r}: the weight must be positive and finite")
+        if not (MIN_WEIGHT <= weight <= MAX_WEIGHT):
+            raise ValueError(
+                f"{part!r}: the weight must be within [{MIN_WEIGHT:g}, {MAX_WEIGHT:g}]"
+            )
         if name in weights:
             raise ValueError(f"{name!r} is given a weight twice")
         weights[name] = weight

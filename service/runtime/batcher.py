@@ -77,9 +77,9 @@ from service.errors import (
 from service.metrics import Metrics
 from service.runtime.device_thread import DeviceThread
 from service.runtime.pace import DEFAULT_RETRY_AFTER_S, Pace, retry_after
-from service.runtime.queue import FEW_SLICES, BatchResult, Item, State, WorkQueue
+from service.runtime.queue import FEW_SLICES, BatchResult, Item, State, Tenant, WorkQueue
 from service.runtime.turns import MAX_RUNNING_LONG, Long, LongTurns, Resumable
-from service.tenants import ANONYMOUS
+from service.tenants import ANONYMOUS, MAX_WEIGHT, MIN_WEIGHT
 
 __all__ = [
     "FEW_SLICES",
@@ -165,8 +165,8 @@ class DynamicBatcher(Generic[T, R]):
             raise ValueError(f"max_batch_delay_s must be >= 0, got {max_batch_delay_s}")
         if not 0.0 < tenant_queue_share <= 1.0:
             raise ValueError(f"tenant_queue_share must be in (0, 1], got {tenant_queue_share}")
-        if any(not (0.0 < w < math.inf) for w in (tenant_weights or {}).values()):
-            raise ValueError("tenant weights must be positive and finite")
+        if any(not (MIN_WEIGHT <= w <= MAX_WEIGHT) for w in (tenant_weights or {}).values()):
+            raise ValueError(f"tenant weights must be within [{MIN_WEIGHT}, {MAX_WEIGHT}]")
         self._run_batch = run_batch
         # The one time source: deadlines are its instants, and the pace, the backlog and the
         # long items' projections are measured on it (a test injects a clock it steps).
@@ -180,6 +180,8 @@ class DynamicBatcher(Generic[T, R]):
         self._max_batch_delay_s = max_batch_delay_s
         self._max_queue = max_queue
         self._tenant_queue_share = tenant_queue_share
+        # The configured tenants (each finds room in the queue: _tenant_refusal).
+        self._tenant_names = frozenset(tenant_weights or ())
         self._metrics = metrics
         # Optional size accounting beyond the count (Ray Serve's batch_size_fn; BentoML #3859:
         # a count alone lets a batch of large requests exhaust memory): a batch grows while the
@@ -310,13 +312,11 @@ class DynamicBatcher(Generic[T, R]):
                 f"the queue is full ({self._max_queue} requests waiting)",
                 retry_after_s=self._retry_after_s(item),
             )
-        if self._queue.queued_of(tenant) >= self.tenant_max_queue:
+        if (refused := self._tenant_refusal(tenant)) is not None:
             self._reject("tenant_queue_full")
             raise TenantQueueFull(
-                f"tenant {tenant!r} holds {self._queue.queued_of(tenant)} queued requests, its "
-                f"share of the queue (SDPA_TENANT_MAX_QUEUE_SHARE {self._tenant_queue_share:g} "
-                f"of SDPA_MAX_QUEUE {self._max_queue}); retry after its own backlog, or send "
-                "fewer requests at once",
+                f"{refused}; retry after its own backlog (Retry-After), or send fewer requests "
+                "at once",
                 retry_after_s=self._tenant_retry_after_s(tenant, item),
             )
         now = self._clock()
@@ -379,6 +379,30 @@ class DynamicBatcher(Generic[T, R]):
                 ),
             )
 
+    def _tenant_refusal(self, tenant: str) -> str | None:
+        """Why `tenant` may not queue one more item (429), or None: it holds its share of the
+        queue; or it holds some, and the places left are kept for the configured tenants that
+        hold none (one each), so that every tenant always finds room."""
+        held = self._queue.queued_of(tenant)
+        if held >= self.tenant_max_queue:
+            return (
+                f"tenant {tenant!r} holds {held} queued requests, its share of the queue "
+                f"(SDPA_TENANT_MAX_QUEUE_SHARE {self._tenant_queue_share:g} of SDPA_MAX_QUEUE "
+                f"{self._max_queue})"
+            )
+        if not held:
+            return None
+        waiting_for_room = sum(
+            1 for name in self._tenant_names if name != tenant and not self._queue.queued_of(name)
+        )
+        free = self._max_queue - len(self._queue)
+        if waiting_for_room and free <= waiting_for_room:
+            return (
+                f"tenant {tenant!r} holds {held} queued requests, and the last {free} places of "
+                f"the queue are kept for the {waiting_for_room} other tenants that hold none"
+            )
+        return None
+
     def _queue_changed(self, added: bool) -> None:
         self._set_depth()
         # An arrival wakes the worker; so does a departure when it waits for a batch to grow:
@@ -436,9 +460,9 @@ class DynamicBatcher(Generic[T, R]):
         return batch
 
     async def _wait_for_batch_to_grow(self) -> None:
-        """With max_batch_delay_s > 0: wait (bounded) for the next item's group to fill up."""
+        """With max_batch_delay_s > 0: wait (bounded) for the next batch's group to fill up."""
         assert self._arrival is not None
-        while (first := self._queue.oldest()) is not None and not self._draining:
+        while (first := self._queue.next_short(peek=True)) is not None and not self._draining:
             group = self._queue.group(first.key)
             if len(group) >= self._max_batch_size:
                 return
@@ -649,11 +673,7 @@ class DynamicBatcher(Generic[T, R]):
         # let an item that cannot finish, alone for a turn, take a tile from one that can).
         while (queued := self._turns.next_long()) is not None:
             self._begin_long(queued)
-        budget = self._slice_s or 0.0
-        # (a tolerance: summed floats may leave a crumb of the slice, not worth a batch)
-        while budget > 1e-6 * (self._slice_s or 0.0) and (batch := self._take_batch(budget)):
-            budget -= sum(p.work for p in batch)
-            await self._execute(batch)
+        await self._run_short_batches()
         long = self._turns.whose_turn()
         if long is None or self._left_alone(long):
             return
@@ -698,6 +718,31 @@ class DynamicBatcher(Generic[T, R]):
         if long.pending.state is State.TAKEN:
             # (not one answered just after its deadline's 504, or whose client left)
             self._queue.answer(long.pending, outcome)
+
+    async def _run_short_batches(self) -> None:
+        """The short batches that run before the next tile: up to one slice of their
+        estimated work, so a stream of them leaves the long items at least half the device;
+        those of another tenant than the next tile's, by the tenants' shares instead (while
+        their tenant's virtual time is not past the tile's tenant's), unless sharing would
+        cost a long item its deadline (service.runtime.turns)."""
+        slice_s = self._slice_s or 0.0
+        budget = slice_s
+        rival: Tenant | None = None
+        if self._queue.tenant_count() > 1 and self._turns.sharing_is_safe():
+            rival = self._turns.next_tile_tenant()
+        while (first := self._queue.next_short(peek=True)) is not None:
+            if rival is not None and first.tenant != rival.name:
+                if self._queue.tenant(first.tenant).vtime > rival.vtime:
+                    return  # the tile's tenant is owed the device
+                batch = self._take_batch(slice_s)
+            else:
+                # (a tolerance: summed floats may leave a crumb of the slice, not worth a batch)
+                if budget <= 1e-6 * slice_s:
+                    return
+                batch = self._take_batch(budget)
+                budget -= sum(p.work for p in batch)
+            if batch:  # (empty when every item of its group had passed its deadline)
+                await self._execute(batch)
 
     def _long_step(self, long: Long[T, R]) -> tuple[bool, float]:
         """One tile of a long item, on the device thread (its run starts at the first).

@@ -125,8 +125,7 @@ class Tenant:
     """One tenant's place in the queue: its weight, its virtual time (device seconds served
     over its weight), and what it has waiting and running."""
 
-    __slots__ = ("levels", "name", "queued", "queued_work", "running", "running_work", "vtime",
-                 "weight")  # fmt: skip
+    __slots__ = ("levels", "name", "queued", "queued_work", "running", "vtime", "weight")
 
     def __init__(self, name: str, weight: float) -> None:
         self.name = name
@@ -135,7 +134,6 @@ class Tenant:
         self.queued = 0  # items queued, long ones too
         self.queued_work = 0.0
         self.running = 0  # long items running
-        self.running_work = 0.0  # estimated work left of them (the batcher keeps it current)
         # The short items queued, per priority level, oldest first.
         self.levels: dict[int, OrderedDict[int, Item[Any, Any]]] = {}
 
@@ -206,6 +204,10 @@ class WorkQueue(Generic[T, R]):
     def tenants(self) -> list[Tenant]:
         return list(self._tenants.values())
 
+    def tenant_count(self) -> int:
+        """How many tenants have work waiting or running."""
+        return sum(1 for t in self._tenants.values() if t.backlogged)
+
     def activate(self, tenant: Tenant) -> None:
         """A tenant with nothing waiting or running gets work: it starts from the virtual time
         of the last tenant chosen (module docstring)."""
@@ -213,15 +215,23 @@ class WorkQueue(Generic[T, R]):
             tenant.vtime = max(tenant.vtime, self._virtual_now)
 
     def charge(self, tenant: Tenant, work: float) -> None:
-        """Count `work` estimated device seconds served to `tenant`."""
+        """Count `work` estimated device seconds served to `tenant`, whose virtual time at the
+        start of that work becomes where returning tenants start (a tile of a long item moves
+        it as a batch does: a tenant that ran long items alone banks no credit for others)."""
+        self._virtual_now = max(self._virtual_now, tenant.vtime)
         tenant.vtime += work / tenant.weight
 
-    def choose(self, tenants: list[Tenant], oldest: Callable[[Tenant], int]) -> Tenant:
+    @staticmethod
+    def least(tenants: list[Tenant], oldest: Callable[[Tenant], int]) -> Tenant:
         """Of `tenants` (not empty), the one served next: the least virtual time, the oldest
-        work on ties. Its virtual time becomes where returning tenants start."""
-        chosen = tenants[0]
-        if len(tenants) > 1:
-            chosen = min(tenants, key=lambda t: (t.vtime, oldest(t)))
+        work on ties."""
+        if len(tenants) == 1:
+            return tenants[0]
+        return min(tenants, key=lambda t: (t.vtime, oldest(t)))
+
+    def choose(self, tenants: list[Tenant], oldest: Callable[[Tenant], int]) -> Tenant:
+        """least(), and its virtual time becomes where returning tenants start."""
+        chosen = self.least(tenants, oldest)
         self._virtual_now = max(self._virtual_now, chosen.vtime)
         return chosen
 
@@ -235,6 +245,7 @@ class WorkQueue(Generic[T, R]):
         caller asks for many tenants at once."""
         total = self.backlogged_weight() if backlogged_weight is None else backlogged_weight
         others = total - tenant.weight if tenant.backlogged else total
+        # (weights are bounded, service.tenants: the share never underflows to 0)
         return tenant.weight / (max(0.0, others) + tenant.weight)
 
     # -- arrivals and departures -----------------------------------------------------------
@@ -269,11 +280,11 @@ class WorkQueue(Generic[T, R]):
     def take(self, item: Item[T, R], now: float) -> None:
         """Take a QUEUED item out of the queue to compute it (-> TAKEN); a short item's tenant
         pays its estimated work now, a long item's tile by tile."""
-        self._unlink(item)
         item.state = State.TAKEN
         item.queue_s = now - item.enqueued
         if not item.tiles:
             self.charge(self.tenant(item.tenant), item.work)
+        self._unlink(item)
 
     def _unlink(self, item: Item[T, R]) -> None:
         del self._items[item.seq]
@@ -321,19 +332,18 @@ class WorkQueue(Generic[T, R]):
             heapq.heappop(heap)
         return heap[0][2] if heap else None
 
-    def oldest(self) -> Item[T, R] | None:
-        return next(iter(self._items.values()), None)
-
     def group(self, key: Hashable) -> list[Item[T, R]]:
         return list(self._groups.get(key, {}).values())
 
-    def next_short(self) -> Item[T, R] | None:
+    def next_short(self, *, peek: bool = False) -> Item[T, R] | None:
         """The short item a batch forms around next: the chosen tenant's first (module
-        docstring), None when no short item waits."""
+        docstring), None when no short item waits. `peek`: without choosing (the virtual time
+        where returning tenants start stays)."""
         if not self._shorts:
             return None
         waiting = [t for t in self._tenants.values() if t.levels]
-        tenant = self.choose(waiting, lambda t: min(next(iter(lv)) for lv in t.levels.values()))
+        pick = self.least if peek else self.choose
+        tenant = pick(waiting, lambda t: min(next(iter(lv)) for lv in t.levels.values()))
         return tenant.first_short()
 
     def batch_order(self, first: Item[T, R]) -> list[Item[T, R]]:

@@ -102,8 +102,14 @@ another is given; the deadline timer runs on the event loop's clock, the same on
 
 Tenants: with long items of several tenants running, the next tile goes to the tenant whose
 virtual time is least (service.runtime.queue: the same shares as the short batches), and among
-that tenant's items by the rules above. Joining and admission stay by deadline across tenants,
-as the projections assume; a tenant's share of the queue bounds how many of its long items wait.
+that tenant's items by the rules above; short batches of another tenant run before the tile
+while their tenant's virtual time is not past the tile's tenant's (the batcher). Unless sharing
+the device by tenants would cost a running item a deadline it can meet alone
+(``sharing_is_safe``): then the rules above decide, as the admission's projections assumed.
+Joining and admission stay by deadline across tenants, as the projections assume: one tenant's
+long items can hold every place, and a long request of another tenant is then refused by its
+deadline (503) when those would leave it no time (a known limit: the projections do not model
+the tenants' shares).
 """
 
 from __future__ import annotations
@@ -116,7 +122,7 @@ from dataclasses import dataclass
 from typing import Generic, NamedTuple, Protocol, TypeVar
 
 from service.runtime.pace import MAX_RETRY_AFTER_S, Pace
-from service.runtime.queue import FEW_SLICES, Entry, Item, State, WorkQueue
+from service.runtime.queue import FEW_SLICES, Entry, Item, State, Tenant, WorkQueue
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -634,16 +640,53 @@ class LongTurns(Generic[T, R]):
 
     def _of_tenant_served_next(self, shares: dict[int, Share]) -> dict[int, Share]:
         """The shares of the running items of the tenant whose turn it is (the least virtual
-        time, the one whose item started first on ties): all of them with one tenant."""
+        time, the one whose item started first on ties): all of them with one tenant, or when
+        sharing the device by tenants would put a deadline at stake (sharing_is_safe)."""
         tenant_of = {seq: self.longs[seq].pending.tenant for seq in shares}
         names = set(tenant_of.values())
-        if len(names) < 2:
+        if len(names) < 2 or not self.sharing_is_safe(shares):
             return shares
         chosen = self._queue.choose(
             [self._queue.tenant(name) for name in names],
             lambda t: min(seq for seq, name in tenant_of.items() if name == t.name),
         )
         return {seq: share for seq, share in shares.items() if tenant_of[seq] == chosen.name}
+
+    def sharing_is_safe(self, shares: dict[int, Share] | None = None) -> bool:
+        """Whether every running long item that can finish by its deadline alone still would
+        with the device shared by tenants: each tenant's items one after another (the least
+        work left first), at the tenant's fair share of the device now. The admission's
+        projections assume the order of the rules above, not the tenants' shares; where the
+        shares would cost an admitted item its deadline, those rules decide instead."""
+        if shares is None:
+            shares = self.running_shares(self._clock())
+        by_tenant: dict[str, list[Share]] = {}
+        for seq, share in shares.items():
+            by_tenant.setdefault(self.longs[seq].pending.tenant, []).append(share)
+        weight = self._queue.backlogged_weight()
+        for name, items in by_tenant.items():
+            fraction = self._queue.share_of(self._queue.tenant(name), weight)
+            elapsed = 0.0
+            for share in sorted(items, key=lambda share: (share.left, share.seq)):
+                if share.left > share.deadline:
+                    continue  # it cannot finish even alone: never at stake
+                elapsed += share.left / fraction
+                if elapsed > share.deadline:
+                    return False
+        return True
+
+    def next_tile_tenant(self) -> Tenant | None:
+        """The tenant whose running long item would get a tile by the tenants' shares (the
+        least virtual time; None without running items still waited for)."""
+        names: dict[str, int] = {}
+        for seq, long in self.longs.items():
+            pending = long.pending
+            if pending.state is State.TAKEN and not pending.future.cancelled():
+                names.setdefault(pending.tenant, seq)
+        if not names:
+            return None
+        tenants = [self._queue.tenant(name) for name in names]
+        return self._queue.least(tenants, lambda t: names[t.name])
 
     def waiting(self, now: float, per_work: float) -> Waiting:
         """The queued long items, for a projection from `now`."""

@@ -20,6 +20,9 @@ def test_key_entries_name_their_tenants() -> None:
     # A part before '=' that is no name leaves a bare key holding '='.
     assert split_key_entry("x y=z") == (bare_key_name("x y=z"), "x y=z")
     assert split_key_entry("a=b=c") == ("a", "b=c")
+    # Base64 padding is no name: the whole entry is one bare key (a review found
+    # 'dGVzdA==' read as the tenant 'dGVzdA' with the key '=').
+    assert split_key_entry("dGVzdA==") == (bare_key_name("dGVzdA=="), "dGVzdA==")
 
 
 def test_settings_resolve_tenants_weights_and_the_queue_share() -> None:
@@ -41,7 +44,10 @@ def test_settings_resolve_tenants_weights_and_the_queue_share() -> None:
     [
         ({"api_keys": "a=k1,b=k1"}, "configured for tenants 'a' and 'b'"),
         ({"api_keys": "a=k1", "tenant_weights": "zz=2"}, "'zz', not a configured tenant"),
-        ({"tenant_weights": "a=0"}, "positive and finite"),
+        ({"tenant_weights": "a=0"}, r"within \[0.001, 1000\]"),
+        ({"tenant_weights": "a=1e200"}, r"within \[0.001, 1000\]"),
+        ({"api_keys": "anonymous=k1"}, "names the requests without a key"),
+        ({"api_keys": "team= k1"}, "begins or ends with a space"),
         ({"tenant_weights": "a"}, "name=weight"),
         ({"default_priority": 4}, "past SDPA_PRIORITY_LEVELS 3"),
     ],

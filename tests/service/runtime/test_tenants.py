@@ -7,6 +7,7 @@ here sleeps to test an order or a deadline."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import threading
 from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
@@ -317,6 +318,8 @@ class TiledDevice:
         self.log: list[str] = []
 
     def run_batch(self, items: Sequence[str]) -> list[str | BaseException]:
+        self.clock.now += sum(work_of(item) for item in items)
+        self.log.append(",".join(items))
         return [item.upper() for item in items]
 
     def start_long(self, item: str, tiles: int) -> TiledRun:
@@ -343,6 +346,23 @@ class TiledRun:
 
 
 SLICE = 0.05
+SHORT = 0.01  # a short item's work: five make a slice
+
+
+def work_of(item: str) -> float:
+    """'L<name>:<tiles>': that many slices of work; any other item: SHORT."""
+    return int(item.split(":")[1]) * SLICE if item.startswith("L") else SHORT
+
+
+def tiled_batcher(
+    device: TiledDevice, clock: FakeClock, weights: dict[str, float] | None = None
+) -> DynamicBatcher[str, str]:
+    return DynamicBatcher(
+        device.run_batch, group_key=lambda item: item[0], max_batch_size=64,
+        max_batch_delay_s=0.0, max_queue=512, clock=clock, call_at=clock.call_at,
+        work_seconds=work_of, slice_s=SLICE, start_long=device.start_long,
+        tenant_weights=weights,
+    )  # fmt: skip
 
 
 def test_long_items_take_their_tiles_by_the_tenants_shares() -> None:
@@ -354,12 +374,7 @@ def test_long_items_take_their_tiles_by_the_tenants_shares() -> None:
     async def main() -> list[str]:
         clock = FakeClock()
         device = TiledDevice(clock)
-        b: DynamicBatcher[str, str] = DynamicBatcher(
-            device.run_batch, group_key=lambda item: item, max_batch_size=8,
-            max_batch_delay_s=0.0, max_queue=64, clock=clock, call_at=clock.call_at,
-            work_seconds=lambda item: int(item.split(":")[1]) * SLICE, slice_s=SLICE,
-            start_long=device.start_long,
-        )  # fmt: skip
+        b = tiled_batcher(device, clock)
         await b.start()
         deadline = clock.now + 3600
         tasks = [
@@ -373,3 +388,126 @@ def test_long_items_take_their_tiles_by_the_tenants_shares() -> None:
 
     log = run(main())
     assert log == ["LA1", "LB1"] * 10 + ["LA2"] * 10
+
+
+def test_a_tenant_that_ran_long_items_alone_banks_no_credit_for_a_newcomer() -> None:
+    """A ran a long item of 40 tiles alone (2 s of work: its virtual time 2.0); then A queues
+    3 short items and B 100. B starts from A's virtual time at its last tile (1.95), not from
+    0: one slice of B's (5 items), then A's three (the tie at 2.0, A's the older). A review
+    found B's whole flood (2 s of it) served first, A's shorts at positions 81-85."""
+
+    async def main() -> list[str]:
+        clock = FakeClock()
+        device = TiledDevice(clock)
+        b = tiled_batcher(device, clock)
+        await b.start()
+        deadline = clock.now + 3600
+        await b.submit("LA:40", deadline=deadline, tenant="A")
+        device.log.clear()
+        tasks = [
+            asyncio.create_task(b.submit(f"a{i}", deadline=deadline, tenant="A")) for i in range(3)
+        ]
+        tasks += [
+            asyncio.create_task(b.submit(f"b{i}", deadline=deadline, tenant="B"))
+            for i in range(100)
+        ]
+        await asyncio.gather(*tasks)
+        await b.drain(5)
+        return device.log
+
+    log = run(main())
+    assert log[:2] == ["b0,b1,b2,b3,b4", "a0,a1,a2"]
+
+
+def test_short_batches_of_another_tenant_share_the_device_with_a_tile_by_weight() -> None:
+    """A (weight 1) runs a long item of 40 tiles; B (weight 9) keeps 200 short items queued.
+    By the shares B gets 9 of every 10 device seconds: about nine slices of short batches per
+    tile of A's, where the rule without tenants gives one slice a tile (half the device)."""
+
+    async def main() -> list[str]:
+        clock = FakeClock()
+        device = TiledDevice(clock)
+        b = tiled_batcher(device, clock, {"A": 1.0, "B": 9.0})
+        await b.start()
+        deadline = clock.now + 3600
+        long = asyncio.create_task(b.submit("LA:40", deadline=deadline, tenant="A"))
+        shorts = [
+            asyncio.create_task(b.submit(f"b{i}", deadline=deadline, tenant="B"))
+            for i in range(200)
+        ]
+        await asyncio.gather(long, *shorts)
+        await b.drain(5)
+        return device.log
+
+    log = run(main())
+    tiles = [i for i, entry in enumerate(log) if entry == "LA"]
+    # Between two tiles while B still had work: B's short work in slices.
+    gaps = [
+        sum(len(entry.split(",")) for entry in log[i + 1 : j]) * SHORT / SLICE
+        for i, j in itertools.pairwise(tiles[:5])
+    ]
+    assert all(8.0 <= gap <= 10.0 for gap in gaps), gaps
+    assert sum(len(e.split(",")) for e in log if e != "LA") == 200
+
+
+def test_shares_give_way_where_they_would_cost_a_long_item_its_deadline() -> None:
+    """B's long item (40 tiles, far deadline) and A's (20 tiles: 1 s of work, 1.2 s to go) run
+    together. Shared by tenants, A's would take 2 s and miss; so the rules without tenants
+    decide (the least work left first) until sharing is safe again: after 16 of A's tiles
+    (0.2 s of work left, at half the device 0.4 s, and 0.4 s to go), the tenants share, and
+    A's still ends by its deadline. A review found A's admitted and then abandoned (504, 13 of
+    20 tiles done)."""
+
+    async def main() -> tuple[list[BatchResult[str] | BaseException], list[str]]:
+        clock = FakeClock()
+        device = TiledDevice(clock)
+        b = tiled_batcher(device, clock)
+        await b.start()
+        tasks = [
+            asyncio.create_task(b.submit("LB:40", deadline=clock.now + 3600, tenant="B")),
+            asyncio.create_task(b.submit("LA:20", deadline=clock.now + 1.2, tenant="A")),
+        ]
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        await b.drain(5)
+        return results, device.log
+
+    results, log = run(main())
+    assert [getattr(r, "value", r) for r in results] == ["LB", "LA"]
+    assert log[:16] == ["LA"] * 16
+    last_of_a = max(i for i, entry in enumerate(log) if entry == "LA")
+    assert log.count("LA") == 20
+    assert (last_of_a + 1) * SLICE <= 1.2 + 1e-9  # each tile is one slice of the clock
+
+
+def test_every_configured_tenant_finds_room_in_the_queue() -> None:
+    """Three tenants, max_queue 4 (share 0.5: 2 each). A holds 2; B's first is admitted, its
+    second is refused (429): the last place is kept for C, which holds none; C's is admitted.
+    Then the queue is full: 503 for anyone (the service-wide answer comes first). A review
+    found C refused 503 with A and B holding 2 each."""
+
+    async def main() -> list[str]:
+        clock = FakeClock()
+        device = HeldDevice()
+        b = batcher(device, clock, max_queue=4, share=0.5, weights=dict.fromkeys("ABC", 1.0))
+        await b.start()
+        deadline = clock.now + 60
+        held = asyncio.create_task(b.submit("hold", deadline=deadline, tenant="A"))
+        await device.entered.wait()
+        tasks = []
+        for name, tenant in (("a1", "A"), ("a2", "A"), ("b1", "B"), ("b2", "B"), ("c1", "C"),
+                             ("c2", "C"), ("a3", "A")):  # fmt: skip
+            tasks.append(asyncio.create_task(b.submit(name, deadline=deadline, tenant=tenant)))
+            await asyncio.sleep(0)  # queued, or refused, before the next one comes
+        device.release()
+        results = await asyncio.gather(held, *tasks, return_exceptions=True)
+        await b.drain(5)
+        return [
+            f"{result.value.lower()}:200" if isinstance(result, BatchResult)
+            else f"{type(result).__name__}:{getattr(result, 'status', '')}"
+            for result in results[1:]
+        ]  # fmt: skip
+
+    assert run(main()) == [
+        "a1:200", "a2:200", "b1:200", "TenantQueueFull:429", "c1:200", "QueueFull:503",
+        "QueueFull:503",
+    ]  # fmt: skip
