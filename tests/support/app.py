@@ -23,6 +23,10 @@ API_SERVER_ENV: dict[str, str] = {
     "SDPA_MAX_ELEMENTS": str(1 << 16),
     "SDPA_MAX_WEIGHTS_ELEMENTS": str(1 << 16),
     "SDPA_LOG_LEVEL": "warning",
+    # The statistics kernel compiles at warm-up for seconds (over a minute on a cold cache of a
+    # 16-core GPU machine, past in_process_client's readiness wait); tests/e2e/test_kernel.py
+    # and tests/core/test_stats_kernel.py test it. The eager loop computes the same numbers.
+    "SDPA_COMPILE_KERNELS": "false",
 }
 
 
