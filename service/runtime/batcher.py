@@ -3,10 +3,12 @@
 How a batch forms
 -----------------
 Requests wait in one bounded queue (``max_queue``). A single worker task takes batches off it:
-as soon as the device is free it takes the *oldest* queued request, and with it every queued
-request of the same group (``group_key``), oldest first, up to ``max_batch_size``. So no request
-waits for a batch while the device is idle, and no group can starve another: whatever group
-holds the oldest request runs next. ``max_batch_delay_s`` only bounds an optional wait for a
+as soon as the device is free it takes the *oldest* queued request (of the tenant served next,
+at its highest priority: service.runtime.queue), and with it every queued request of the same
+group (``group_key``), oldest first, up to ``max_batch_size``. So no request waits for a batch
+while the device is idle, and no group can starve another: whatever group holds the oldest
+request runs next (with one tenant and one priority, exactly first come, first served by
+group). ``max_batch_delay_s`` only bounds an optional wait for a
 partial batch to grow (0, the default, never waits; the wait is counted from the oldest
 request's arrival, so a request that already queued behind a busy device never waits more).
 Nothing polls: the worker sleeps on an ``asyncio.Event`` that every arrival sets (with a batch
@@ -32,7 +34,8 @@ Answers
 -------
 An item refused at submit (503: QueueFull, the queue is full; ShuttingDown, the batcher
 drains; DeadlineUnreachable, a long item that would not finish by its deadline; 429:
-TenantQueueFull, its tenant holds its whole share of the queue; 504: DeadlineExceeded, its
+TenantQueueFull, its tenant holds its share of the queue, or the places left are kept for
+tenants that hold none; 504: DeadlineExceeded, its
 deadline already passed) never enters the queue. Every accepted item gets exactly one answer:
 its result, its own exception, DeadlineExceeded (its deadline passed while it was queued: never
 computed; or while a long item ran), ShuttingDown (still queued, or a long item running, when a
