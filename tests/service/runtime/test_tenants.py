@@ -201,6 +201,16 @@ def batcher(
     )  # fmt: skip
 
 
+async def holding(
+    b: DynamicBatcher[str, str], device: HeldDevice, deadline: float
+) -> asyncio.Task[BatchResult[str]]:
+    """Start the batcher with A's 'hold' on the held device: what comes next queues."""
+    await b.start()
+    held = asyncio.create_task(b.submit("hold", deadline=deadline, tenant="A"))
+    await device.entered.wait()
+    return held
+
+
 def test_a_tenant_past_its_queue_share_gets_429_while_others_are_admitted() -> None:
     """max_queue 8, share 0.5: 4 queued per tenant. A's fifth is 429 with Retry-After, B is
     still admitted; once A and B hold all 8 places, C gets the service-wide 503."""
@@ -210,10 +220,8 @@ def test_a_tenant_past_its_queue_share_gets_429_while_others_are_admitted() -> N
         clock = FakeClock()
         device = HeldDevice()
         b = batcher(device, clock, max_queue=8, share=0.5, metrics=metrics)
-        await b.start()
         deadline = clock.now + 60
-        held = asyncio.create_task(b.submit("hold", deadline=deadline, tenant="A"))
-        await device.entered.wait()
+        held = await holding(b, device, deadline)
         tasks = [
             asyncio.create_task(b.submit(f"a{i}", deadline=deadline, tenant="A")) for i in range(4)
         ]
@@ -255,10 +263,8 @@ def test_the_batcher_serves_a_small_tenant_right_after_the_batch_on_the_device()
         clock = FakeClock()
         device = HeldDevice()
         b = batcher(device, clock)
-        await b.start()
         deadline = clock.now + 60
-        held = asyncio.create_task(b.submit("hold", deadline=deadline, tenant="A"))
-        await device.entered.wait()
+        held = await holding(b, device, deadline)
         flood = [
             asyncio.create_task(b.submit(f"a{i}", deadline=deadline, tenant="A")) for i in range(20)
         ]
@@ -489,10 +495,8 @@ def test_every_configured_tenant_finds_room_in_the_queue() -> None:
         clock = FakeClock()
         device = HeldDevice()
         b = batcher(device, clock, max_queue=4, share=0.5, weights=dict.fromkeys("ABC", 1.0))
-        await b.start()
         deadline = clock.now + 60
-        held = asyncio.create_task(b.submit("hold", deadline=deadline, tenant="A"))
-        await device.entered.wait()
+        held = await holding(b, device, deadline)
         tasks = []
         for name, tenant in (("a1", "A"), ("a2", "A"), ("b1", "B"), ("b2", "B"), ("c1", "C"),
                              ("c2", "C"), ("a3", "A")):  # fmt: skip
