@@ -40,6 +40,7 @@ ALERTS = {
     "SdpaAttentionSinkRateShift",
     "SdpaNonFiniteInputs",
     "SdpaQueueBacklog",
+    "SdpaTenantBacklog",
     "SdpaP99LatencyHigh",
 }
 RECORDS = {"sdpa:attention_sink_rate:ratio15m"}
