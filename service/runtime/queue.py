@@ -143,9 +143,9 @@ class Tenant:
 
     def first_short(self) -> Item[Any, Any] | None:
         """Its next short item: the highest priority level's oldest."""
-        for level in sorted(self.levels):
-            return next(iter(self.levels[level].values()))
-        return None
+        if not self.levels:
+            return None
+        return next(iter(self.levels[min(self.levels)].values()))
 
 
 class WorkQueue(Generic[T, R]):
