@@ -7,7 +7,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Annotated, Final, Literal
 
-from pydantic import Field, PrivateAttr, SecretStr, field_validator, model_validator
+from pydantic import AliasChoices, Field, PrivateAttr, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from service.tenants import ANONYMOUS, check_weights, parse_weights, tenants_by_key
@@ -38,8 +38,21 @@ class Settings(BaseSettings):
 
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)
+    # The Open Inference Protocol over gRPC (service.api.grpc), beside HTTP on `host`; 8001 is
+    # Triton's port. 0 turns the gRPC door off.
+    grpc_port: int = Field(default=8001, ge=0, le=65535)
     # auto = cuda when available, else cpu.
     device: str = Field(default="auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")
+
+    # OpenTelemetry traces (service.tracing), by the standard variable, not an SDPA_ one:
+    # OTEL_TRACES_EXPORTER "otlp" (or "console") turns tracing on; unset or "none" leaves it
+    # off, with no tracer and no cost. The exporter's own OTEL_* variables (endpoint, protocol,
+    # service name, sampler, ...) are read by the OpenTelemetry SDK when tracing starts.
+    otel_traces_exporter: str = Field(
+        default="none",
+        validation_alias=AliasChoices("OTEL_TRACES_EXPORTER", "otel_traces_exporter"),
+        pattern=r"^(none|otlp|console)(,(none|otlp|console))*$",
+    )
 
     max_batch_size: int = Field(default=32, ge=1, le=4096)
     max_batch_delay_ms: float = Field(default=0.0, ge=0.0, le=10_000.0)
