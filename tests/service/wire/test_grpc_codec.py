@@ -1,0 +1,385 @@
+"""The gRPC codec on its own (service.wire.grpc_codec), against tritonclient as the truth.
+
+Requests are built by tritonclient.grpc's own request builder (what `client.infer` sends) and by
+its service_pb2; each must decode to the same tensors, bit for bit, as the same request built by
+tritonclient.http and decoded by the REST door's codec. Answers are read back by
+tritonclient.grpc's InferResult. Each malformed request is refused with a ServiceError that
+names what is wrong.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from service.errors import InvalidRequest, ServiceError
+from service.wire.grpc_codec import (
+    RawOutput,
+    UnknownModel,
+    decode_infer_request,
+    encode_infer_response,
+    infer_payload,
+)
+from service.wire.v2_codec import decode_inputs, split_header
+from service.wire.v2_models import parse_infer_request
+
+grpcclient = pytest.importorskip("tritonclient.grpc")
+httpclient = pytest.importorskip("tritonclient.http")
+service_pb2 = pytest.importorskip("tritonclient.grpc.service_pb2")
+grpc_utils = pytest.importorskip("tritonclient.grpc._utils")
+http_utils = pytest.importorskip("tritonclient.http._utils")
+ml_dtypes = pytest.importorskip("ml_dtypes")
+
+LIMIT = 1 << 20
+NUMPY = {
+    "FP16": np.float16,
+    "BF16": ml_dtypes.bfloat16,
+    "FP32": np.float32,
+    "FP64": np.float64,
+}
+
+Inputs = list[tuple[str, np.ndarray, str]]
+
+
+def _inputs(datatype: str, *, seed: int = 0) -> Inputs:
+    rng = np.random.default_rng(seed)
+    q, k, v = (
+        rng.standard_normal((2, 3, 4, 8)).astype(NUMPY[datatype]) for _ in range(3)
+    )  # [B, H, N, D]
+    mask = rng.standard_normal((4, 4)).astype(NUMPY[datatype])
+    return [
+        ("q", q, datatype),
+        ("k", k, datatype),
+        ("v", v, datatype),
+        ("key_lengths", np.array([3, 4], dtype=np.int32), "INT32"),
+        ("key_padding_mask", np.array([[0, 0, 0, 1], [0, 0, 0, 0]], dtype=np.bool_), "BOOL"),
+        ("attn_mask", mask, datatype),
+    ]
+
+
+def _grpc_request(
+    inputs: Inputs,
+    *,
+    outputs: tuple[str, ...] = (),
+    parameters: dict[str, Any] | None = None,
+    request_id: str = "",
+    priority: int = 0,
+    timeout: int | None = None,
+    model_version: str = "",
+) -> Any:
+    """The ModelInferRequest tritonclient.grpc's client.infer would send."""
+    tensors = []
+    for name, arr, datatype in inputs:
+        tensor = grpcclient.InferInput(name, list(arr.shape), datatype)
+        tensor.set_data_from_numpy(arr)
+        tensors.append(tensor)
+    requested = [grpcclient.InferRequestedOutput(name) for name in outputs] or None
+    return grpc_utils._get_inference_request(
+        model_name="attention", inputs=tensors, model_version=model_version,
+        request_id=request_id, outputs=requested, sequence_id=0, sequence_start=False,
+        sequence_end=False, priority=priority, timeout=timeout, parameters=parameters,
+    )  # fmt: skip
+
+
+def _http_request(
+    inputs: Inputs, *, parameters: dict[str, Any] | None = None, **kw: Any
+) -> tuple[bytes, str | None]:
+    """The body tritonclient.http's client.infer would send (binary data), and its
+    Inference-Header-Content-Length."""
+    tensors = []
+    for name, arr, datatype in inputs:
+        tensor = httpclient.InferInput(name, list(arr.shape), datatype)
+        tensor.set_data_from_numpy(arr, binary_data=True)
+        tensors.append(tensor)
+    body, json_size = http_utils._get_inference_request(
+        inputs=tensors, request_id=kw.get("request_id", ""), outputs=None, sequence_id=0,
+        sequence_start=False, sequence_end=False, priority=kw.get("priority", 0),
+        timeout=kw.get("timeout"), custom_parameters=parameters,
+    )  # fmt: skip
+    return body, None if json_size is None else str(json_size)
+
+
+def _grpc_decode(raw: bytes) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    decoded = infer_payload(decode_infer_request(raw))
+    request = parse_infer_request(decoded.payload)
+    return decoded.payload, decode_inputs(request, decoded.body, 0, max_elements=LIMIT)
+
+
+def _rest_decode(body: bytes, length: str | None) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    header, offset = split_header(body, length)
+    payload = json.loads(header)
+    request = parse_infer_request(payload)
+    return payload, decode_inputs(request, body, offset, max_elements=LIMIT)
+
+
+def _same_tensors(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert got.keys() == want.keys()
+    for name in want:
+        assert got[name].dtype == want[name].dtype, name
+        assert got[name].shape == want[name].shape, name
+        # Bit for bit: the same bytes (NaN-safe, and -0.0 is not 0.0).
+        assert torch.equal(got[name].view(torch.uint8), want[name].view(torch.uint8)), name
+
+
+# ---- requests: the same tensors as the REST door ------------------------------------------
+
+
+@pytest.mark.parametrize("datatype", sorted(NUMPY))
+def test_raw_input_contents_decode_as_the_rest_doors_binary_data(datatype: str) -> None:
+    inputs = _inputs(datatype)
+    raw = _grpc_request(inputs).SerializeToString()
+    _, got = _grpc_decode(raw)
+    _, want = _rest_decode(*_http_request(inputs))
+    _same_tensors(got, want)
+    np.testing.assert_array_equal(got["q"].view(torch.uint8).numpy(), inputs[0][1].view(np.uint8))
+    assert got["key_lengths"].tolist() == [3, 4]
+
+
+def test_int64_key_lengths_and_a_bool_attn_mask() -> None:
+    inputs = [
+        *_inputs("FP32")[:3],
+        ("key_lengths", np.array([[1, 2, 3], [4, 3, 2]], dtype=np.int64), "INT64"),
+        ("attn_mask", np.tril(np.ones((4, 4), dtype=np.bool_)), "BOOL"),
+    ]
+    _, got = _grpc_decode(_grpc_request(inputs).SerializeToString())
+    _, want = _rest_decode(*_http_request(inputs))
+    _same_tensors(got, want)
+    assert got["attn_mask"].dtype == torch.bool
+
+
+@pytest.mark.parametrize("datatype", ["FP32", "FP64"])
+def test_typed_contents_decode_as_raw_input_contents(datatype: str) -> None:
+    """Another client's typed lists (contents.fp32_contents, int_contents, bool_contents...)
+    give the same tensors as tritonclient's raw bytes."""
+    inputs = _inputs(datatype)
+    fields = {"FP32": "fp32_contents", "FP64": "fp64_contents", "INT32": "int_contents",
+              "BOOL": "bool_contents"}  # fmt: skip
+    request = service_pb2.ModelInferRequest(model_name="attention")
+    for name, arr, dt in inputs:
+        tensor = request.inputs.add(name=name, datatype=dt, shape=list(arr.shape))
+        getattr(tensor.contents, fields[dt]).extend(arr.ravel().tolist())
+    _, got = _grpc_decode(request.SerializeToString())
+    _, want = _grpc_decode(_grpc_request(inputs).SerializeToString())
+    _same_tensors(got, want)
+
+
+def test_parameters_id_timeout_and_priority_as_the_rest_door_reads_them() -> None:
+    inputs = _inputs("FP32")[:3]
+    params = {"causal": "bottom_right", "scale": 0.25, "diagnostics": "summary", "tag": "a/b"}
+    raw = _grpc_request(
+        inputs, parameters=params, request_id="req-7", priority=2, timeout=5_000_000,
+        model_version="1",
+    ).SerializeToString()  # fmt: skip
+    payload, _ = _grpc_decode(raw)
+    rest, _ = _rest_decode(
+        *_http_request(inputs, parameters=params, request_id="req-7", priority=2,
+                       timeout=5_000_000)
+    )  # fmt: skip
+    assert payload["id"] == rest["id"] == "req-7"
+    # Every output goes back raw: REST's binary_data_output, set by the codec.
+    assert payload["parameters"] == {**rest["parameters"], "binary_data_output": True}
+    request = parse_infer_request(payload)
+    assert request.parameters is not None
+    assert (request.parameters.timeout, request.parameters.priority) == (5_000_000, 2)
+    assert request.parameters.causal == "bottom_right"
+
+
+def test_requested_outputs_keep_their_order() -> None:
+    raw = _grpc_request(_inputs("FP32")[:3], outputs=("lse", "output", "weights"))
+    payload, _ = _grpc_decode(raw.SerializeToString())
+    assert [out["name"] for out in payload["outputs"]] == ["lse", "output", "weights"]
+
+
+# ---- bad requests ----------------------------------------------------------------------------
+
+
+def _refused(raw: bytes) -> ServiceError:
+    with pytest.raises(ServiceError) as info:
+        _grpc_decode(raw)
+    return info.value
+
+
+def _detail(request: Any) -> str:
+    """The message a request built with service_pb2 is refused with."""
+    return _refused(request.SerializeToString()).detail
+
+
+def _good() -> Any:
+    return _grpc_request(_inputs("FP32")[:3])
+
+
+def test_bytes_that_are_no_model_infer_request() -> None:
+    error = _refused(b"\xff\xff\xff\xff garbage")
+    assert isinstance(error, InvalidRequest)
+    assert "not a valid inference.ModelInferRequest" in error.detail
+
+
+def test_another_model_or_version_is_not_found() -> None:
+    for name, version in (("bert", ""), ("attention", "2")):
+        request = _good()
+        request.model_name, request.model_version = name, version
+        error = _refused(request.SerializeToString())
+        assert isinstance(error, UnknownModel)
+        assert error.status == 404
+        assert "'attention'" in error.detail
+
+
+def test_raw_input_contents_for_some_inputs_only() -> None:
+    request = _good()
+    del request.raw_input_contents[2]
+    error = _refused(request.SerializeToString())
+    assert error.status == 422
+    assert "raw_input_contents holds 2 entries for 3 inputs" in error.detail
+
+
+def test_raw_input_contents_of_the_wrong_size_names_the_input() -> None:
+    request = _good()
+    request.raw_input_contents[1] = request.raw_input_contents[1][:-4]
+    error = _refused(request.SerializeToString())
+    assert "input 'k': raw_input_contents[1] holds 764 bytes" in error.detail
+    assert "needs 768" in error.detail
+
+
+def test_contents_beside_raw_input_contents() -> None:
+    request = _good()
+    request.inputs[0].contents.fp32_contents.extend([1.0])
+    assert "input 'q' carries both contents and raw_input_contents[0]" in _detail(request)
+
+
+def test_contents_in_the_field_of_another_datatype() -> None:
+    request = service_pb2.ModelInferRequest(model_name="attention")
+    for name in ("q", "k", "v"):
+        tensor = request.inputs.add(name=name, datatype="FP32", shape=[1, 2])
+        tensor.contents.fp64_contents.extend([0.5, 0.5])
+    error = _refused(request.SerializeToString())
+    assert "input 'q': FP32 contents go in fp32_contents, not fp64_contents" in error.detail
+
+
+def test_fp16_contents_are_refused_as_in_triton() -> None:
+    request = service_pb2.ModelInferRequest(model_name="attention")
+    for name in ("q", "k", "v"):
+        tensor = request.inputs.add(name=name, datatype="FP16", shape=[1, 1])
+        tensor.contents.fp32_contents.append(0.5)
+    assert "input 'q': FP16 travels only in raw_input_contents" in _detail(request)
+
+
+def test_an_input_without_data() -> None:
+    request = service_pb2.ModelInferRequest(model_name="attention")
+    request.inputs.add(name="q", datatype="FP32", shape=[1, 1])
+    assert "input 'q' has neither contents nor an entry in raw_input_contents" in _detail(request)
+
+
+def test_contents_that_do_not_fill_the_shape() -> None:
+    request = service_pb2.ModelInferRequest(model_name="attention")
+    for name in ("q", "k", "v"):
+        tensor = request.inputs.add(name=name, datatype="FP32", shape=[2, 2])
+        tensor.contents.fp32_contents.extend([0.5] * (3 if name == "v" else 4))
+    assert "input 'v': data holds 3 values; shape [2, 2] needs 4" in _detail(request)
+
+
+def test_rest_binary_parameters_are_refused_over_grpc() -> None:
+    request = _good()
+    request.parameters["binary_data_output"].bool_param = True
+    assert "parameter 'binary_data_output' is REST's binary" in _detail(request)
+    request = _good()
+    request.inputs[0].parameters["binary_data_size"].int64_param = 4
+    assert "input 'q': parameter 'binary_data_size' is REST's" in _detail(request)
+    request = _good()
+    request.outputs.add(name="output").parameters["binary_data"].bool_param = True
+    assert "output 'output': parameter 'binary_data'" in _detail(request)
+
+
+def test_a_parameter_without_a_value() -> None:
+    request = _good()
+    request.parameters["scale"].SetInParent()  # present, its oneof unset
+    assert "parameter 'scale': the InferParameter holds no value" in _detail(request)
+
+
+def test_parameters_as_the_rest_models_judge_them() -> None:
+    cases = {
+        "casual": (True, "unknown parameter 'casual'"),
+        "temperature": (-1.0, "parameter 'temperature'"),
+        "diagnostics": ("all", "parameter 'diagnostics'"),
+    }
+    for key, (value, words) in cases.items():
+        raw = _grpc_request(_inputs("FP32")[:3], parameters={key: value}).SerializeToString()
+        assert words in _refused(raw).detail, key
+    # tritonclient sends timeout itself, as an int64: another client's string is refused.
+    request = _good()
+    request.parameters["timeout"].string_param = "soon"
+    assert "parameter 'timeout'" in _refused(request.SerializeToString()).detail
+
+
+def test_unknown_inputs_and_datatypes_get_the_rest_doors_messages() -> None:
+    inputs = [*_inputs("FP32")[:3], ("mask", np.ones((1, 4), dtype=np.bool_), "BOOL")]
+    assert "unknown input 'mask'" in _refused(_grpc_request(inputs).SerializeToString()).detail
+    inputs = [*_inputs("FP32")[:3], ("key_padding_mask", np.ones((2, 4), np.float32), "FP32")]
+    error = _refused(_grpc_request(inputs).SerializeToString())
+    assert "input 'key_padding_mask': datatype 'FP32' is not one of BOOL" in error.detail
+
+
+# ---- answers ------------------------------------------------------------------------------
+
+
+def _raw_output(name: str, arr: np.ndarray, datatype: str) -> RawOutput:
+    data = np.ascontiguousarray(arr).view(np.uint8).reshape(-1)
+    return RawOutput(name, datatype, arr.shape, memoryview(data))
+
+
+def test_an_answer_reads_back_through_tritonclient() -> None:
+    rng = np.random.default_rng(3)
+    output = rng.standard_normal((1, 2, 3, 4)).astype(np.float32)
+    lse = np.array([[[-np.inf, 0.5, 1.5]] * 2], dtype=np.float32)
+    visible = np.arange(6, dtype=np.int64).reshape(1, 2, 3)
+    bf16 = rng.standard_normal((2, 2)).astype(ml_dtypes.bfloat16)
+    params = {"path": "fused", "batch_size": 3, "compute_ms": 0.25, "masked_rows": 0,
+              "flag": True}  # fmt: skip
+    raw = encode_infer_response(
+        request_id="req-1",
+        parameters=params,
+        outputs=[
+            _raw_output("output", output, "FP32"),
+            _raw_output("lse", lse, "FP32"),
+            _raw_output("visible_keys", visible, "INT64"),
+            _raw_output("weights", bf16, "BF16"),
+        ],
+    )
+    response = service_pb2.ModelInferResponse.FromString(raw)
+    result = grpcclient.InferResult(response)
+    assert (response.model_name, response.model_version, response.id) == ("attention", "1", "req-1")
+    np.testing.assert_array_equal(result.as_numpy("output"), output)
+    np.testing.assert_array_equal(result.as_numpy("lse"), lse)  # -inf travels as itself
+    np.testing.assert_array_equal(result.as_numpy("visible_keys"), visible)
+    np.testing.assert_array_equal(result.as_numpy("weights"), bf16)
+    assert [o.name for o in response.outputs] == ["output", "lse", "visible_keys", "weights"]
+    got = {k: getattr(p, p.WhichOneof("parameter_choice")) for k, p in response.parameters.items()}
+    assert got == params
+    assert response.parameters["batch_size"].WhichOneof("parameter_choice") == "int64_param"
+    assert response.parameters["flag"].WhichOneof("parameter_choice") == "bool_param"
+    # The same message as protobuf writes it whole.
+    whole = service_pb2.ModelInferResponse()
+    whole.CopyFrom(response)
+    assert service_pb2.ModelInferResponse.FromString(whole.SerializeToString()) == response
+
+
+def test_an_answer_without_id_or_outputs() -> None:
+    response = service_pb2.ModelInferResponse.FromString(
+        encode_infer_response(request_id=None, parameters={}, outputs=[])
+    )
+    assert response.id == ""
+    assert not response.outputs
+    assert not response.raw_output_contents
+
+
+def test_a_large_output_length_is_a_multi_byte_varint() -> None:
+    big = np.arange(300_000, dtype=np.float32)  # 1.2 MB: a 3-byte length
+    response = service_pb2.ModelInferResponse.FromString(
+        encode_infer_response(
+            request_id=None, parameters={}, outputs=[_raw_output("output", big, "FP32")]
+        )
+    )
+    np.testing.assert_array_equal(grpcclient.InferResult(response).as_numpy("output"), big)
