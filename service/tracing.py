@@ -1,0 +1,494 @@
+"""OpenTelemetry traces: one server span per request, with a child span for each of its phases.
+
+Off unless OTEL_TRACES_EXPORTER asks for it (Settings.otel_traces_exporter: "otlp", "console",
+or a comma list of them; unset or "none" is off). Off, `Tracing.from_settings` returns None
+before importing anything of OpenTelemetry: create_app installs no tracing middleware and the
+gRPC door starts no span, so a request pays nothing, not even a test of a flag.
+
+On, a `Tracing` owns its own TracerProvider (never the process's global one: two apps in one
+process, as in the tests, keep their spans apart), one BatchSpanProcessor per exporter ("otlp":
+OTLP/HTTP protobuf, the SDK's OTLPSpanExporter; "console": JSON lines on stdout), and
+`shutdown()`, which the lifespan calls on its way out to flush what is left, in bounded time.
+
+Configuration: the standard variables only. Settings reads OTEL_TRACES_EXPORTER when
+create_app() runs; the other OTEL_* variables are read by the OpenTelemetry SDK itself, at the
+same moment (when from_settings builds the provider and exporter): OTEL_SERVICE_NAME (default
+here "sdpa-service"), OTEL_RESOURCE_ATTRIBUTES, OTEL_TRACES_SAMPLER and OTEL_TRACES_SAMPLER_ARG
+(default parentbased_always_on: a caller's sampled flag is obeyed), OTEL_EXPORTER_OTLP_ENDPOINT
+(".../v1/traces" is appended) or OTEL_EXPORTER_OTLP_TRACES_ENDPOINT (used as is),
+OTEL_EXPORTER_OTLP_HEADERS, _TIMEOUT, _COMPRESSION, _CERTIFICATE..., OTEL_BSP_SCHEDULE_DELAY,
+OTEL_BSP_MAX_QUEUE_SIZE, OTEL_BSP_MAX_EXPORT_BATCH_SIZE, OTEL_SDK_DISABLED. The one exception
+is the OTLP protocol: the HTTP exporter never looks at it, so this module reads
+OTEL_EXPORTER_OTLP_TRACES_PROTOCOL / OTEL_EXPORTER_OTLP_PROTOCOL itself, at that same moment,
+and refuses anything but "http/protobuf" (TracingConfigError: start-up fails and says so) rather
+than send protobuf over HTTP to a collector that was told to expect gRPC.
+
+The doors' API (HTTP: service.middleware.tracing; gRPC: the servicer):
+
+    tracing = Tracing.from_settings(settings)          # None when off: skip all of this
+    span = tracing.start_http(method="POST", path="/v1/attention", carrier={"traceparent": ...})
+    span = tracing.start_grpc("ModelInfer", carrier=context.invocation_metadata())
+    ...                                                # serve the request
+    span.end(status=200, route="/v1/attention", tenant="a", request_id="...", batch_size=3,
+             phases=phases, error=None)                # once, whatever happened
+
+- `carrier`: where the caller's W3C trace context is: HTTP headers or gRPC metadata, as a
+  Mapping[str, str] or an iterable of (key, value) pairs (values str or bytes; keys compared
+  lower-cased). A `traceparent` there continues the caller's trace (same trace id, the caller's
+  span the parent), with its `tracestate`; none starts a new trace. Only W3C Trace Context is
+  read (not the process's global propagators, which OTEL_PROPAGATORS would choose at import).
+- The span is SpanKind.SERVER, named "POST /v1/attention" (HTTP: method and route template,
+  known at end(); the method alone when no route matched) or
+  "inference.GRPCInferenceService/ModelInfer" (gRPC: OpenTelemetry's RPC convention). Its
+  attributes: http.request.method, url.path, url.scheme, network.protocol.version,
+  client.address, http.route and http.response.status_code (HTTP); rpc.system, rpc.service,
+  rpc.method and rpc.grpc.status_code (gRPC); and sdpa.tenant, sdpa.request_id,
+  sdpa.batch_size.
+- `status` in end(): the HTTP status code, or the gRPC status code's number
+  (grpc.StatusCode.X.value[0]). Status ERROR, with error.type, for HTTP 5xx and for the gRPC
+  codes OpenTelemetry counts as a server's errors (UNKNOWN, DEADLINE_EXCEEDED, UNIMPLEMENTED,
+  INTERNAL, UNAVAILABLE, DATA_LOSS); a 4xx (INVALID_ARGUMENT, ...) is the caller's error and
+  leaves the server span's status unset, as the semantic conventions say. error.type is the
+  exception's class when one escaped (never its message: it could quote a request), else the
+  status.
+- `phases` (service.serving.pipeline.Phases, time.monotonic() instants) become five children,
+  read, decode, queue, compute (sdpa.path, sdpa.backend, sdpa.batch_size: the batch it ran in)
+  and encode, placed in time after the fact: queue from `decoded` for queue_ms, compute ending
+  at `computed` after compute_ms. Monotonic instants become epoch nanoseconds by one offset per
+  request, taken when its span starts; a phase is never drawn outside its request.
+- Nothing is made current (no context is attached): the service calls nothing downstream that
+  would read it, and the event loop's tasks stay free of it.
+
+Cost, when on: the server span is the SDK's own (its sampler, limits and processors); the five
+children, whose times are known only once the request is over, are built as finished spans and
+handed to the same processors. Building them through the SDK's tracer cost about 45 µs each on
+this project's 2-core machine, ReadableSpans about 3 µs. A request whose span is not sampled
+builds no children.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Final
+
+if TYPE_CHECKING:  # the SDK is imported when tracing starts, never by importing this module
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import ReadableSpan
+    from opentelemetry.sdk.trace.export import SpanExporter
+    from opentelemetry.sdk.trace.sampling import Sampler
+    from opentelemetry.trace import Span
+
+    from service.serving.pipeline import Phases
+    from service.settings import Settings
+
+Carrier = Mapping[str, str] | Iterable[tuple[str, str | bytes]]
+AttributeValue = str | bool | int | float
+
+DEFAULT_SERVICE_NAME: Final = "sdpa-service"
+GRPC_SERVICE: Final = "inference.GRPCInferenceService"
+TRACEPARENT: Final = "traceparent"
+TRACESTATE: Final = "tracestate"
+# The children of a request's span, in order: Server-Timing's phases but dispatch (the device
+# thread's hop, the rest of the wait: a gap between queue and compute in the trace).
+PHASE_NAMES: Final = ("read", "decode", "queue", "compute", "encode")
+DEFAULT_SHUTDOWN_S: Final = 5.0
+# OTLP over HTTP is all this service exports (opentelemetry-exporter-otlp-proto-http).
+SUPPORTED_OTLP_PROTOCOL: Final = "http/protobuf"
+_PROTOCOL_VARIABLES: Final = ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL")
+# The SDK names a service it was not told the name of "unknown_service:<executable>".
+_UNKNOWN_SERVICE: Final = "unknown_service"
+
+# The gRPC status codes by number, and those a server span reports as its errors
+# (OpenTelemetry's semantic conventions for gRPC).
+GRPC_CODE_NAMES: Final = (
+    "OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "NOT_FOUND",
+    "ALREADY_EXISTS", "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION",
+    "ABORTED", "OUT_OF_RANGE", "UNIMPLEMENTED", "INTERNAL", "UNAVAILABLE", "DATA_LOSS",
+    "UNAUTHENTICATED",
+)  # fmt: skip
+GRPC_SERVER_ERRORS: Final = frozenset({2, 4, 12, 13, 14, 15})
+
+
+class TracingConfigError(ValueError):
+    """The OTEL_* variables ask for something this service cannot do: start-up fails."""
+
+
+def _exporter_names(setting: str) -> list[str]:
+    """The exporters named in "otlp,console"; "none" entries and repeats left out."""
+    names: list[str] = []
+    for name in setting.split(","):
+        name = name.strip().lower()
+        if name and name != "none" and name not in names:
+            names.append(name)
+    return names
+
+
+def check_otlp_protocol(environ: Mapping[str, str]) -> None:
+    """Refuse an OTLP protocol other than http/protobuf (TracingConfigError)."""
+    for variable in _PROTOCOL_VARIABLES:
+        value = environ.get(variable, "").strip()
+        if not value:
+            continue  # the traces' own variable wins when set, else the general one
+        if value != SUPPORTED_OTLP_PROTOCOL:
+            raise TracingConfigError(
+                f"{variable}={value!r}: sdpa-service exports traces over OTLP/HTTP only; set it "
+                f"to {SUPPORTED_OTLP_PROTOCOL!r} (or leave it unset) and point "
+                "OTEL_EXPORTER_OTLP_ENDPOINT at the collector's OTLP/HTTP port (4318 by default)"
+            )
+        return
+
+
+def _bounded(work: Callable[[], object], timeout_s: float) -> bool:
+    """Run `work` on a daemon thread; True if it finished within timeout_s. The SDK's flush
+    ignores its own timeout (an export blocks for as long as the exporter retries)."""
+    thread = threading.Thread(target=work, name="sdpa-tracing-flush", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    return not thread.is_alive()
+
+
+class Tracing:
+    """The service's tracer: its own provider, processors and exporters (see the module)."""
+
+    def __init__(
+        self,
+        *,
+        exporters: Sequence[SpanExporter],
+        sampler: Sampler | None = None,
+        resource: Resource | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock_ns: Callable[[], int] = time.time_ns,
+    ) -> None:
+        """Args:
+        exporters: opentelemetry.sdk.trace.export.SpanExporter instances, each behind a
+            BatchSpanProcessor of its own (tests: an InMemorySpanExporter).
+        sampler: an opentelemetry.sdk.trace.sampling.Sampler; None: the SDK's choice from
+            OTEL_TRACES_SAMPLER (default parentbased_always_on).
+        resource: an opentelemetry.sdk.resources.Resource; None: the SDK's from
+            OTEL_SERVICE_NAME and OTEL_RESOURCE_ATTRIBUTES, named "sdpa-service" unless they
+            name it, with service.version.
+        clock: monotonic seconds, the clock of the phases' instants (time.monotonic).
+        wall_clock_ns: epoch nanoseconds, what spans are stamped in (time.time_ns).
+        """
+        from opentelemetry.sdk.trace import (
+            ReadableSpan,
+            TracerProvider,
+        )
+        from opentelemetry.sdk.trace.export import (
+            BatchSpanProcessor,
+        )
+        from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode
+        from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+        from service.version import VERSION
+
+        self._provider = TracerProvider(
+            sampler=sampler,
+            resource=resource if resource is not None else _service_resource(VERSION),
+            # The lifespan shuts it down (bounded); an atexit hook would keep every provider,
+            # and its app's spans, alive until the process ends.
+            shutdown_on_exit=False,
+        )
+        self._processors = [BatchSpanProcessor(exporter) for exporter in exporters]
+        for processor in self._processors:
+            self._provider.add_span_processor(processor)
+        self._tracer = self._provider.get_tracer("service.tracing", VERSION)
+        self._ids = self._provider.id_generator
+        self._propagator = TraceContextTextMapPropagator()
+        self._clock = clock
+        self._wall_clock_ns = wall_clock_ns
+        # The SDK's classes, imported once here so that the module imports none of them.
+        self._readable_span = ReadableSpan
+        self._span_context = SpanContext
+        self._server_kind = SpanKind.SERVER
+        self._error_status = Status(StatusCode.ERROR)
+        self._status = Status
+        self._error_code = StatusCode.ERROR
+
+    @classmethod
+    def from_settings(
+        cls, settings: Settings, *, environ: Mapping[str, str] | None = None
+    ) -> Tracing | None:
+        """The service's tracing, or None when OTEL_TRACES_EXPORTER leaves it off.
+
+        Args:
+            settings: the service's (settings.otel_traces_exporter).
+            environ: where the OTLP protocol variables are read (os.environ; see the
+                module): the one check the HTTP exporter does not make.
+
+        Raises:
+            TracingConfigError: an OTLP protocol other than http/protobuf.
+        """
+        names = _exporter_names(settings.otel_traces_exporter)
+        if not names:
+            return None  # before any import of OpenTelemetry: off costs nothing
+        exporters: list[SpanExporter] = []
+        for name in names:
+            if name == "otlp":
+                check_otlp_protocol(os.environ if environ is None else environ)
+                from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
+                    OTLPSpanExporter,
+                )
+
+                exporters.append(OTLPSpanExporter())
+            elif name == "console":
+                from opentelemetry.sdk.trace.export import (
+                    ConsoleSpanExporter,
+                )
+
+                exporters.append(ConsoleSpanExporter())
+            else:  # Settings' pattern admits no other name
+                raise TracingConfigError(f"OTEL_TRACES_EXPORTER: unknown exporter {name!r}")
+        return cls(exporters=exporters)
+
+    # ---- a request's span -------------------------------------------------------------------
+
+    def start_http(
+        self,
+        *,
+        method: str,
+        path: str,
+        carrier: Carrier = (),
+        scheme: str = "http",
+        http_version: str | None = None,
+        client: str | None = None,
+    ) -> ServerSpan:
+        """The server span of one HTTP request, started now (see the module)."""
+        attributes: dict[str, AttributeValue] = {
+            "http.request.method": method,
+            "url.path": path,
+            "url.scheme": scheme,
+        }
+        if http_version is not None:
+            attributes["network.protocol.version"] = http_version
+        if client is not None:
+            attributes["client.address"] = client
+        return self._start(method, carrier, attributes, grpc=False)
+
+    def start_grpc(
+        self,
+        method: str,
+        *,
+        carrier: Carrier = (),
+        service: str = GRPC_SERVICE,
+        client: str | None = None,
+    ) -> ServerSpan:
+        """The server span of one gRPC call of `service`'s `method` ("ModelInfer"), started
+        now; `carrier`: the call's invocation metadata (see the module)."""
+        attributes: dict[str, AttributeValue] = {
+            "rpc.system": "grpc",
+            "rpc.service": service,
+            "rpc.method": method,
+        }
+        if client is not None:
+            attributes["client.address"] = client
+        return self._start(f"{service}/{method}", carrier, attributes, grpc=True)
+
+    def _start(
+        self, name: str, carrier: Carrier, attributes: dict[str, AttributeValue], *, grpc: bool
+    ) -> ServerSpan:
+        now = self._clock()
+        wall_ns = self._wall_clock_ns()
+        offset_ns = wall_ns - round(now * 1e9)
+        span = self._tracer.start_span(
+            name,
+            context=self._propagator.extract(_trace_context(carrier)),
+            kind=self._server_kind,
+            attributes=attributes,
+            start_time=wall_ns,
+        )
+        return ServerSpan(self, span, name=name, offset_ns=offset_ns, start_ns=wall_ns, grpc=grpc)
+
+    # ---- after the fact -----------------------------------------------------------------------
+
+    def _now_ns(self, offset_ns: int) -> int:
+        return offset_ns + round(self._clock() * 1e9)
+
+    def _emit_phases(
+        self, parent: ReadableSpan, phases: Phases, *, offset_ns: int, start_ns: int, end_ns: int
+    ) -> None:
+        """The five children of `parent` (the SDK's span, ended), to every processor."""
+
+        def epoch(instant: float) -> int:  # a monotonic instant, inside the parent's time
+            return min(max(offset_ns + round(instant * 1e9), start_ns), end_ns)
+
+        decoded, computed = epoch(phases.decoded), epoch(phases.computed)
+        queue_end = min(decoded + round(phases.queue_ms * 1e6), computed)
+        compute_start = max(computed - round(phases.compute_ms * 1e6), decoded)
+        compute_attributes: dict[str, AttributeValue] = {"sdpa.batch_size": phases.batch_size}
+        if phases.path is not None:
+            compute_attributes["sdpa.path"] = phases.path
+        if phases.backend is not None:
+            compute_attributes["sdpa.backend"] = phases.backend
+        times = (
+            ("read", epoch(phases.started), epoch(phases.received), None),
+            ("decode", epoch(phases.received), decoded, None),
+            ("queue", decoded, queue_end, None),
+            ("compute", compute_start, computed, compute_attributes),
+            ("encode", computed, epoch(phases.encoded), None),
+        )
+        context = parent.get_span_context()
+        if context is None:  # an ended SDK span always has one
+            return
+        trace_id, flags, state = context.trace_id, context.trace_flags, context.trace_state
+        resource, scope = parent.resource, parent.instrumentation_scope
+        for name, start, end, attributes in times:
+            child = self._readable_span(
+                name,
+                context=self._span_context(
+                    trace_id, self._ids.generate_span_id(), False, flags, state
+                ),
+                parent=context,
+                resource=resource,
+                attributes=attributes,
+                start_time=start,
+                end_time=end,
+                instrumentation_scope=scope,
+            )
+            for processor in self._processors:
+                processor.on_end(child)
+
+    # ---- the lifespan's end ------------------------------------------------------------------
+
+    def force_flush(self, *, timeout_s: float = DEFAULT_SHUTDOWN_S) -> bool:
+        """Export every finished span now; True if that ended within timeout_s."""
+        return _bounded(self._provider.force_flush, timeout_s)
+
+    def shutdown(self, *, timeout_s: float = DEFAULT_SHUTDOWN_S) -> bool:
+        """Export what is left and stop the exporters' threads, waiting at most timeout_s
+        (an unreachable collector is given up on, the rest of its spans dropped); True if it
+        all ended in time. Spans ended later are dropped. Idempotent."""
+        return _bounded(self._provider.shutdown, timeout_s)
+
+
+class ServerSpan:
+    """One request's server span: started by Tracing.start_http/start_grpc, ended once by
+    end() with what the request came to."""
+
+    __slots__ = ("_ended", "_grpc", "_name", "_offset_ns", "_span", "_start_ns", "_tracing")
+
+    def __init__(
+        self,
+        tracing: Tracing,
+        span: Span,
+        *,
+        name: str,
+        offset_ns: int,
+        start_ns: int,
+        grpc: bool,
+    ) -> None:
+        self._tracing = tracing
+        self._span = span
+        self._name = name
+        self._offset_ns = offset_ns
+        self._start_ns = start_ns
+        self._grpc = grpc
+        self._ended = False
+
+    @property
+    def recording(self) -> bool:
+        """Whether the span will be exported (False when the sampler dropped it)."""
+        return bool(self._span.is_recording())
+
+    @property
+    def trace_id(self) -> str:
+        """The trace's id, 32 hex digits (the caller's when it sent a traceparent)."""
+        return f"{self._span.get_span_context().trace_id:032x}"
+
+    @property
+    def span_id(self) -> str:
+        """This span's id, 16 hex digits."""
+        return f"{self._span.get_span_context().span_id:016x}"
+
+    def end(
+        self,
+        *,
+        status: int,
+        route: str | None = None,
+        tenant: str | None = None,
+        request_id: str | None = None,
+        batch_size: int | None = None,
+        phases: Phases | None = None,
+        error: BaseException | None = None,
+    ) -> None:
+        """End the span now with what the request came to (see the module). A second call
+        does nothing.
+
+        Args:
+            status: the HTTP status code, or the gRPC status code's number.
+            route: HTTP only: the route template that served it ("/v1/attention"); names the
+                span. None when no route matched.
+            tenant, request_id, batch_size: as the access log has them.
+            phases: where its time went; None (a request refused before compute) adds no
+                children.
+            error: the exception that escaped the request, if one did.
+        """
+        if self._ended:
+            return
+        self._ended = True
+        span = self._span
+        if not span.is_recording():
+            return  # not sampled: nothing is exported, nothing to build
+        tracing = self._tracing
+        attributes: dict[str, AttributeValue] = {}
+        if self._grpc:
+            attributes["rpc.grpc.status_code"] = status
+            failed = status in GRPC_SERVER_ERRORS
+        else:
+            attributes["http.response.status_code"] = status
+            failed = status >= 500
+            if route is not None:
+                attributes["http.route"] = route
+                span.update_name(f"{self._name} {route}")
+        if tenant is not None:
+            attributes["sdpa.tenant"] = tenant
+        if request_id is not None:
+            attributes["sdpa.request_id"] = request_id
+        if batch_size is not None:
+            attributes["sdpa.batch_size"] = batch_size
+        if failed:
+            error_type = (
+                type(error).__qualname__ if error is not None else self._status_name(status)
+            )
+            attributes["error.type"] = error_type
+            span.set_status(tracing._status(tracing._error_code, error_type))
+        span.set_attributes(attributes)
+        end_ns = max(tracing._now_ns(self._offset_ns), self._start_ns)
+        span.end(end_time=end_ns)
+        # A recording span is the SDK's, which has the resource and scope its children share.
+        if phases is not None and isinstance(span, tracing._readable_span):
+            tracing._emit_phases(
+                span, phases, offset_ns=self._offset_ns, start_ns=self._start_ns, end_ns=end_ns
+            )
+
+    def _status_name(self, status: int) -> str:
+        if self._grpc and 0 <= status < len(GRPC_CODE_NAMES):
+            return GRPC_CODE_NAMES[status]
+        return str(status)
+
+
+def _trace_context(carrier: Carrier) -> dict[str, str]:
+    """The W3C trace context headers of `carrier`, keys lower-cased."""
+    found: dict[str, str] = {}
+    pairs = carrier.items() if isinstance(carrier, Mapping) else carrier
+    for key, value in pairs:
+        key = key.lower()
+        if key in (TRACEPARENT, TRACESTATE):
+            found[key] = value.decode("latin-1") if isinstance(value, bytes) else value
+    return found
+
+
+def _service_resource(version: str) -> Resource:
+    """The SDK's resource (OTEL_SERVICE_NAME, OTEL_RESOURCE_ATTRIBUTES), named sdpa-service
+    unless those name it, with our version unless they give one."""
+    from opentelemetry.sdk.resources import Resource
+
+    detected = Resource.create()
+    attributes = dict(detected.attributes)
+    if str(attributes.get("service.name", "")).startswith(_UNKNOWN_SERVICE):
+        attributes["service.name"] = DEFAULT_SERVICE_NAME
+    attributes.setdefault("service.version", version)
+    return Resource(attributes, detected.schema_url)
