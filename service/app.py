@@ -3,7 +3,7 @@
 Request flow: middlewares (access log -> API key -> body limit / content type) -> a thin route
 (service.api) -> serving (prepare the request into a validated job, later encode the outcome)
 -> the runtime's batcher, which runs the engine on the device thread. Errors map to responses in
-service.errors, the one place that does.
+service.errors and the envelopes of service.http_errors.
 """
 
 from __future__ import annotations
@@ -21,21 +21,23 @@ from fastapi_offline import FastAPIOffline
 
 from sdpa_core import compile_kernels
 from service.api import analyze, attention, health, ui, v2
-from service.api.deps import AppState, Batcher, state_of
+from service.api.deps import state_of
 from service.api.errors import install_error_handlers
 from service.api.openapi import openapi_document
 from service.metrics import Metrics
 from service.middleware.access_log import AccessLogMiddleware
-from service.middleware.auth import DEFAULT_OPEN_PATHS, ApiKeyMiddleware
+from service.middleware.auth import ApiKeyMiddleware
 from service.middleware.body_limit import BodyLimitMiddleware
 from service.middleware.content_encoding import ContentEncodingMiddleware
 from service.middleware.drain import ConnectionCloseWhileDrainingMiddleware
 from service.middleware.inflight import InflightBytesMiddleware, default_inflight_bytes
+from service.routes import OPEN_PATHS
 from service.runtime.batcher import DynamicBatcher
 from service.runtime.device import keep_intra_op_threads, resolve_device
 from service.runtime.engine import Engine
 from service.runtime.policy import job_work
 from service.serving.health import HealthMonitor
+from service.serving.state import AppState, Batcher
 from service.settings import Settings
 from service.version import VERSION
 
@@ -230,17 +232,15 @@ def create_app(
     app.add_middleware(
         ContentEncodingMiddleware, max_body_bytes=settings.max_body_bytes, metrics=metrics
     )
-    # v2's probes stay open too: KServe's and Triton's orchestrators probe them.
-    open_paths = DEFAULT_OPEN_PATHS | {"/v2/health/live", "/v2/health/ready"}
     if api_keys:
-        app.add_middleware(ApiKeyMiddleware, keys=api_keys, open_paths=open_paths, metrics=metrics)
+        app.add_middleware(ApiKeyMiddleware, keys=api_keys, metrics=metrics)
     app.add_middleware(ConnectionCloseWhileDrainingMiddleware, draining=state.draining)
     # A refusal before routing is labelled with the route it was made at (route_template).
     included = [route for router in routers for route in router.routes]
     app.add_middleware(AccessLogMiddleware, metrics=metrics, included=included)
 
     def openapi() -> dict[str, Any]:
-        return openapi_document(app, auth=bool(api_keys), open_paths=open_paths)
+        return openapi_document(app, auth=bool(api_keys), open_paths=OPEN_PATHS)
 
     app.openapi = openapi  # type: ignore[method-assign]  # FastAPI's documented override
     return app

@@ -2,7 +2,9 @@
 
 Every error a client can cause is a ServiceError subclass that carries its HTTP status, so the
 rooms that raise them (wire, serving, runtime) need no web framework. service.api.errors turns
-these, sdpa_core's SdpaError and everything else into responses, in one place.
+them for a client: service.serving turns sdpa_core's SdpaError and a device out of memory into
+ServiceErrors, and each door words them in its own envelope, chosen once (service.http_errors:
+problem+json or the Open Inference Protocol's {"error"}; service.api.grpc: a gRPC status).
 """
 
 from __future__ import annotations
@@ -38,6 +40,12 @@ class ServiceError(Exception):
     def headers(self) -> dict[str, str]:
         return {}
 
+    @property
+    def field_detail(self) -> str:
+        """The detail without the field's own name in front, for an envelope that names the
+        field in its own words (the Open Inference Protocol's: service.wire.v2_errors)."""
+        return self.detail
+
 
 class Unauthorized(ServiceError):
     status = 401
@@ -63,6 +71,15 @@ class InvalidRequest(ServiceError):
 
     status = 422
     title = "Invalid request"
+
+
+class InvalidInput(InvalidRequest):
+    """sdpa_core refused the inputs (SdpaError: shapes, masks, dtypes, non-finite values, memory
+    budgets); `errors[0]` locates the parameter, its msg says what was expected and got."""
+
+    @property
+    def field_detail(self) -> str:
+        return self.errors[0].msg if self.errors else self.detail
 
 
 class RetryLater(ServiceError):
@@ -114,6 +131,13 @@ class MemoryBusy(Unavailable):
     """503: the bodies being read and the results not yet sent fill SDPA_MAX_INFLIGHT_BYTES."""
 
     title = "Memory busy"
+
+
+class DeviceOutOfMemory(Unavailable):
+    """503: the device ran out of memory; memory on it is shared by whatever runs at the
+    moment, so a retry may well fit."""
+
+    title = "Device out of memory"
 
 
 class DeadlineExceeded(ServiceError):

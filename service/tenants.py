@@ -14,9 +14,12 @@ This module owns the naming rules and the parsing of SDPA_TENANT_WEIGHTS; the qu
 from __future__ import annotations
 
 import hashlib
+import hmac
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Final
+
+from service.errors import Unauthorized
 
 ANONYMOUS: Final = "anonymous"
 # A weight's bounds: a million to one at most between two tenants, so that no share underflows.
@@ -99,3 +102,69 @@ def check_weights(weights: Mapping[str, float], names: Iterable[str]) -> None:
             f"SDPA_TENANT_WEIGHTS names {', '.join(map(repr, unknown))}, not a configured "
             f"tenant (the tenants are: {', '.join(map(repr, sorted(known)))})"
         )
+
+
+# ---- whose key is it -----------------------------------------------------------------------
+# Every door (the HTTP middleware service.middleware.auth, the gRPC door service.api.grpc) reads
+# a caller's key the same way: `Authorization: Bearer <key>` or `x-api-key: <key>`, exactly one.
+
+
+def _digest(secret: str) -> bytes:
+    return hashlib.sha256(secret.encode("utf-8")).digest()
+
+
+def presented_keys(headers: Iterable[tuple[str, str]]) -> list[str]:
+    """The non-empty keys a request carries (Bearer token and/or x-api-key), from its headers or
+    gRPC metadata as (name, value) pairs."""
+    keys: list[str] = []
+    for raw_name, raw_value in headers:
+        name = raw_name.lower()
+        if name == "authorization":
+            scheme, _, token = raw_value.strip().partition(" ")
+            if scheme.lower() == "bearer" and token.strip():
+                keys.append(token.strip())
+        elif name == "x-api-key":
+            value = raw_value.strip()
+            if value:
+                keys.append(value)
+    return keys
+
+
+class Keyring:
+    """The configured keys and their tenants, compared in constant time.
+
+    Comparison is constant time in the key's content and length: both sides are hashed to a
+    fixed 32-byte SHA-256 digest and compared with hmac.compare_digest against every configured
+    key, accumulating the result without an early exit, so neither timing nor the order of keys
+    reveals which key (or which prefix of a key) matched.
+    """
+
+    def __init__(self, keys: Mapping[str, str]) -> None:
+        if not keys:
+            # An empty key set would lock everyone out: a door without keys checks none.
+            raise ValueError("a Keyring needs at least one key")
+        self._key_digests: tuple[tuple[bytes, str], ...] = tuple(
+            (_digest(key), keys[key]) for key in sorted(keys)
+        )
+
+    def tenant_of(self, presented: Sequence[str]) -> str | None:
+        """The tenant of the one key presented, None when it matches none (or when not exactly
+        one key was presented: one request is one guess)."""
+        if len(presented) != 1:
+            return None
+        candidate_digest = _digest(presented[0])
+        tenant = None
+        for key_digest, name in self._key_digests:
+            # Every comparison runs, whatever matched before; the names are no secret.
+            if hmac.compare_digest(candidate_digest, key_digest):
+                tenant = name
+        return tenant
+
+
+def refusal(presented: Sequence[str]) -> Unauthorized:
+    """Why a request with these keys is refused (no key, several, or an unknown one)."""
+    if len(presented) > 1:
+        detail = f"{len(presented)} API keys presented, none tried: send exactly one"
+    else:
+        detail = "invalid API key" if presented else "missing API key"
+    return Unauthorized(f"{detail}, as 'Authorization: Bearer <key>' or 'X-API-Key: <key>'")

@@ -13,7 +13,7 @@ from starlette.responses import Response
 from service.api import compute
 from service.api.deps import StateDep
 from service.api.openapi import compute_responses, json_ref, request_body
-from service.serving import pipeline
+from service.serving.v1 import AnalyzeDoor
 from service.wire.models import ANALYZE_EXAMPLE
 
 router = APIRouter()
@@ -21,7 +21,7 @@ router = APIRouter()
 
 async def analyze(request: Request, state: StateDep) -> Response:
     """Compare scaling strategies of the raw attention scores."""
-    return await compute.serve(request, state, pipeline.analyze)
+    return await compute.serve_with(request, state, AnalyzeDoor, compute.json_answer)
 
 
 router.add_api_route(

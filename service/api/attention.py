@@ -15,7 +15,7 @@ from starlette.responses import Response
 from service.api import compute
 from service.api.deps import StateDep
 from service.api.openapi import compute_responses, json_ref, request_body
-from service.serving import pipeline
+from service.serving.v1 import AttentionDoor
 from service.wire.models import ATTENTION_EXAMPLE
 
 router = APIRouter()
@@ -23,7 +23,7 @@ router = APIRouter()
 
 async def attention(request: Request, state: StateDep) -> Response:
     """Scaled dot-product attention, with optional weights and diagnostics."""
-    return await compute.serve(request, state, pipeline.attention)
+    return await compute.serve_with(request, state, AttentionDoor, compute.json_answer)
 
 
 ATTENTION_SUMMARY: Final = "Scaled dot-product attention"

@@ -12,14 +12,14 @@ import asyncio
 import math
 from typing import Any, Final
 
-import torch
 from fastapi import APIRouter
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.responses import PlainTextResponse, Response
 
-from service.api.deps import AppState, MetricsDep, StateDep
-from service.api.errors import problem_response
+from service.api.deps import MetricsDep, StateDep
 from service.api.openapi import UNAUTHORIZED_DOC, json_ref, problem_doc
+from service.http_errors import problem_response
+from service.serving.state import TORCH_VERSION, AppState
 from service.version import VERSION
 from service.wire.codec import FLOAT_DTYPE_NAMES, dumps
 
@@ -124,12 +124,12 @@ async def readyz(state: StateDep) -> Response:
     tags=["health"],
 )
 async def info(state: StateDep) -> Response:
-    settings, engine, cost = state.settings, state.engine, state.cost_model
+    settings, cost = state.settings, state.cost_model
     return _json(
         {
             "version": VERSION,
-            "device": str(engine.device) if engine is not None else settings.device,
-            "torch_version": torch.__version__,
+            "device": state.device_name(),
+            "torch_version": TORCH_VERSION,
             "diagnostics_kernel": state.diagnostics_kernel,
             "dtypes": list(FLOAT_DTYPE_NAMES),
             "limits": {

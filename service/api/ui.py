@@ -13,7 +13,7 @@ from typing import Final
 from fastapi import APIRouter
 from starlette.responses import FileResponse, Response
 
-from service.api.errors import problem_response
+from service.http_errors import problem_response
 
 router = APIRouter()
 

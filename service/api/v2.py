@@ -1,8 +1,8 @@
 """The Open Inference Protocol (v2, KServe's REST protocol with Triton's binary tensor data
 extension): server and model metadata, health, and infer for the model "attention" (version
-"1"). Thin routes: infer reads the raw body and hands it to the same serving layer as v1
-(service.serving.pipeline_v2), so limits, batching, deadlines, cancellation and metrics are
-v1's. Errors are {"error": "..."} (service.api.errors).
+"1"). Thin routes: infer reads the raw body and hands it, as a service.serving.v2.InferDoor, to
+the same serving pipeline as v1's and gRPC's doors, so limits, batching, deadlines,
+cancellation and metrics are v1's. Errors are {"error": "..."} (service.http_errors).
 """
 
 from __future__ import annotations
@@ -15,11 +15,12 @@ from starlette.types import Receive, Scope, Send
 
 from service.api import compute
 from service.api.deps import StateDep
-from service.api.errors import v2_error_response
 from service.api.openapi import json_ref, v2_error_doc, v2_infer_request_body
-from service.serving import pipeline_v2
-from service.serving.pipeline import Call
+from service.http_errors import v2_error_response
+from service.serving.encode_v2 import InferAnswer
+from service.serving.pipeline import Served
 from service.serving.prepare_v2 import PER_HEAD_OUTPUTS, PER_ROW_OUTPUTS
+from service.serving.v2 import InferDoor
 from service.version import VERSION
 from service.wire.codec import dumps
 from service.wire.v2_models import EXTENSIONS, MODEL_NAME, MODEL_VERSION, SERVER_NAME
@@ -163,12 +164,12 @@ class InferResponse(Response):
     extension: Inference-Header-Content-Length says where the header ends). Large binary data
     is written from the result tensors' buffers, one write each, never joined."""
 
-    def __init__(self, reply: pipeline_v2.InferReply) -> None:
-        answer = reply.answer
+    def __init__(self, served: Served[InferAnswer]) -> None:
+        answer = served.answer
         self.status_code = 200
         self.background = None
         self.body = answer.header
-        headers = {"Server-Timing": reply.server_timing}
+        headers = {"Server-Timing": served.phases.server_timing()}
         if answer.buffers:
             headers[HEADER_LENGTH] = str(len(answer.header))
             headers["Content-Length"] = str(answer.size)
@@ -194,12 +195,10 @@ async def infer(request: Request, state: StateDep) -> Response:
     """Attention on the inputs q, k, v and the optional masks; outputs as named."""
     header_length = request.headers.get(HEADER_LENGTH)
 
-    async def answer(body: bytes, call: Call) -> Response:
-        reply = await pipeline_v2.infer(body, header_length, call)
-        request.state.batch_size = reply.batch_size
-        return InferResponse(reply)
+    def door_for(body: bytes) -> InferDoor:
+        return InferDoor(body, header_length)
 
-    return await compute.serve_with(request, state, answer)
+    return await compute.serve_with(request, state, door_for, InferResponse)
 
 
 _METADATA_DOC: Final[dict[int | str, dict[str, Any]]] = {

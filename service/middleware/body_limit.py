@@ -21,9 +21,10 @@ from typing import Final
 from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from service.api.errors import service_error_response
 from service.errors import FieldError, PayloadTooLarge, ServiceError, UnsupportedMediaType
+from service.http_errors import service_error_response
 from service.metrics import Metrics
+from service.routes import is_v2_path
 from service.wire.lengths import parse_length
 
 _BODY_METHODS: Final = frozenset({"POST", "PUT", "PATCH"})
@@ -101,7 +102,7 @@ class BodyLimitMiddleware:
         # v2 (Open Inference Protocol) bodies may carry binary tensor data after their JSON
         # header, and its clients declare them as application/octet-stream or not at all: the
         # route reads the framing from Inference-Header-Content-Length instead.
-        v2 = scope["path"].startswith("/v2/")
+        v2 = is_v2_path(scope["path"])
         if not v2 and not is_json_content_type(content_type) and reaches_a_route(scope):
             shown = content_type.decode("latin-1")[:100] or "none"
             msg = f"request bodies must be JSON (Content-Type: application/json); got {shown}"

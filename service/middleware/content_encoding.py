@@ -30,8 +30,8 @@ from typing import Final
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from service.api.errors import service_error_response
 from service.errors import FieldError, InvalidRequest, UnsupportedMediaType
+from service.http_errors import service_error_response
 from service.metrics import Metrics
 from service.middleware.body_limit import BodyTooLarge
 

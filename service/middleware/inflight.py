@@ -43,31 +43,17 @@ from typing import Final
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from service.api.errors import service_error_response
 from service.errors import FieldError, InvalidRequest, MemoryBusy, PayloadTooLarge, ServiceError
+from service.http_errors import service_error_response
 from service.metrics import Metrics
 from service.middleware.body_limit import declared_length
 from service.middleware.connections import unsent_bytes
+from service.routes import RESERVE_ANSWER, UNMETERED_PATHS, is_v2_path
 from service.serving.offload import INLINE_MAX_BYTES
 from service.wire.codec import occurrences
 from service.wire.lengths import parse_length
 
 MB: Final = 1e6
-# The probes of both protocols (orchestrators and KServe probe v2's) and the metrics.
-EXEMPT_PATHS: Final = frozenset(
-    {
-        "/healthz",
-        "/readyz",
-        "/metrics",
-        "/v2/health/live",
-        "/v2/health/ready",
-        "/v2/models/attention/ready",
-        "/v2/models/attention/versions/1/ready",
-    }
-)
-# The request-state key of a request's reserve_answer(nbytes): it raises MemoryBusy (503) when
-# the answer's estimated size would take the bytes in flight over the limit.
-RESERVE_ANSWER: Final = "reserve_answer"
 # What parsing a JSON body holds at its peak besides the body, per separator byte: the Python
 # objects from_json builds and numpy's copies of them, measured by the growth of peak RSS while
 # v1 and v2 bodies are prepared (bench/attack_bodies.py parse-peak; numpy 2.4, pydantic_core
@@ -151,7 +137,7 @@ def json_prefix(scope: Scope) -> int | None:
     """How many leading bytes of the body are JSON: a v2 request's Inference-Header-Content-Length
     (the rest is binary data), else None (all of it). Not a number: None, and the route refuses
     the request once read."""
-    if not scope["path"].startswith("/v2/"):
+    if not is_v2_path(scope["path"]):
         return None
     for name, value in scope["headers"]:
         if name == V2_HEADER_LENGTH:
@@ -178,7 +164,7 @@ class InflightBytesMiddleware:
         self.held = 0  # bytes all requests in flight hold now
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in EXEMPT_PATHS:
+        if scope["type"] != "http" or scope["path"] in UNMETERED_PATHS:
             await self.app(scope, receive, send)
             return
         # A declared body that does not fit now is refused before any of it is read (module

@@ -9,8 +9,6 @@ from __future__ import annotations
 from dataclasses import fields
 from typing import Any, Final
 
-import torch
-
 from sdpa_core import (
     PER_HEAD_FIELDS,
     PER_ROW_FIELDS,
@@ -18,47 +16,25 @@ from sdpa_core import (
     ScalingReport,
     StrategyResult,
 )
-from service.runtime.batcher import BatchResult
-from service.runtime.jobs import AnalyzeOutcome, AttentionOutcome, Outcome
+from service.runtime.jobs import AnalyzeOutcome, AttentionOutcome
+from service.serving.meta import summary_numbers
 from service.wire.codec import (
     EncodingName,
     dumps,
     encode_tensor,
     finite_or_none,
     to_numpy,
-    wire_dtype_name,
 )
 
 # Every number of a strategy's entry (divisor, score_variance, entropy, ...), in field order.
 STRATEGY_STATISTICS: Final = tuple(f.name for f in fields(StrategyResult) if f.name != "name")
 
 
-def response_meta(
-    batch: BatchResult[Outcome],
-    *,
-    device: str,
-    dtype: torch.dtype,
-    compute_ms: float,
-    request_id: str,
-) -> dict[str, Any]:
-    """The meta fields every computed response carries."""
-    return {
-        "device": device,
-        "dtype": wire_dtype_name(dtype),
-        "batch_size": batch.batch_size,
-        "queue_ms": round(batch.queue_ms, 3),
-        "compute_ms": round(compute_ms, 3),
-        "request_id": request_id,
-    }
-
-
 def diagnostics_json(diagnostics: Diagnostics | None) -> dict[str, Any] | None:
     """Diagnostics as JSON: summary scalars, per-head and per-row numpy arrays (nested lists)."""
     if diagnostics is None:
         return None
-    summary: dict[str, Any] = {}
-    for name, value in diagnostics.summary.as_dict().items():
-        summary[name] = value if isinstance(value, int) else finite_or_none(float(value))
+    summary = summary_numbers(diagnostics)
     per_head = {name: to_numpy(t) for name, t in diagnostics.per_head.as_dict().items()}
     per_row = (
         None

@@ -17,8 +17,9 @@ import torch
 
 from sdpa_core import AttentionResult
 from service.runtime.jobs import AttentionOutcome
+from service.serving.meta import summary_numbers
 from service.serving.prepare_v2 import PER_HEAD_OUTPUTS, PreparedInfer
-from service.wire.codec import dumps, finite_or_none
+from service.wire.codec import dumps
 from service.wire.v2_codec import EncodedOutput, encode_output
 from service.wire.v2_models import MODEL_NAME, MODEL_VERSION
 
@@ -35,7 +36,7 @@ class InferAnswer:
         return len(self.header) + sum(buffer.nbytes for buffer in self.buffers)
 
 
-def _tensor(result: AttentionResult, name: str, *, stat_dtype: torch.dtype) -> torch.Tensor:
+def output_tensor(result: AttentionResult, name: str, *, stat_dtype: torch.dtype) -> torch.Tensor:
     """The result tensor of output `name`; `stat_dtype`: the per-head statistics' float dtype."""
     if name == "output":
         return result.output
@@ -60,7 +61,7 @@ def json_output_numbers(outcome: AttentionOutcome, prepared: PreparedInfer) -> i
     they are sent from the result tensors)."""
     result = outcome.result
     return sum(
-        _tensor(result, name, stat_dtype=torch.float64).numel()
+        output_tensor(result, name, stat_dtype=torch.float64).numel()
         for name, binary in prepared.outputs
         if not binary
     )
@@ -75,8 +76,7 @@ def infer_parameters(
         params["backend"] = result.backend
     params.update(meta)
     if summary and result.diagnostics is not None:
-        for name, value in result.diagnostics.summary.as_dict().items():
-            params[name] = value if isinstance(value, int) else finite_or_none(float(value))
+        params.update(summary_numbers(result.diagnostics))
     return params
 
 
@@ -87,7 +87,7 @@ def encode_infer(
     result = outcome.result
     stat_dtype = prepared.request.prepared.spec.accum_dtype
     outputs: list[EncodedOutput] = [
-        encode_output(name, _tensor(result, name, stat_dtype=stat_dtype), binary=binary)
+        encode_output(name, output_tensor(result, name, stat_dtype=stat_dtype), binary=binary)
         for name, binary in prepared.outputs
     ]
     response: dict[str, Any] = {"model_name": MODEL_NAME, "model_version": MODEL_VERSION}

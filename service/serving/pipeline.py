@@ -1,43 +1,49 @@
-"""One compute request from body bytes to response bytes: prepare, submit, encode, time.
+"""One compute request, whichever door it came by: prepare, submit, encode, time.
 
-The api layer reads the body and answers; this module does everything in between, without
-knowing about HTTP frameworks: it receives a `Call` (settings, the request id, when reading
-started and ended, and how to submit a job to the runtime's queue) and returns a `Reply`.
-Bodies whose decoding, and results whose encoding, would take more than a few milliseconds
-run on a worker thread (service.serving.offload says which), a body's decoding there with the
+A door (v1's JSON, v2 REST's, v2 gRPC's) only decodes its request and encodes its answer: it
+hands run() a `Door`, which says how its bytes become a PreparedRequest (validated once, within
+every limit) and how an outcome becomes its answer. Everything between is here, the same for
+every door: the count of inputs refused for NaN/Inf, the in-flight bytes reserved before compute
+and shrunk to the answer after, the deadline and priority, the queue, the health monitor, and the
+phases' timing (Server-Timing over HTTP, child spans in a trace). sdpa_core's errors and a
+device out of memory leave as ServiceErrors, so a door words client errors from one tree.
+
+Bodies whose decoding, and results whose encoding, would take more than a few milliseconds run
+on a worker thread (service.serving.offload says which), a body's decoding there with the
 cyclic collector paused (service.serving.gc_pause).
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
-from sdpa_core import NonFiniteError
+import torch
+
+from sdpa_core import NonFiniteError, SdpaError
+from service.errors import DeviceOutOfMemory, FieldError, InvalidInput
 from service.runtime.batcher import BatchResult
-from service.runtime.jobs import AnalyzeOutcome, AttentionOutcome, Outcome, PreparedJob
+from service.runtime.jobs import AttentionOutcome, Outcome, PreparedJob
 from service.runtime.policy import CostModel
-from service.serving.encode import (
-    attention_numbers,
-    encode_analyze,
-    encode_attention,
-    response_meta,
-    server_timing,
-)
 from service.serving.health import HealthMonitor
-from service.serving.offload import decode_inline, encode_inline, off_loop_if, run_decoding
-from service.serving.prepare import PreparedRequest, prepare_analyze, prepare_attention
+from service.serving.meta import response_meta
+from service.serving.offload import off_loop_if, run_decoding
+from service.serving.prepare import PreparedRequest
 from service.settings import Settings
-from service.wire.json_arrays import PIECES
+from service.wire.json_arrays import PIECES, Pieces
 
-T = TypeVar("T")
-OutcomeT = TypeVar("OutcomeT", AttentionOutcome, AnalyzeOutcome)
+logger = logging.getLogger("sdpa.serving")
+
+D = TypeVar("D")  # a door's decoded request
+O = TypeVar("O", bound=Outcome)  # noqa: E741  # the outcome its jobs produce
+A = TypeVar("A")  # its answer
 
 # Queue a prepared job with its deadline (time.monotonic()) and its priority level (1 the
-# highest) -> its answer. The api layer binds it to the batcher, to the request's tenant and to
-# the client's connection (a disconnect cancels the wait).
+# highest) -> its answer. The door binds it to the batcher, to the request's tenant and to
+# the client (a client that leaves cancels the wait): service.serving.frame.bind_call.
 Submit = Callable[[PreparedJob, float, int], Awaitable[BatchResult[Outcome]]]
 
 
@@ -49,8 +55,8 @@ class Call:
     cost_model: CostModel  # the device's, for the work limit
     submit: Submit
     request_id: str
-    started: float  # time.monotonic() before the body was read
-    received: float  # time.monotonic() after it was read
+    started: float  # time.monotonic() when the request began (before its body was read)
+    received: float  # time.monotonic() once its body was read
     # reserve_answer(n): from now on the request holds n bytes besides its body (the in-flight
     # limit). Growing the reservation raises a 503 ServiceError when it does not fit; it is
     # called with the working set before compute and shrunk to the answer once encoded. None
@@ -61,12 +67,81 @@ class Call:
 
 
 @dataclass(frozen=True, slots=True)
-class Reply:
-    """A 200's body, its Server-Timing header, and the batch it ran in (for the access log)."""
+class Phases:
+    """Where one request's time went: the instants (time.monotonic() seconds) between its
+    phases, and the queue's and device's share of the wait. Server-Timing reports them over
+    HTTP, service.tracing as child spans of the request's span."""
 
-    content: bytes
-    server_timing: str
-    batch_size: int
+    started: float  # the request began: reading its body
+    received: float  # its body read: decoding
+    decoded: float  # prepared: handed to the queue
+    computed: float  # its outcome back from the device thread: encoding
+    encoded: float  # its answer encoded
+    queue_ms: float  # of the wait from `decoded` to `computed`: in the queue
+    compute_ms: float  # of that wait: on the device
+    batch_size: int  # the batch it ran in
+    path: str | None  # the kernel path (fused, dense, chunked; None for an analysis)
+    backend: str | None  # torch SDPA's backend, when the path says one
+
+    @property
+    def dispatch_ms(self) -> float:
+        """What the wait held besides queue and compute: the device thread hop, batching."""
+        wait_ms = (self.computed - self.decoded) * 1000.0
+        return max(0.0, wait_ms - self.queue_ms - self.compute_ms)
+
+    def server_timing(self) -> str:
+        """The Server-Timing header's value: read;dur=0.120, decode;dur=0.410, ..."""
+        phases_ms = {
+            "read": (self.received - self.started) * 1000.0,
+            "decode": (self.decoded - self.received) * 1000.0,
+            "queue": self.queue_ms,
+            "compute": self.compute_ms,
+            "dispatch": self.dispatch_ms,
+            "encode": (self.encoded - self.computed) * 1000.0,
+        }
+        return ", ".join(f"{name};dur={ms:.3f}" for name, ms in phases_ms.items())
+
+
+@dataclass(frozen=True, slots=True)
+class Served(Generic[A]):
+    """A door's answer and where its time went."""
+
+    answer: A
+    phases: Phases
+
+
+class Door(Protocol[D, O, A]):
+    """One protocol's words around the common steps."""
+
+    @property
+    def outcome_type(self) -> type[O]:
+        """The outcome its jobs produce (AttentionOutcome or AnalyzeOutcome)."""
+        ...
+
+    def decode_inline(self) -> bool:
+        """Whether decoding is cheap enough to run on the event loop."""
+        ...
+
+    def decode(self, settings: Settings, cost: CostModel, *, pieces: Pieces | None) -> D:
+        """The request, validated and within every limit. Raises ServiceError or SdpaError.
+        With `pieces`, big JSON lists of numbers are parsed in pieces (off the loop only)."""
+        ...
+
+    def prepared(self, decoded: D) -> PreparedRequest:
+        """The serving layer's request inside the door's decoded one."""
+        ...
+
+    def encode_inline(self, outcome: O, decoded: D) -> bool:
+        """Whether encoding is cheap enough to run on the event loop."""
+        ...
+
+    def encode(self, outcome: O, decoded: D, *, meta: dict[str, Any]) -> A:
+        """The answer, in the door's words."""
+        ...
+
+    def answer_bytes(self, answer: A) -> int:
+        """The answer's size (the in-flight bytes it holds until sent)."""
+        ...
 
 
 def _deadline(request: PreparedRequest, call: Call) -> float:
@@ -75,17 +150,68 @@ def _deadline(request: PreparedRequest, call: Call) -> float:
     return call.started + ms / 1000.0
 
 
-async def run_prepared(
-    request: PreparedRequest, call: Call, kind: type[OutcomeT]
-) -> tuple[OutcomeT, BatchResult[Outcome], dict[str, Any]]:
-    """Queue the prepared job and wait for its outcome -> (outcome, its batch, the meta fields)."""
+def invalid_input(exc: SdpaError) -> InvalidInput:
+    """sdpa_core's refusal as a client error whose errors[0].loc names the parameter."""
+    parts = [exc.message]
+    if exc.expected is not None:
+        parts.append(f"expected {exc.expected}")
+    if exc.got is not None:
+        parts.append(f"got {exc.got}")
+    snake = "".join(f"_{c.lower()}" if c.isupper() else c for c in type(exc).__name__)
+    error = FieldError(
+        loc=("body", *exc.param.split(".")), msg="; ".join(parts), type=snake.lstrip("_")
+    )
+    return InvalidInput(str(exc), errors=[error])
+
+
+async def _decode(door: Door[D, O, A], call: Call) -> D:
+    """The door's request decoded (off the loop unless cheap); NaN/Inf refusals counted."""
+    inline = door.decode_inline()
+    try:
+        # Off the loop, big lists of numbers are parsed in pieces: the parser and numpy hold
+        # the GIL, and so the loop, only a piece at a time.
+        return await run_decoding(
+            inline, door.decode, call.settings, call.cost_model, pieces=None if inline else PIECES
+        )
+    except NonFiniteError as exc:
+        if call.health is not None:
+            call.health.count_nonfinite()
+        raise invalid_input(exc) from exc
+    except SdpaError as exc:
+        raise invalid_input(exc) from exc
+
+
+async def _computed(
+    request: PreparedRequest, call: Call, kind: type[O]
+) -> tuple[O, BatchResult[Outcome]]:
+    """Queue the prepared job and wait for its outcome and the batch it ran in."""
     if call.reserve_answer is not None and request.working_bytes:
         call.reserve_answer(request.working_bytes)
     priority = request.priority or call.settings.default_priority
-    batch = await call.submit(request.prepared, _deadline(request, call), priority)
+    try:
+        batch = await call.submit(request.prepared, _deadline(request, call), priority)
+    except SdpaError as exc:  # refused on the device (a budget known only there)
+        raise invalid_input(exc) from exc
+    except torch.OutOfMemoryError as exc:
+        # Memory on the device is shared by whatever runs at the moment: a retry may well fit.
+        logger.warning("device out of memory: %s", exc)
+        raise DeviceOutOfMemory(
+            "the device ran out of memory; retry later, or send a smaller request",
+            retry_after_s=1.0,
+        ) from exc
     outcome = batch.value
     if not isinstance(outcome, kind):  # the engine answered another job kind: our bug, a 500
         raise TypeError(f"engine returned {type(outcome).__name__} for a {kind.__name__} job")
+    return outcome, batch
+
+
+async def run(door: Door[D, O, A], call: Call) -> Served[A]:
+    """Serve one request through `door`: decode, queue, compute, encode -> its answer, timed."""
+    decoded_request = await _decode(door, call)
+    request = door.prepared(decoded_request)
+    decoded = time.monotonic()
+    outcome, batch = await _computed(request, call, door.outcome_type)
+    computed = time.monotonic()
     meta = response_meta(
         batch,
         device=outcome.device,
@@ -93,113 +219,36 @@ async def run_prepared(
         compute_ms=outcome.compute_ms,
         request_id=call.request_id,
     )
-    return outcome, batch, meta
-
-
-async def counting_nonfinite(call: Call, preparing: Awaitable[T]) -> T:
-    """The prepared request; one refused for NaN/Inf in an input is counted in the metrics."""
-    try:
-        return await preparing
-    except NonFiniteError:
-        if call.health is not None:
-            call.health.count_nonfinite()
-        raise
-
-
-def ms_between(start: float, end: float) -> float:
-    return (end - start) * 1000.0
-
-
-def answered(
-    request: PreparedRequest,
-    call: Call,
-    outcome: AttentionOutcome,
-    batch: BatchResult[Outcome],
-    answer_bytes: int,
-    decoded: float,
-    computed: float,
-) -> str:
-    """Once an attention answer is encoded (either door): shrink the in-flight reservation to
-    the answer, hand the diagnostics to the health monitor -> the Server-Timing value."""
-    if call.reserve_answer is not None and request.working_bytes:
-        call.reserve_answer(answer_bytes)  # the inputs, results and encoder's copy are gone
-    if call.health is not None:
-        call.health.after_answer(
-            request.prepared,
-            tag=request.tag,
-            diagnostics=outcome.result.diagnostics,
-            cost=call.cost_model,
-        )
-    return server_timing(
-        read=ms_between(call.started, call.received),
-        decode=ms_between(call.received, decoded),
-        queue=batch.queue_ms,
-        compute=outcome.compute_ms,
-        # What the wait held besides queue and compute: the device thread hop, batching.
-        dispatch=max(0.0, ms_between(decoded, computed) - batch.queue_ms - outcome.compute_ms),
-        encode=ms_between(computed, time.monotonic()),
-    )
-
-
-async def attention(body: bytes, call: Call) -> Reply:
-    """POST /v1/attention: body -> output, weights and diagnostics, with their timing."""
-    inline = decode_inline(body)
-    request = await counting_nonfinite(
-        call,
-        run_decoding(
-            inline,
-            prepare_attention,
-            body,
-            call.settings,
-            call.cost_model,
-            # Off the loop, big lists of numbers are parsed in pieces: the parser and numpy
-            # hold the GIL, and so the loop, only a piece at a time.
-            pieces=None if inline else PIECES,
-        ),
-    )
-    decoded = time.monotonic()
-    outcome, batch, meta = await run_prepared(request, call, AttentionOutcome)
-    computed = time.monotonic()
-    tensors, statistics = attention_numbers(outcome, return_output=request.return_output)
-    as_json = request.encoding == "json"
-    content = await off_loop_if(
-        not encode_inline(
-            json_numbers=statistics + (tensors if as_json else 0),
-            base64_numbers=0 if as_json else tensors,
-        ),
-        encode_attention,
+    answer = await off_loop_if(
+        not door.encode_inline(outcome, decoded_request),
+        door.encode,
         outcome,
-        encoding=request.encoding,
+        decoded_request,
         meta=meta,
-        return_output=request.return_output,
     )
-    timing = answered(request, call, outcome, batch, len(content), decoded, computed)
-    return Reply(content=content, server_timing=timing, batch_size=batch.batch_size)
-
-
-async def analyze(body: bytes, call: Call) -> Reply:
-    """POST /v1/analyze: body -> the scaling report, with its timing."""
-    # Always off the loop: synthetic inputs are generated here, and analysis is not a hot path.
-    request = await counting_nonfinite(
-        call,
-        run_decoding(
-            False,
-            prepare_analyze,
-            body,
-            call.settings,
-            call.cost_model,
-            pieces=None if decode_inline(body) else PIECES,
-        ),
+    path = backend = None
+    if isinstance(outcome, AttentionOutcome):
+        path, backend = outcome.result.path, outcome.result.backend
+        if call.reserve_answer is not None and request.working_bytes:
+            # The inputs, results and encoder's copy are gone: the answer is what is left.
+            call.reserve_answer(door.answer_bytes(answer))
+        if call.health is not None:
+            call.health.after_answer(
+                request.prepared,
+                tag=request.tag,
+                diagnostics=outcome.result.diagnostics,
+                cost=call.cost_model,
+            )
+    phases = Phases(
+        started=call.started,
+        received=call.received,
+        decoded=decoded,
+        computed=computed,
+        encoded=time.monotonic(),
+        queue_ms=batch.queue_ms,
+        compute_ms=outcome.compute_ms,
+        batch_size=batch.batch_size,
+        path=path,
+        backend=backend,
     )
-    decoded = time.monotonic()
-    outcome, batch, meta = await run_prepared(request, call, AnalyzeOutcome)
-    computed = time.monotonic()
-    content = encode_analyze(outcome, meta=meta)
-    timing = server_timing(
-        read=ms_between(call.started, call.received),
-        decode=ms_between(call.received, decoded),
-        queue=batch.queue_ms,
-        compute=outcome.compute_ms,
-        encode=ms_between(computed, time.monotonic()),
-    )
-    return Reply(content=content, server_timing=timing, batch_size=batch.batch_size)
+    return Served(answer=answer, phases=phases)

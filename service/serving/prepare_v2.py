@@ -90,15 +90,24 @@ def prepare_infer(
     *,
     pieces: Pieces | None = None,
 ) -> PreparedInfer:
-    """A v2 infer body (and its Inference-Header-Content-Length) -> a prepared request within
-    every limit. Raises InvalidRequest / SdpaError (a 400 on v2). With `pieces`, the JSON's big
-    lists of numbers are parsed in pieces (service.wire.json_arrays); the answer is the same."""
+    """A v2 REST infer body (and its Inference-Header-Content-Length) -> a prepared request
+    within every limit. Raises InvalidRequest / SdpaError (a 400 on v2). With `pieces`, the
+    JSON's big lists of numbers are parsed in pieces (service.wire.json_arrays); the answer is
+    the same."""
     header, offset = split_header(body, header_length)
     if pieces is None:
         payload = loads_request(header, allow_inf_nan=True)
     else:
         payload = loads_request(header, allow_inf_nan=True, slot_of=array_slot, pieces=pieces)
-    req = parse_infer_request(payload)
+    return prepare_parsed(parse_infer_request(payload), body, offset, settings, cost)
+
+
+def prepare_parsed(
+    req: InferRequest, body: bytes, offset: int, settings: Settings, cost: CostModel
+) -> PreparedInfer:
+    """A v2 infer request, its JSON part parsed (from REST's header, or from gRPC's message),
+    and its binary data: `body[offset:]`, each input's bytes in the order of the inputs ->
+    a prepared request within every limit."""
     params = req.parameters or RequestParameters()
     if params.scale is not None and params.temperature is not None:
         raise _invalid(

@@ -13,13 +13,9 @@ import torch
 from sdpa_core import PER_HEAD_FIELDS, analyze_scaling, attention
 from service.runtime.batcher import BatchResult
 from service.runtime.jobs import AnalyzeOutcome, AttentionOutcome, Outcome
-from service.serving.encode import (
-    attention_numbers,
-    encode_analyze,
-    encode_attention,
-    response_meta,
-    server_timing,
-)
+from service.serving.encode import attention_numbers, encode_analyze, encode_attention
+from service.serving.meta import response_meta
+from service.serving.pipeline import Phases
 
 
 def meta_of(outcome: Outcome) -> dict[str, object]:
@@ -94,4 +90,21 @@ def test_an_analysis_outcome_lists_every_strategy_statistic() -> None:
 
 
 def test_server_timing_names_each_phase_in_milliseconds() -> None:
-    assert server_timing(decode=0.41, queue=2.0) == "decode;dur=0.410, queue;dur=2.000"
+    # Read 1 ms, decode 2 ms, a wait of 10 ms of which 3 queued and 5 computed (2 dispatch),
+    # encode 0.5 ms: times in seconds, phases in milliseconds.
+    phases = Phases(
+        started=100.0,
+        received=100.001,
+        decoded=100.003,
+        computed=100.013,
+        encoded=100.0135,
+        queue_ms=3.0,
+        compute_ms=5.0,
+        batch_size=1,
+        path="fused",
+        backend=None,
+    )
+    assert phases.server_timing() == (
+        "read;dur=1.000, decode;dur=2.000, queue;dur=3.000, compute;dur=5.000, "
+        "dispatch;dur=2.000, encode;dur=0.500"
+    )

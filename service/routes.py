@@ -1,0 +1,70 @@
+"""Which path is which: the one owner of the open paths (no API key), the unmetered ones (no
+in-flight bytes), the Open Inference Protocol's, and of what a request carries in its ASGI
+scope's state between the middlewares and the routes.
+
+The middlewares (service.middleware), the routes (service.api), the error envelopes
+(service.http_errors) and the OpenAPI document read these; none of them keeps a list of its own.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Final
+
+from service.wire.v2_models import MODEL_NAME, MODEL_VERSION
+
+# The probes of both protocols: orchestrators, and KServe's and Triton's, probe v2's.
+PROBE_PATHS: Final = frozenset(
+    {
+        "/healthz",
+        "/readyz",
+        "/v2/health/live",
+        "/v2/health/ready",
+        f"/v2/models/{MODEL_NAME}/ready",
+        f"/v2/models/{MODEL_NAME}/versions/{MODEL_VERSION}/ready",
+    }
+)
+# Open without an API key (when keys are configured): the server's own probes and the explorer
+# page with its assets. The model's readiness stays behind the key, as its metadata does.
+OPEN_PATHS: Final = frozenset({"/healthz", "/readyz", "/", "/v2/health/live", "/v2/health/ready"})
+OPEN_PREFIXES: Final = ("/static/",)
+# Exempt from the in-flight bytes (service.middleware.inflight): the probes and the metrics
+# scrape must answer however full the server is.
+UNMETERED_PATHS: Final = PROBE_PATHS | {"/metrics"}
+
+
+def is_open(path: str) -> bool:
+    """Whether `path` is served without an API key."""
+    # Static asset paths are normalized by the UI route, which 404s anything leaving static/.
+    return path in OPEN_PATHS or path.startswith(OPEN_PREFIXES)
+
+
+class Envelope(Enum):
+    """How a door words its errors over HTTP."""
+
+    PROBLEM = "problem+json"  # v1 and everything not v2: RFC 9457
+    V2 = "v2"  # the Open Inference Protocol: {"error": "..."}, as its clients parse it
+
+
+def is_v2_path(path: str) -> bool:
+    """Whether `path` is served by the Open Inference Protocol (v2 REST)."""
+    return path == "/v2" or path.startswith("/v2/")
+
+
+def envelope_of(path: str) -> Envelope:
+    """The error envelope of the door that serves `path`: chosen here, once."""
+    return Envelope.V2 if is_v2_path(path) else Envelope.PROBLEM
+
+
+# ---- what a request carries in scope["state"] ----------------------------------------------
+# Set by the access log (service.middleware.access_log): the request's id.
+REQUEST_ID: Final = "request_id"
+# Set by the API key check (service.middleware.auth): the tenant the key names.
+TENANT: Final = "tenant"
+# Set by the in-flight bytes (service.middleware.inflight): reserve_answer(nbytes), which raises
+# MemoryBusy (503) when the answer's estimated size would take the bytes in flight over the limit.
+RESERVE_ANSWER: Final = "reserve_answer"
+# Set by a compute route (service.api.compute): the batch it ran in, and its phases
+# (service.serving.pipeline.Phases), for the access log and the trace.
+BATCH_SIZE: Final = "batch_size"
+PHASES: Final = "phases"
