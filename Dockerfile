@@ -4,7 +4,8 @@
 #
 #   docker build -t localhost/sdpa-service:latest .                    # CPU (or: make image)
 #   docker build -t localhost/sdpa-service:latest-cuda --build-arg TORCH_VARIANT=cu128 .
-#   docker run --rm -p 127.0.0.1:8000:8000 --read-only --tmpfs /tmp localhost/sdpa-service
+#   docker run --rm -p 127.0.0.1:8000:8000 -p 127.0.0.1:8001:8001 --read-only --tmpfs /tmp \
+#     localhost/sdpa-service                                           # HTTP :8000, gRPC :8001
 #   docker stop -t 45 <container>      # the grace must exceed SDPA_DRAIN_TIMEOUT_S (30) + 9 s
 #
 # Where torch comes from (the build stage installs it first, alone):
@@ -124,12 +125,14 @@ ENV PATH=/opt/app/bin:/opt/venv/bin:$PATH \
     PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     SDPA_PORT=8000 \
+    SDPA_GRPC_PORT=8001 \
     SDPA_DRAIN_TIMEOUT_S=30
 
 WORKDIR /tmp
 USER 10001:10001
 
-EXPOSE 8000
+# HTTP (v1, v2 REST, probes, metrics) and gRPC (Open Inference Protocol; SDPA_GRPC_PORT=0: off)
+EXPOSE 8000 8001
 STOPSIGNAL SIGTERM
 # Readiness, not liveness: "healthy" means warmed up and admitting work. The start period covers
 # the warm-up (one real attention call on the device).

@@ -173,10 +173,11 @@ def package_version() -> str:
     return version
 
 
-def exposed_port(stage: Stage) -> int:
-    """The one port the stage EXPOSEs."""
+def exposed_ports(stage: Stage) -> tuple[int, int]:
+    """The two ports the stage EXPOSEs: HTTP, then gRPC (the Open Inference Protocol)."""
     inst = stage.last("EXPOSE")
     assert inst is not None, "the final stage has no EXPOSE"
     ports = inst.args.split()
-    assert len(ports) == 1, ports
-    return int(ports[0].split("/")[0])
+    assert len(ports) == 2, ports
+    http, grpc = (int(port.split("/")[0]) for port in ports)
+    return http, grpc

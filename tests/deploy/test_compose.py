@@ -23,7 +23,7 @@ from service.settings import Settings
 from tests.deploy.dockerfile_parser import (
     REPO_ROOT,
     default_image,
-    exposed_port,
+    exposed_ports,
     final_stage,
     healthcheck,
 )
@@ -107,12 +107,24 @@ def test_services_run_the_image_make_image_builds() -> None:
 
 
 def test_ports_are_the_ones_the_image_serves_on() -> None:
-    port = exposed_port(final_stage())
+    http, grpc = exposed_ports(final_stage())
     for name, service in _sdpa_services().items():
-        assert int(service["environment"]["SDPA_PORT"]) == port, name
-        assert [int(p) for p in service["expose"]] == [port], name
-        for published in service.get("ports", []):
-            assert int(published.rsplit(":", 1)[1]) == port, f"{name}: {published}"
+        assert int(service["environment"]["SDPA_PORT"]) == http, name
+        assert int(service["environment"]["SDPA_GRPC_PORT"]) == grpc, name
+        assert [int(p) for p in service["expose"]] == [http, grpc], name
+        published = [int(p.rsplit(":", 1)[1]) for p in service.get("ports", [])]
+        # A published instance publishes both doors; the replicas none (nginx fronts them).
+        assert published in ([], [http, grpc]), f"{name}: {service.get('ports')}"
+
+
+def test_published_host_ports_do_not_collide() -> None:
+    """`--profile gpu up` runs the CPU and the GPU instance side by side on one host."""
+    hosts = [  # "127.0.0.1:8001:8001" -> "8001", the host's side
+        port.rsplit(":", 2)[1]
+        for service in _services().values()
+        for port in service.get("ports", [])
+    ]
+    assert len(hosts) == len(set(hosts)), hosts
 
 
 def test_every_instance_has_the_images_healthcheck_and_a_restart_policy() -> None:

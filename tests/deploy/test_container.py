@@ -9,7 +9,8 @@ image's own config (USER, ENV, WORKDIR): the commands run are the image's CMD an
 
 Two deliberate changes, both for a shared machine: the CMD binds --host 0.0.0.0 (a container
 needs it; its loopback is its own), swapped for 127.0.0.1 after checking it is 0.0.0.0, and
-SDPA_PORT is a free port instead of 8000 (the healthcheck finds the server through it alone).
+SDPA_PORT is a free port instead of 8000 (the healthcheck finds the server through it alone), and
+so is SDPA_GRPC_PORT instead of 8001.
 
 Read-only root: buildah has no --read-only, so the test bind-mounts every top-level directory of
 the image's root read-only over itself and puts a tmpfs on /tmp, as Kubernetes'
@@ -222,7 +223,7 @@ def test_image_config_is_the_dockerfiles(image: Image) -> None:
     assert config["Healthcheck"]["Timeout"] == int(options["timeout"].rstrip("s")) * 10**9
     assert config["Cmd"] == ["sdpa-service", "serve", "--host", "0.0.0.0"]
     assert config["StopSignal"] == "SIGTERM"
-    assert set(config["ExposedPorts"]) == {"8000/tcp"}
+    assert set(config["ExposedPorts"]) == {"8000/tcp", "8001/tcp"}  # HTTP, gRPC
     env = _config_env(config)
     assert env["SDPA_DRAIN_TIMEOUT_S"] == stage.env()["SDPA_DRAIN_TIMEOUT_S"]
     assert env["HOME"] == "/tmp"
@@ -358,7 +359,8 @@ def test_cmd_serves_healthcheck_gates_on_warm_up_and_sigterm_drains(
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     # A 1.5 s batching window holds the drain test's request in the queue while SIGTERM lands.
-    env = {"SDPA_PORT": str(port), "SDPA_DEVICE": "cpu", "SDPA_MAX_BATCH_DELAY_MS": "1500"}
+    env = {"SDPA_PORT": str(port), "SDPA_DEVICE": "cpu", "SDPA_MAX_BATCH_DELAY_MS": "1500",
+           "SDPA_GRPC_PORT": str(free_port())}  # fmt: skip
 
     def healthcheck_passes() -> bool:
         proc = container.run(health[1:], env=env, timeout=health_timeout_s + 30)

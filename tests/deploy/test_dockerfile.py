@@ -151,7 +151,11 @@ def test_cmd_serves_one_worker_on_all_interfaces_and_healthcheck_needs_no_curl()
     assert {"interval", "timeout", "start-period", "retries"} <= set(options)
     expose = stage.last("EXPOSE")
     assert expose is not None
-    assert expose.args.split() == [str(Settings().port)]
+    # HTTP, then gRPC, each on the service's default port, which the image's ENV states again.
+    defaults = Settings()
+    assert expose.args.split() == [str(defaults.port), str(defaults.grpc_port)]
+    assert stage.env()["SDPA_PORT"] == str(defaults.port)
+    assert stage.env()["SDPA_GRPC_PORT"] == str(defaults.grpc_port)
     assert "curl" not in DOCKERFILE.read_text(encoding="utf-8").split("HEALTHCHECK")[1]
 
 

@@ -25,7 +25,7 @@ from service.settings import Settings
 from tests.deploy.dockerfile_parser import (
     REPO_ROOT,
     default_image,
-    exposed_port,
+    exposed_ports,
     final_stage,
     healthcheck,
     package_version,
@@ -176,8 +176,11 @@ def test_rolling_update_keeps_capacity_and_objects_select_the_pods() -> None:
     assert selects(deployment["spec"]["selector"]["matchLabels"])
     assert selects(_by_kind(docs, "Service")["spec"]["selector"])
     assert selects(_by_kind(docs, "PodDisruptionBudget")["spec"]["selector"]["matchLabels"])
-    service_port = _by_kind(docs, "Service")["spec"]["ports"][0]
-    assert service_port["targetPort"] == _container(deployment)["ports"][0]["name"]
+    # The Service reaches both doors by the container's port names: HTTP, then gRPC.
+    service_ports = _by_kind(docs, "Service")["spec"]["ports"]
+    container_ports = _container(deployment)["ports"]
+    assert [p["targetPort"] for p in service_ports] == [p["name"] for p in container_ports]
+    assert service_ports[1]["appProtocol"] == "kubernetes.io/h2c"  # gRPC: cleartext HTTP/2
 
     scaler = _by_kind(docs, "ScaledObject")
     target = scaler["spec"]["scaleTargetRef"]
@@ -230,10 +233,11 @@ def test_probes_and_port_match_what_the_container_test_proved() -> None:
     # probe asks the same question on the same port.
     _, command = healthcheck(final_stage())
     assert command == ["sdpa-service", "healthcheck"]
-    port = exposed_port(final_stage())
+    port, grpc_port = exposed_ports(final_stage())
     container = _container(_by_kind(_base_resources(), "Deployment"))
-    assert container["ports"][0]["containerPort"] == port
+    assert [p["containerPort"] for p in container["ports"]] == [port, grpc_port]
     env = {e["name"]: e.get("value") for e in container["env"]}
     assert int(env["SDPA_PORT"]) == port
+    assert int(env["SDPA_GRPC_PORT"]) == grpc_port
     readiness_path = "/" + default_url(port).split("/", 3)[3]
     assert container["readinessProbe"]["httpGet"]["path"] == readiness_path
