@@ -31,6 +31,7 @@ from service.middleware.body_limit import BodyLimitMiddleware
 from service.middleware.content_encoding import ContentEncodingMiddleware
 from service.middleware.drain import ConnectionCloseWhileDrainingMiddleware
 from service.middleware.inflight import InflightBytesMiddleware, default_inflight_bytes
+from service.middleware.tracing import TracingMiddleware
 from service.routes import OPEN_PATHS
 from service.runtime.batcher import DynamicBatcher
 from service.runtime.device import keep_intra_op_threads, resolve_device
@@ -39,6 +40,7 @@ from service.runtime.policy import job_work
 from service.serving.health import HealthMonitor
 from service.serving.state import AppState, Batcher
 from service.settings import Settings
+from service.tracing import Tracing
 from service.version import VERSION
 
 logger = logging.getLogger("sdpa.app")
@@ -170,6 +172,10 @@ def _lifespan(engine: Engine | None, *, device_threads: int | None) -> Any:
             warm_up.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await warm_up
+            if state.tracing is not None:
+                # The spans not exported yet, flushed in bounded time (off the loop: the
+                # exporter's HTTP call blocks).
+                await asyncio.to_thread(state.tracing.force_flush)
 
     return lifespan
 
@@ -211,6 +217,8 @@ def create_app(
         metrics=metrics,
         auth_enabled=bool(api_keys),
         max_inflight_bytes=settings.max_inflight_bytes or default_inflight_bytes(),
+        # None unless OTEL_TRACES_EXPORTER turns tracing on: then nothing below traces.
+        tracing=Tracing.from_settings(settings),
     )
     app.state.sdpa = state
     install_error_handlers(app)
@@ -238,6 +246,10 @@ def create_app(
     # A refusal before routing is labelled with the route it was made at (route_template).
     included = [route for router in routers for route in router.routes]
     app.add_middleware(AccessLogMiddleware, metrics=metrics, included=included)
+    if state.tracing is not None:
+        # Outermost: the span holds all of the server's time on the request, every refusal
+        # included, and reads what the others leave in scope["state"].
+        app.add_middleware(TracingMiddleware, tracing=state.tracing, included=included)
 
     def openapi() -> dict[str, Any]:
         return openapi_document(app, auth=bool(api_keys), open_paths=OPEN_PATHS)
