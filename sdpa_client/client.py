@@ -25,6 +25,7 @@ import httpx
 from sdpa_client.calls import Call, Endpoints, Protocol
 from sdpa_client.codec import encode_body
 from sdpa_client.retry import Attempts, RetryPolicy
+from sdpa_client.trace_context import trace_headers
 from sdpa_client.types import AnalyzeResponse, AttentionResponse
 from sdpa_client.version import __version__
 
@@ -111,7 +112,9 @@ class _Connection(Generic[HttpT, TransportT, SleepT]):
 
     def _prepare(self, call: Call[Any]) -> tuple[httpx.Request, Attempts]:
         """The request to send (built once: a retry repeats the same bytes) and its attempts."""
-        headers: dict[str, str] = {}
+        # The caller's current trace context (traceparent), when opentelemetry is installed:
+        # read here, in the caller's thread or task, where its span is current.
+        headers = trace_headers()
         content = call.content
         if call.body is not None:
             headers["content-type"] = "application/json"

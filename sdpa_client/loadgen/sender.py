@@ -7,6 +7,7 @@ import ssl
 import httpx
 
 from sdpa_client.loadgen.payloads import Payload
+from sdpa_client.trace_context import trace_headers
 from sdpa_client.version import __version__
 
 
@@ -60,10 +61,14 @@ class HttpSender:
 
     async def __call__(self) -> int:
         client = self._client()
+        headers = self._extra_headers
+        # The trace context current in the task that sends (a copy of the one run_load was
+        # called in), when opentelemetry is installed: the sdpa-loadtest command has none.
+        trace = trace_headers()
+        if trace:
+            headers = {**(headers or {}), **trace}
         try:
-            response = await client.post(
-                self._path, content=self._body, headers=self._extra_headers
-            )
+            response = await client.post(self._path, content=self._body, headers=headers)
             return response.status_code
         finally:
             self._idle.append(client)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import importlib
 import logging
 import re
 import threading
@@ -34,6 +33,7 @@ import torch
 from sdpa_client.tap.hooks import AttentionCall, attach_hooks
 from sdpa_client.tap.host import HostCopier, nbytes
 from sdpa_client.tap.sender import Poster, Sample, Sender
+from sdpa_client.trace_context import trace_headers
 from sdpa_client.types import AttentionResponse
 
 logger = logging.getLogger("sdpa_client.tap")
@@ -175,7 +175,6 @@ class AttentionTap:
         self._gate_forwards: Callable[[], int] = lambda: 0
         self._attached = False
         self._closed = False
-        self._traceparent = _trace_injector()
         self.first_failure: str | None = None
 
     # -- the public surface ---------------------------------------------------------------
@@ -267,7 +266,8 @@ class AttentionTap:
             return
         try:
             host = self._copier.copy(call.q, call.k, call.v, call.attn_mask, call.key_padding_mask)
-            headers = self._traceparent()
+            # The forward's trace context (traceparent), sent later from the sender's thread.
+            headers = trace_headers()
         except BaseException:
             self._sender.cancel(size)
             raise  # the hooks' shield counts it as failed, and never lets it reach the model
@@ -322,18 +322,3 @@ class AttentionTap:
             if first:
                 self.first_failure = what
         logger.log(logging.WARNING if first else logging.DEBUG, "tap: %s", what)
-
-
-def _trace_injector() -> Callable[[], dict[str, str]]:
-    """The current trace context as headers (traceparent), when opentelemetry is installed."""
-    try:
-        propagate = importlib.import_module("opentelemetry.propagate")
-    except ImportError:
-        return dict
-
-    def inject() -> dict[str, str]:
-        carrier: dict[str, str] = {}
-        propagate.inject(carrier)
-        return carrier
-
-    return inject
