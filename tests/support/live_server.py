@@ -82,6 +82,9 @@ def live_server(
     # that do not test it run the eager loop (the same numbers; tests/e2e/test_kernel.py
     # serves with it).
     child_env.setdefault("SDPA_COMPILE_KERNELS", "false")
+    # The gRPC door would take Triton's port 8001 in every server a test starts, side by side:
+    # off unless the test gives it a port of its own.
+    child_env.setdefault("SDPA_GRPC_PORT", "0")
     log_path = tmp_path / f"server-{port}.log"
     with log_path.open("ab") as log_file:
         process = subprocess.Popen(
