@@ -100,7 +100,10 @@ def live_server(
     child_env = {k: v for k, v in os.environ.items() if not k.startswith("SDPA_")}
     # The tree first, then whatever PYTHONPATH already says (packages installed beside it).
     python_path = os.pathsep.join(p for p in (str(tree), os.environ.get("PYTHONPATH")) if p)
-    child_env.update({"SDPA_DEVICE": "cpu", "PYTHONPATH": python_path, **env})
+    # The gRPC door off unless asked for: servers side by side would all take port 8001.
+    child_env.update(
+        {"SDPA_DEVICE": "cpu", "SDPA_GRPC_PORT": "0", "PYTHONPATH": python_path, **env}
+    )
     command = [sys.executable, "-m", "service.cli", "serve", "--host", "127.0.0.1",
                "--port", str(port)]  # fmt: skip
     log_path = tmp_path / f"server-{port}.log"
