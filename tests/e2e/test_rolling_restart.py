@@ -141,3 +141,60 @@ def test_rolling_restart_behind_nginx_fails_no_request(tmp_path: Path) -> None:
     )
     assert report["errors"] == {}, report["errors"]
     assert report["ok"] == report["sent"] > 0
+
+
+def _served(url: str) -> float:
+    """How many attention requests a replica answered 200 (its own metrics)."""
+    text = httpx.get(f"{url}/metrics", timeout=5).text
+    pattern = r'^sdpa_requests_total\{route="/v1/attention",status="200",[^}]*\} (\S+)$'
+    return sum(float(m.group(1)) for m in re.finditer(pattern, text, flags=re.MULTILINE))
+
+
+def test_a_replica_killed_under_load_costs_no_request(tmp_path: Path) -> None:
+    """SIGKILL, not a drain: the replica's requests in flight die with it. nginx sees the
+    connection reset (or refused) and, since the service is a pure function of its request,
+    sends the request to another replica (proxy_next_upstream error ... non_idempotent). The
+    replica is then started again, as an orchestrator would, and the time until it serves
+    through nginx again (full capacity) is reported."""
+    ports = [free_port() for _ in range(REPLICAS)]
+    with ExitStack() as stack:
+        replicas = [
+            stack.enter_context(live_server(REPLICA_ENV, tmp_path=tmp_path, port=port))
+            for port in ports
+        ]
+        url = stack.enter_context(nginx(ports, tmp_path))
+        load_seconds = 40
+        report_path = tmp_path / "load.json"
+        load = subprocess.Popen(
+            [sys.executable, "-m", "sdpa_client.loadtest", "--url", url, "--preset", "small",
+             "--concurrency", "8", "--duration", str(load_seconds), "--no-progress",
+             "--json", str(report_path)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        )  # fmt: skip
+        time.sleep(4)  # load on all three first
+        victim = 1
+        assert _served(replicas[victim].url) > 0, "the victim served nothing before its death"
+        killed = time.monotonic()
+        assert replicas[victim].stop(signal.SIGKILL, timeout=10) == -signal.SIGKILL
+        replicas[victim] = stack.enter_context(
+            live_server(REPLICA_ENV, tmp_path=tmp_path, port=ports[victim])
+        )
+        ready = time.monotonic()
+        # Full capacity: nginx sends the new replica work again (after fail_timeout at worst).
+        restored = None
+        while restored is None and time.monotonic() < killed + load_seconds - 8:
+            if _served(replicas[victim].url) > 0:
+                restored = time.monotonic()
+            time.sleep(0.2)
+        assert load.wait(timeout=load_seconds + 60) == 0, load.stderr.read() if load.stderr else ""
+        report = json.loads(report_path.read_text())["report"]
+    print(
+        f"\none of {REPLICAS} replicas SIGKILLed under closed-loop load (c=8, small): "
+        f"{report['sent']} sent, {report['ok']} ok, errors {report['errors']}, "
+        f"p99 {report['latency']['p99_ms']:.1f} ms, max {report['latency']['max_ms']:.1f} ms; "
+        f"death to started-and-ready {ready - killed:.2f} s, death to serving through nginx "
+        f"{'never' if restored is None else f'{restored - killed:.2f} s'}"
+    )
+    assert report["errors"] == {}, report["errors"]
+    assert report["ok"] == report["sent"] > 0
+    assert restored is not None, "the restarted replica got no request through nginx"
