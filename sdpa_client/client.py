@@ -129,6 +129,7 @@ class _Connection(Generic[HttpT, TransportT, SleepT]):
         attempts = Attempts(
             self.retry, retryable=call.retryable, answers=call.answers, rng=self._rng,
             clock=self._clock,
+            deadline_s=None if call.timeout_ms is None else call.timeout_ms / 1000.0,
         )  # fmt: skip
         return request, attempts
 

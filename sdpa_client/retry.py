@@ -1,11 +1,15 @@
 """When to send a request again: the policy, and the bookkeeping of one call's attempts.
 
-/v1/attention and /v1/analyze are pure functions of their input, so repeating them is safe.
-429 (this tenant's share of the queue is full), 503 (queue full, draining), 504 (deadline passed
-before compute) and connection failures are retried with exponential backoff and jitter,
-honouring Retry-After, within `RetryPolicy.max_attempts` and `RetryPolicy.max_total_s`. A
-client-side read timeout is not retried: the server may still be computing, and a retry would
-double its load.
+/v1/attention, /v1/analyze and v2's infer are pure functions of their input, so repeating them
+is safe, even when a replica died with the request half done. 429 (this tenant's share of the
+queue is full: the one 4xx that means "later", with its Retry-After), 502 (a proxy lost the
+replica: nginx's or Ray's answer when the one it tried died), 503 (queue full, draining), 504
+(deadline passed before compute, or a proxy's gateway timeout) and connection failures are
+retried with exponential backoff and jitter, honouring Retry-After, within
+`RetryPolicy.max_attempts` and `RetryPolicy.max_total_s`, and never once the request's own
+deadline (its timeout_ms) has passed: its answer could no longer be on time. No other 4xx is
+retried: the same request would be refused again. A client-side read timeout is not retried
+either: the server may still be computing, and a retry would double its load.
 
 Nothing here sends or sleeps: `Attempts` is told what each attempt gave and answers "done",
 "wait this long, then send again", or raises the error to give up with. The sync and async
@@ -60,7 +64,7 @@ class RetryPolicy:
     jitter: float = 1.0
     retry_after_spread: float = 0.1
     max_total_s: float = 60.0
-    retry_statuses: frozenset[int] = frozenset({429, 503, 504})
+    retry_statuses: frozenset[int] = frozenset({429, 502, 503, 504})
     retry_connection_errors: bool = True
 
     def __post_init__(self) -> None:
@@ -129,6 +133,8 @@ class Attempts:
         answers: statuses other than 2xx that are an answer, not an error (a probe's 503).
         rng: the source of jitter.
         clock: monotonic seconds, for the total time budget.
+        deadline_s: the request's own deadline, seconds after the first attempt (its
+            timeout_ms): no retry is sent once it would start at or after it.
     """
 
     def __init__(
@@ -139,8 +145,10 @@ class Attempts:
         answers: frozenset[int],
         rng: random.Random,
         clock: Callable[[], float],
+        deadline_s: float | None = None,
     ) -> None:
         self._policy = policy
+        self._deadline_s = deadline_s
         self._retryable = retryable
         self._answers = answers
         self._rng = rng
@@ -192,6 +200,9 @@ class Attempts:
         if self.count >= self._policy.max_attempts:
             return None
         delay = self._policy.delay_s(self.count, retry_after_s, self._rng)
-        if self._clock() - self._started + delay > self._policy.max_total_s:
+        resent_at = self._clock() - self._started + delay
+        if resent_at > self._policy.max_total_s:
+            return None
+        if self._deadline_s is not None and resent_at >= self._deadline_s:
             return None
         return delay

@@ -548,10 +548,59 @@ def test_client_errors_are_not_retried() -> None:
     assert sleeps.delays == []
 
 
+def test_a_proxys_502_is_retried_a_4xx_never() -> None:
+    # A proxy answers 502 when the replica it tried died: the computation is pure, so the
+    # client sends it again (to whichever replica the proxy picks next).
+    calls: list[httpx.Request] = []
+    handler = sequence(
+        httpx.Response(502, text="<html>bad gateway</html>"), ok_attention(calls), calls=calls
+    )
+    sleeps = Sleeps()
+    with client_for(handler, sleep=sleeps) as client:
+        client.attention(*small_qkv())
+    assert len(calls) == 2
+    assert len(sleeps.delays) == 1
+    for status in (400, 401, 404, 413, 415, 422):
+        calls.clear()
+        handler = sequence(problem(status, f"Title {status}"), calls=calls)
+        with client_for(handler, sleep=sleeps) as client, pytest.raises(SDPAClientError):
+            client.attention(*small_qkv())
+        assert len(calls) == 1, status
+
+
+def test_no_retry_once_the_requests_own_deadline_has_passed() -> None:
+    clock = [0.0]
+    calls: list[httpx.Request] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        calls.append(request)
+        clock[0] += 1.5  # each attempt takes 1.5 s
+        return problem(503, "Queue full", headers={"retry-after": "1"})
+
+    def sleep(seconds: float) -> None:
+        clock[0] += seconds
+
+    policy = RetryPolicy(max_attempts=10, max_total_s=60.0, retry_after_spread=0.0)
+    with client_for(handler, sleep=sleep, clock=lambda: clock[0], retry=policy) as client:
+        # timeout_ms 4000: sent at 0, again at 2.5 (1.5 + 1), then 5 >= 4: given up.
+        with pytest.raises(SDPAUnavailable):
+            client.attention(*small_qkv(), timeout_ms=4000)
+        assert len(calls) == 2
+        calls.clear()
+        clock[0] = 0.0
+        # Without a deadline of its own, the total budget alone bounds it.
+        with pytest.raises(SDPAUnavailable):
+            client.attention(*small_qkv())
+        assert len(calls) == 10
+
+
 def test_non_json_error_body() -> None:
     calls: list[httpx.Request] = []
     handler = sequence(httpx.Response(502, text="<html>bad gateway</html>"), calls=calls)
-    with client_for(handler) as client, pytest.raises(SDPAServerError) as ei:
+    with (
+        client_for(handler, retry=RetryPolicy(max_attempts=1)) as client,
+        pytest.raises(SDPAServerError) as ei,
+    ):
         client.attention(*small_qkv())
     assert ei.value.status == 502
     assert "bad gateway" in ei.value.detail
