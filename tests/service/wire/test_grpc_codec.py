@@ -383,3 +383,89 @@ def test_a_large_output_length_is_a_multi_byte_varint() -> None:
         )
     )
     np.testing.assert_array_equal(grpcclient.InferResult(response).as_numpy("output"), big)
+
+
+# ---- the whole preparation: the same PreparedInfer as the REST door's ----------------------
+
+
+def _settings() -> Any:
+    from tests.support.app import small_settings
+
+    return small_settings()
+
+
+def _prepared_pair(inputs: Inputs, **kw: Any) -> tuple[Any, Any]:
+    from service.runtime.policy import CostModel
+    from service.serving.prepare_grpc import prepare_grpc_infer
+    from service.serving.prepare_v2 import prepare_infer
+
+    settings, cost = _settings(), CostModel.uncalibrated()
+    outputs = kw.pop("outputs", ())
+    grpc_raw = _grpc_request(inputs, outputs=outputs, **kw).SerializeToString()
+    body, length = _http_request(inputs, **kw)
+    if outputs:  # name the same outputs, as binary data, in REST's header
+        header, offset = split_header(body, length)
+        payload = json.loads(header)
+        payload["outputs"] = [{"name": n, "parameters": {"binary_data": True}} for n in outputs]
+        new_header = json.dumps(payload).encode()
+        body, length = new_header + body[offset:], str(len(new_header))
+    return (
+        prepare_grpc_infer(grpc_raw, settings, cost),
+        prepare_infer(body, length, settings, cost),
+    )
+
+
+@pytest.mark.parametrize("datatype", sorted(NUMPY))
+def test_prepare_grpc_infer_makes_the_rest_doors_prepared_request(datatype: str) -> None:
+    params = {"causal": "bottom_right", "diagnostics": "summary", "tag": "t/1"}
+    got, want = _prepared_pair(
+        _inputs(datatype), parameters=params, request_id="r-9", priority=1, timeout=7_000_000,
+        outputs=("lse", "output", "entropy_per_head"),
+    )  # fmt: skip
+    assert (got.id, got.summary, got.outputs) == (want.id, want.summary, want.outputs)
+    assert got.outputs == (("lse", True), ("output", True), ("entropy_per_head", True))
+    g, w = got.request, want.request
+    assert (g.encoding, g.timeout_ms, g.tag, g.priority, g.return_output) == (
+        w.encoding, w.timeout_ms, w.tag, w.priority, w.return_output,
+    )  # fmt: skip
+    assert (g.response_bytes, g.working_bytes) == (w.response_bytes, w.working_bytes)
+    assert g.prepared.spec == w.prepared.spec
+    gj, wj = g.prepared.job, w.prepared.job
+    for name in ("q", "k", "v"):
+        assert torch.equal(getattr(gj, name).view(torch.uint8), getattr(wj, name).view(torch.uint8))
+    assert (gj.scale, gj.return_weights, gj.diagnostics) == (
+        wj.scale,
+        wj.return_weights,
+        wj.diagnostics,
+    )
+    for name in ("key_lengths", "key_padding_mask", "attn_mask"):
+        assert torch.equal(getattr(gj.masks, name), getattr(wj.masks, name)), name
+    assert gj.masks.causal == wj.masks.causal
+
+
+def test_prepare_grpc_infer_refuses_only_with_client_errors() -> None:
+    """Damaged messages (bytes flipped, cut, garbage) give a ServiceError or an SdpaError, never
+    another exception: a bounded sweep over one good message."""
+    from sdpa_core import SdpaError
+    from service.runtime.policy import CostModel
+    from service.serving.prepare_grpc import prepare_grpc_infer
+
+    settings, cost = _settings(), CostModel.uncalibrated()
+    good = _grpc_request(_inputs("FP16"), parameters={"diagnostics": "full"}).SerializeToString()
+    rng = np.random.default_rng(27)
+    damaged = [good[:cut] for cut in rng.integers(0, len(good), size=40)]
+    for _ in range(120):
+        raw = bytearray(good)
+        for at in rng.integers(0, min(len(raw), 400), size=int(rng.integers(1, 4))):
+            raw[at] = int(rng.integers(0, 256))
+        damaged.append(bytes(raw))
+    damaged += [rng.bytes(int(n)) for n in rng.integers(0, 300, size=40)]
+    outcomes = {"ok": 0, "refused": 0}
+    for raw in damaged:
+        try:
+            prepare_grpc_infer(raw, settings, cost)
+        except (ServiceError, SdpaError):
+            outcomes["refused"] += 1
+        else:
+            outcomes["ok"] += 1
+    assert outcomes["refused"] > 100, outcomes

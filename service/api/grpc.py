@@ -1,0 +1,505 @@
+"""The Open Inference Protocol over gRPC: KServe's inference.GRPCInferenceService, as
+tritonclient.grpc speaks it, for the model "attention" (version "1", or none named).
+
+A third door to the serving layer (service.serving.pipeline), beside v1 and v2 REST: ModelInfer
+hands its message's bytes, undecoded, to a GrpcInferDoor (service.serving.prepare_grpc), so that
+a large one is parsed off the event loop, and the same limits, tenants, batching, deadlines and
+health apply. What this module adds is gRPC's part:
+
+- API keys from the call's metadata (`authorization: Bearer <key>` or `x-api-key: <key>`, as
+  the HTTP middleware reads headers: service.tenants), for every call but ServerLive and
+  ServerReady, which stay open as the HTTP probes do.
+- The deadline: the earliest of the call's gRPC deadline, the request's `timeout` parameter and
+  SDPA_REQUEST_TIMEOUT_MS. When the client cancels, or its deadline passes, gRPC cancels the
+  call's task; a job still queued leaves the batcher's queue (DynamicBatcher.submit drops a job
+  whose waiter is cancelled) and is never computed.
+- Status codes (gRPC's for the REST door's statuses): INVALID_ARGUMENT for 400/422,
+  UNAUTHENTICATED 401, NOT_FOUND 404 (another model), RESOURCE_EXHAUSTED for 413 (a message
+  over SDPA_MAX_BODY_BYTES is refused by gRPC itself), 429 and a full queue, DEADLINE_EXCEEDED
+  504, UNAVAILABLE while starting or shutting down; a momentary refusal says when to retry in
+  its message and in the trailing metadata `retry-after` (seconds). INTERNAL only for a bug of
+  ours, whose traceback goes to the log (never to the client).
+- The access log and the metrics, as the HTTP middleware writes them, with the route
+  "grpc:<Method>": sdpa_requests_total{route, status, tenant} and
+  sdpa_request_duration_seconds{route}. `status` is the HTTP status the REST door would answer
+  (200, 400, 401, 404, 413, 429, 499 for a call its client cancelled, 500, 503, 504), so the
+  rules and dashboards that read it count both doors alike; the log line adds `grpc_status`.
+  Every call carries `x-request-id` back in its trailing metadata (the caller's own, when sane).
+- A server span per call when tracing is on (service.tracing: W3C traceparent from the
+  metadata), its phases as children.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import re
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any, Final
+
+# No stubs for grpcio in the dev dependencies (types-grpcio): its API is typed Any here.
+import grpc  # type: ignore[import-untyped, unused-ignore]
+from grpc import aio  # type: ignore[import-untyped, unused-ignore]
+
+from service.api.v2 import MODEL_METADATA
+from service.errors import (
+    DeadlineUnreachable,
+    DeviceOutOfMemory,
+    MemoryBusy,
+    QueueFull,
+    RetryLater,
+    ServiceError,
+    ShuttingDown,
+)
+from service.serving import pipeline
+from service.serving.frame import admitted, bind_call
+from service.serving.pipeline import Call, Phases, Served
+from service.serving.prepare_grpc import GrpcInferDoor
+from service.serving.state import AppState
+from service.settings import Settings
+from service.tenants import ANONYMOUS, Keyring, presented_keys, refusal
+from service.version import VERSION
+from service.wire.grpc import grpc_predict_v2_pb2 as pb
+from service.wire.grpc_codec import SERVICE_NAME, UnknownModel
+from service.wire.v2_errors import v2_message, v2_status
+from service.wire.v2_models import EXTENSIONS, MODEL_NAME, MODEL_VERSION, SERVER_NAME
+
+logger = logging.getLogger("sdpa.grpc")
+# The HTTP access log's logger (service.middleware.access_log writes the same fields there).
+access_logger = logging.getLogger("sdpa.access")
+
+ROUTE_PREFIX: Final = "grpc:"
+REQUEST_ID_KEY: Final = "x-request-id"
+RETRY_AFTER_KEY: Final = "retry-after"
+# As the HTTP access log takes a caller's X-Request-ID: 1-128 visible ASCII characters.
+_SANE_REQUEST_ID: Final = re.compile(r"[\x21-\x7e]{1,128}")
+# What a call its client cancelled is logged and counted as (nginx's "client closed request").
+CLIENT_CLOSED: Final = 499
+# The answer's header (model, id, parameters, outputs' names and shapes) beside the bytes that
+# SDPA_MAX_RESPONSE_BYTES bounds: a few hundred bytes, with a wide margin.
+SEND_HEADROOM_BYTES: Final = 1 << 20
+# Retry-After of a call refused because the server is starting or draining.
+_NOT_SERVING_RETRY_AFTER_S: Final = 1.0
+
+
+# ---- status codes ---------------------------------------------------------------------------
+
+
+def grpc_code(exc: ServiceError) -> grpc.StatusCode:
+    """The gRPC status of a client error (module docstring)."""
+    if isinstance(exc, ShuttingDown):
+        return grpc.StatusCode.UNAVAILABLE
+    if isinstance(exc, QueueFull | DeadlineUnreachable | MemoryBusy | DeviceOutOfMemory):
+        # Capacity, not availability: the server serves, and a retry later may fit.
+        return grpc.StatusCode.RESOURCE_EXHAUSTED
+    status = exc.status
+    if status == 401:
+        return grpc.StatusCode.UNAUTHENTICATED
+    if status == 404:
+        return grpc.StatusCode.NOT_FOUND
+    if status in (413, 429):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED
+    if status == 503:
+        return grpc.StatusCode.UNAVAILABLE
+    if status == 504:
+        return grpc.StatusCode.DEADLINE_EXCEEDED
+    return grpc.StatusCode.INVALID_ARGUMENT  # 400, 415, 422: what the caller sent
+
+
+@dataclass(frozen=True, slots=True)
+class _Refusal:
+    """How a call ended in an error: gRPC's status, its message and trailing metadata, and the
+    HTTP status it is logged and counted as."""
+
+    code: grpc.StatusCode
+    message: str
+    http_status: int
+    trailing: tuple[tuple[str, str], ...] = ()
+
+    @classmethod
+    def of(cls, exc: ServiceError) -> _Refusal:
+        message = v2_message(exc)
+        trailing: tuple[tuple[str, str], ...] = ()
+        if isinstance(exc, RetryLater):
+            message = f"{message}; retry after {exc.retry_after_s} s"
+            trailing = ((RETRY_AFTER_KEY, str(exc.retry_after_s)),)
+        return cls(grpc_code(exc), message, v2_status(exc.status), trailing)
+
+
+def _not_serving(state: AppState) -> ShuttingDown | None:
+    """Why no new call is taken now (starting, or draining), or None."""
+    if state.batcher is None:
+        detail = "the service is starting: retry shortly"
+    elif state.draining():
+        state.metrics.rejected_total.labels(reason="shutting_down").inc()
+        detail = "the service is shutting down: this call was not computed"
+    else:
+        return None
+    return ShuttingDown(detail, retry_after_s=_NOT_SERVING_RETRY_AFTER_S)
+
+
+# ---- one call -------------------------------------------------------------------------------
+
+
+def _metadata(context: aio.ServicerContext[Any, Any]) -> list[tuple[str, str]]:
+    """The call's text metadata (binary "-bin" entries carry no key, trace or id)."""
+    return [
+        (key, value)
+        for key, value in (context.invocation_metadata() or ())
+        if isinstance(value, str)
+    ]
+
+
+def _request_id(metadata: Sequence[tuple[str, str]]) -> str:
+    for key, value in metadata:
+        if key == REQUEST_ID_KEY:
+            if _SANE_REQUEST_ID.fullmatch(value):
+                return value
+            break
+    return uuid.uuid4().hex
+
+
+def _client(context: aio.ServicerContext[Any, Any]) -> str | None:
+    """The peer's address without its port: "ipv4:127.0.0.1:5000" -> "127.0.0.1"."""
+    peer = context.peer() or ""
+    kind, _, rest = peer.partition(":")
+    if kind == "ipv4":
+        return rest.rpartition(":")[0] or None
+    if kind == "ipv6":
+        return rest.rpartition(":")[0].strip("[]") or None
+    return peer or None
+
+
+@dataclass
+class _Record:
+    """What one call came to, for its log line, metrics and span."""
+
+    method: str
+    request_id: str
+    started: float
+    client: str | None
+    tenant: str = ANONYMOUS
+    http_status: int = 200
+    code: grpc.StatusCode = grpc.StatusCode.OK
+    phases: Phases | None = None
+    error: BaseException | None = None
+
+
+class InferenceServicer:
+    """The six calls, each a coroutine over one AppState."""
+
+    def __init__(self, state: AppState) -> None:
+        self.state = state
+        keys = state.settings.tenant_keys()
+        self.keyring = Keyring(keys) if keys else None
+
+    # ---- the frame every call shares ---------------------------------------------------------
+
+    def _tenant(self, metadata: Sequence[tuple[str, str]]) -> str:
+        """The caller's tenant by its key; raises Unauthorized (UNAUTHENTICATED)."""
+        if self.keyring is None:
+            return ANONYMOUS
+        presented = presented_keys(metadata)
+        tenant = self.keyring.tenant_of(presented)
+        if tenant is None:
+            self.state.metrics.rejected_total.labels(reason="unauthorized").inc()
+            raise refusal(presented)
+        return tenant
+
+    async def _serve(
+        self,
+        method: str,
+        context: aio.ServicerContext[Any, Any],
+        answer: Callable[[_Record, Sequence[tuple[str, str]]], Awaitable[Any]],
+        *,
+        open_call: bool = False,
+    ) -> Any:
+        """Run `answer` as call `method`: key, request id, status, log line, metrics, span."""
+        metadata = _metadata(context)
+        record = _Record(
+            method=method,
+            request_id=_request_id(metadata),
+            started=time.monotonic(),
+            client=_client(context),
+        )
+        tracing = self.state.tracing
+        span = None
+        if tracing is not None:
+            span = tracing.start_grpc(method, carrier=metadata, client=record.client)
+        refused: _Refusal | None = None
+        try:
+            if not open_call:
+                record.tenant = self._tenant(metadata)
+            return await answer(record, metadata)
+        except ServiceError as exc:
+            refused = _Refusal.of(exc)
+        except asyncio.CancelledError as exc:
+            # The client cancelled, or its deadline passed: gRPC answers it (nobody reads it).
+            record.http_status, record.code, record.error = (
+                CLIENT_CLOSED,
+                grpc.StatusCode.CANCELLED,
+                exc,
+            )
+            raise
+        except Exception as exc:  # a bug of ours: INTERNAL, the traceback in the log only
+            logger.exception("unhandled error in %s (request_id=%s)", method, record.request_id)
+            record.error = exc
+            refused = _Refusal(
+                grpc.StatusCode.INTERNAL,
+                f"internal server error; request id {record.request_id}",
+                500,
+            )
+        finally:
+            context.set_trailing_metadata(
+                ((REQUEST_ID_KEY, record.request_id), *(refused.trailing if refused else ()))
+            )
+            if refused is not None:
+                record.http_status, record.code = refused.http_status, refused.code
+            self._record(record)
+            if span is not None:
+                span.end(
+                    status=record.code.value[0],
+                    tenant=record.tenant,
+                    request_id=record.request_id,
+                    batch_size=None if record.phases is None else record.phases.batch_size,
+                    phases=record.phases,
+                    error=record.error,
+                )
+        # Only a refusal gets here (every other way out returns or raises above). abort()
+        # raises: gRPC ends the call with that status.
+        assert refused is not None
+        await context.abort(refused.code, refused.message)
+        raise AssertionError("grpc.aio's abort() returned")
+
+    def _record(self, record: _Record) -> None:
+        """The access log line and the request metrics of one call."""
+        elapsed_s = time.monotonic() - record.started
+        route = ROUTE_PREFIX + record.method
+        metrics = self.state.metrics
+        metrics.requests_total.labels(
+            route=route, status=str(record.http_status), tenant=record.tenant
+        ).inc()
+        metrics.request_duration_seconds.labels(route=route).observe(elapsed_s)
+        fields: dict[str, Any] = {
+            "ts": datetime.now(UTC).isoformat(timespec="milliseconds"),
+            "request_id": record.request_id,
+            "method": "POST",  # every gRPC call is an HTTP/2 POST of its method's path
+            "route": route,
+            "status": record.http_status,
+            "grpc_status": record.code.name,
+            "tenant": record.tenant,
+            "latency_ms": round(elapsed_s * 1000.0, 3),
+            "batch_size": None if record.phases is None else record.phases.batch_size,
+            "client": record.client,
+        }
+        access_logger.info(
+            "%s %s %s %.1fms",
+            fields["method"],
+            route,
+            record.code.name,
+            fields["latency_ms"],
+            extra={"json_fields": fields},
+        )
+
+    # ---- the calls -----------------------------------------------------------------------
+
+    async def server_live(
+        self, request: pb.ServerLiveRequest, context: aio.ServicerContext[Any, Any]
+    ) -> pb.ServerLiveResponse:
+        async def answer(record: _Record, metadata: Sequence[tuple[str, str]]) -> Any:
+            return pb.ServerLiveResponse(live=True)
+
+        result: pb.ServerLiveResponse = await self._serve(
+            "ServerLive", context, answer, open_call=True
+        )
+        return result
+
+    async def server_ready(
+        self, request: pb.ServerReadyRequest, context: aio.ServicerContext[Any, Any]
+    ) -> pb.ServerReadyResponse:
+        async def answer(record: _Record, metadata: Sequence[tuple[str, str]]) -> Any:
+            return pb.ServerReadyResponse(ready=self.state.not_ready_reason() is None)
+
+        result: pb.ServerReadyResponse = await self._serve(
+            "ServerReady", context, answer, open_call=True
+        )
+        return result
+
+    async def model_ready(
+        self, request: pb.ModelReadyRequest, context: aio.ServicerContext[Any, Any]
+    ) -> pb.ModelReadyResponse:
+        async def answer(record: _Record, metadata: Sequence[tuple[str, str]]) -> Any:
+            ours = request.name == MODEL_NAME and request.version in ("", MODEL_VERSION)
+            return pb.ModelReadyResponse(ready=ours and self.state.not_ready_reason() is None)
+
+        result: pb.ModelReadyResponse = await self._serve("ModelReady", context, answer)
+        return result
+
+    async def server_metadata(
+        self, request: pb.ServerMetadataRequest, context: aio.ServicerContext[Any, Any]
+    ) -> pb.ServerMetadataResponse:
+        async def answer(record: _Record, metadata: Sequence[tuple[str, str]]) -> Any:
+            return pb.ServerMetadataResponse(
+                name=SERVER_NAME, version=VERSION, extensions=list(EXTENSIONS)
+            )
+
+        result: pb.ServerMetadataResponse = await self._serve("ServerMetadata", context, answer)
+        return result
+
+    async def model_metadata(
+        self, request: pb.ModelMetadataRequest, context: aio.ServicerContext[Any, Any]
+    ) -> pb.ModelMetadataResponse:
+        async def answer(record: _Record, metadata: Sequence[tuple[str, str]]) -> Any:
+            if request.name != MODEL_NAME or request.version not in ("", MODEL_VERSION):
+                raise UnknownModel(
+                    f"no model {request.name[:64]!r}"
+                    + (f" version {request.version[:64]!r}" if request.version else "")
+                    + f": this server serves the model {MODEL_NAME!r}, version {MODEL_VERSION!r}"
+                )
+            return MODEL_METADATA_MESSAGE
+
+        result: pb.ModelMetadataResponse = await self._serve("ModelMetadata", context, answer)
+        return result
+
+    async def model_infer(self, raw: bytes, context: aio.ServicerContext[Any, Any]) -> bytes:
+        """ModelInfer: the message's bytes in (parsed by the door, off the loop when large),
+        the serialized ModelInferResponse out."""
+
+        async def answer(record: _Record, metadata: Sequence[tuple[str, str]]) -> bytes:
+            state = self.state
+            not_serving = _not_serving(state)
+            if not_serving is not None:
+                raise not_serving
+            async with admitted(state) as queued:
+                call = bind_call(
+                    state,
+                    tenant=record.tenant,
+                    request_id=record.request_id,
+                    # The whole message arrived before the call began: no read phase.
+                    started=record.started,
+                    received=record.started,
+                    queued=queued,
+                )
+                call = _within(call, context.time_remaining(), started=record.started)
+                served: Served[bytes] = await pipeline.run(GrpcInferDoor(raw), call)
+            record.phases = served.phases
+            return served.answer
+
+        result: bytes = await self._serve("ModelInfer", context, answer)
+        return result
+
+
+def _within(call: Call, remaining_s: float | None, *, started: float) -> Call:
+    """`call` whose jobs are queued with the gRPC deadline when it comes first (the pipeline
+    gives the earlier of `timeout` and SDPA_REQUEST_TIMEOUT_MS)."""
+    if remaining_s is None:
+        return call
+    grpc_deadline = started + remaining_s
+    submit = call.submit
+
+    async def submit_within(job: Any, deadline: float, priority: int) -> Any:
+        return await submit(job, min(deadline, grpc_deadline), priority)
+
+    return dataclasses.replace(call, submit=submit_within)
+
+
+def _model_metadata(metadata: Mapping[str, Any]) -> pb.ModelMetadataResponse:
+    """REST's model metadata (service.api.v2.MODEL_METADATA) as its gRPC message."""
+
+    def tensors(
+        entries: Sequence[Mapping[str, Any]],
+    ) -> list[pb.ModelMetadataResponse.TensorMetadata]:
+        return [
+            pb.ModelMetadataResponse.TensorMetadata(
+                name=entry["name"], datatype=entry["datatype"], shape=entry["shape"]
+            )
+            for entry in entries
+        ]
+
+    return pb.ModelMetadataResponse(
+        name=metadata["name"],
+        versions=metadata["versions"],
+        platform=metadata["platform"],
+        inputs=tensors(metadata["inputs"]),
+        outputs=tensors(metadata["outputs"]),
+    )
+
+
+MODEL_METADATA_MESSAGE: Final = _model_metadata(MODEL_METADATA)
+
+
+# ---- the server -----------------------------------------------------------------------------
+
+
+def generic_handler(servicer: InferenceServicer) -> grpc.GenericRpcHandler:
+    """inference.GRPCInferenceService's six methods. ModelInfer's message travels as bytes both
+    ways (the door parses it, off the loop when large; its answer is serialized already)."""
+
+    def unary(
+        behavior: Callable[..., Any], request_type: Any, response_type: Any
+    ) -> grpc.RpcMethodHandler:
+        return grpc.unary_unary_rpc_method_handler(
+            behavior,
+            request_deserializer=request_type.FromString,
+            response_serializer=response_type.SerializeToString,
+        )
+
+    return grpc.method_handlers_generic_handler(
+        SERVICE_NAME,
+        {
+            "ServerLive": unary(servicer.server_live, pb.ServerLiveRequest, pb.ServerLiveResponse),
+            "ServerReady": unary(
+                servicer.server_ready, pb.ServerReadyRequest, pb.ServerReadyResponse
+            ),
+            "ModelReady": unary(servicer.model_ready, pb.ModelReadyRequest, pb.ModelReadyResponse),
+            "ServerMetadata": unary(
+                servicer.server_metadata, pb.ServerMetadataRequest, pb.ServerMetadataResponse
+            ),
+            "ModelMetadata": unary(
+                servicer.model_metadata, pb.ModelMetadataRequest, pb.ModelMetadataResponse
+            ),
+            "ModelInfer": grpc.unary_unary_rpc_method_handler(servicer.model_infer),
+        },
+    )
+
+
+def server_options(settings: Settings) -> list[tuple[str, int]]:
+    """The grpc.aio server's channel options for these settings."""
+    return [
+        # gRPC sets SO_REUSEPORT by default: a second server on a port in use would share it
+        # silently, and half the calls would reach the wrong process. A port in use must fail
+        # start-up instead.
+        ("grpc.so_reuseport", 0),
+        # A message larger than SDPA_MAX_BODY_BYTES is refused by gRPC before it is read whole
+        # (RESOURCE_EXHAUSTED), as the HTTP body limit refuses a body (413).
+        ("grpc.max_receive_message_length", settings.max_body_bytes),
+        # The answer: the outputs that SDPA_MAX_RESPONSE_BYTES bounds (checked before compute)
+        # and a header beside them.
+        ("grpc.max_send_message_length", settings.max_response_bytes + SEND_HEADROOM_BYTES),
+    ]
+
+
+def grpc_address(host: str, port: int) -> str:
+    """host:port as gRPC reads it (an IPv6 address in brackets)."""
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
+def build_server(state: AppState, *, host: str, port: int) -> tuple[aio.Server, int]:
+    """A grpc.aio server of the door on host:port (port 0: one the OS picks), bound but not
+    started -> (server, the bound port). Raises OSError when the port cannot be bound (in use,
+    or not allowed)."""
+    server = aio.server(options=server_options(state.settings))
+    server.add_generic_rpc_handlers((generic_handler(InferenceServicer(state)),))
+    address = grpc_address(host, port)
+    try:
+        bound = server.add_insecure_port(address)
+    except RuntimeError:  # grpcio's "Failed to bind to address ...", without the reason
+        raise OSError(
+            f"gRPC: cannot listen on {address} (the port is in use, or not allowed)"
+        ) from None
+    return server, bound
