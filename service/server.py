@@ -29,6 +29,16 @@ Shutdown sequence on the first SIGTERM or SIGINT:
    kernel hangs.
 A second signal exits at once (exit code 128 + signal number), without waiting for anything.
 
+The gRPC door (service.api.grpc, on SDPA_GRPC_PORT unless it is 0) runs in the same event loop.
+Its port is bound before the lifespan starts, so a port in use fails start-up at once, saying
+which (gRPC's default SO_REUSEPORT is off: a second server would otherwise share the port
+silently); it starts serving once the lifespan has started, with the HTTP listener. On the first
+signal it follows the drain: calls that arrive while the batcher drains are answered UNAVAILABLE
+(Retry-After in their trailing metadata), calls queued or computing are answered as the
+batcher finishes them, and once the drain has ended the gRPC server stops taking calls and
+gives those still encoding or sending RESPONSE_FLUSH_TIMEOUT_S to finish (beside step 2's
+linger, so within the bound below); the process waits for it before step 4.
+
 Worst case from the first signal to the exit, whatever clients do (worst_case_exit_s):
 drain_timeout_s + LINGER_S + 0.1 s (uvicorn's pause after asking connections to shut down) +
 RESPONSE_FLUSH_TIMEOUT_S + LEFTOVER_TASKS_S + THREAD_JOIN_S, plus the lifespan shutdown (its
@@ -54,17 +64,19 @@ import socket
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from types import FrameType
 from typing import TYPE_CHECKING, Any, Final, NoReturn
 
 import orjson
 import uvicorn
+from uvicorn.config import STARTUP_FAILURE
 
 from service.settings import Settings
 
 if TYPE_CHECKING:  # the app's modules load torch: `healthcheck` and `analyze` never import them
-    from service.api.deps import AppState
+    from service.serving.state import AppState
 
 logger = logging.getLogger("sdpa.server")
 
@@ -149,21 +161,61 @@ def logging_config(level: str) -> dict[str, Any]:
 
 
 class DrainingServer(uvicorn.Server):
-    """uvicorn.Server whose first exit signal drains the batcher before uvicorn shuts down."""
+    """uvicorn.Server whose first exit signal drains the batcher before uvicorn shuts down, and
+    which serves the gRPC door beside HTTP when `grpc_port` is given (module docstring)."""
 
-    def __init__(self, config: uvicorn.Config, *, state: AppState, drain_timeout_s: float) -> None:
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        *,
+        state: AppState,
+        drain_timeout_s: float,
+        grpc_port: int | None = None,
+    ) -> None:
         super().__init__(config)
         self.state = state
         self.drain_timeout_s = drain_timeout_s
+        self.grpc_port = grpc_port
         self.exit_signal: int | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._drain_task: asyncio.Task[None] | None = None
+        self._grpc: GrpcServer | None = None
+        self._grpc_stopping: asyncio.Task[None] | None = None
 
     async def serve(self, sockets: list[socket.socket] | None = None) -> None:
         self._loop = asyncio.get_running_loop()
-        await super().serve(sockets=sockets)
+        if self.grpc_port is not None:
+            self._grpc = bind_grpc(self.state, host=self.config.host, port=self.grpc_port)
+        try:
+            await super().serve(sockets=sockets)
+        finally:
+            await self._grpc_stopped(grace_s=None)  # at once, unless the drain stopped it
         if self.started:
             await end_leftover_tasks()
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets=sockets)  # the lifespan, then the HTTP listener
+        if self._grpc is not None and not self.should_exit:
+            await self._grpc.server.start()
+            logger.info(
+                "gRPC serving",
+                extra={"json_fields": {"host": self.config.host, "grpc_port": self._grpc.port}},
+            )
+
+    def _stop_grpc_soon(self, grace_s: float | None) -> None:
+        """Stop taking gRPC calls now; those in flight get grace_s to finish (None: none), in a
+        task of its own."""
+        if self._grpc is not None and self._grpc_stopping is None:
+            stop = self._grpc.server.stop(grace_s)
+            self._grpc_stopping = asyncio.get_running_loop().create_task(stop)
+
+    async def _grpc_stopped(self, *, grace_s: float | None) -> None:
+        """Stop the gRPC server (if the drain has not) and wait until it has stopped."""
+        if self._grpc is None:
+            return
+        self._stop_grpc_soon(grace_s)
+        if self._grpc_stopping is not None:
+            await self._grpc_stopping
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # Runs as a Python signal handler on the main thread, between two bytecodes of the event
@@ -205,6 +257,9 @@ class DrainingServer(uvicorn.Server):
                 # No request can be computed any more: those still reading or decoding answer 503.
                 self.state.stopping.set()
                 logger.info("drained")
+                # gRPC takes no more calls; those still encoding or sending get their time
+                # beside the linger (module docstring).
+                self._stop_grpc_soon(RESPONSE_FLUSH_TIMEOUT_S)
                 await linger_until_quiet()
         except Exception:
             logger.exception("drain failed; shutting down anyway")
@@ -225,6 +280,31 @@ async def end_leftover_tasks() -> None:
     if pending:
         # asyncio.run would wait for them (each on a worker thread), without bound.
         exit_now(f"exiting with {len(pending)} tasks still waiting (on worker threads)")
+
+
+@dataclass(frozen=True)
+class GrpcServer:
+    """The gRPC door's server (grpc.aio), bound to its port but maybe not started."""
+
+    server: Any  # grpc.aio.Server (grpcio ships no type stubs here)
+    port: int
+
+
+def bind_grpc(state: AppState, *, host: str, port: int) -> GrpcServer:
+    """The gRPC door on host:port, bound (not started). A port that cannot be bound ends
+    start-up, with uvicorn's start-up failure code and a log line that says what to do."""
+    from service.api.grpc import build_server  # grpc and the door load only when it is on
+
+    try:
+        server, bound = build_server(state, host=host, port=port)
+    except OSError as exc:
+        logger.error(
+            "%s; set SDPA_GRPC_PORT to a free port, or to 0 to turn the gRPC door off",
+            exc,
+            extra={"json_fields": {"host": host, "grpc_port": port}},
+        )
+        sys.exit(STARTUP_FAILURE)
+    return GrpcServer(server=server, port=bound)
 
 
 def exit_now(reason: str) -> NoReturn:
@@ -332,7 +412,13 @@ def serve(settings: Settings) -> int:
         server_header=False,
         timeout_graceful_shutdown=RESPONSE_FLUSH_TIMEOUT_S,
     )
-    server = DrainingServer(config, state=state, drain_timeout_s=settings.drain_timeout_s)
+    server = DrainingServer(
+        config,
+        state=state,
+        drain_timeout_s=settings.drain_timeout_s,
+        # The gRPC door, on SDPA_GRPC_PORT (0: off).
+        grpc_port=settings.grpc_port or None,
+    )
     try:
         server.run()
     except SystemExit as exc:
