@@ -487,3 +487,49 @@ def test_draining_answers_unavailable(slow_door: InProcessDoor) -> None:
     assert error.status() == "StatusCode.UNAVAILABLE"
     assert "shutting down" in error.message()
     client.close()
+
+
+# ---- tracing --------------------------------------------------------------------------------
+
+
+def test_a_call_with_a_traceparent_is_one_server_span_with_its_phases(door: InProcessDoor) -> None:
+    """Tracing on (an in-memory exporter given to the app's Tracing, which the door reads per
+    call): ModelInfer continues the caller's trace from its metadata; its phases are children;
+    a refusal is the caller's error, not the server's."""
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from service.tracing import Tracing
+
+    exporter = InMemorySpanExporter()
+    tracing = Tracing(exporters=[exporter])
+    trace_id, parent_id = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+    traceparent = f"00-{trace_id}-{parent_id}-01"
+    assert door.state is not None
+    door.state.tracing = tracing
+    try:
+        client = door.client()
+        case = make_case((1, 2, 4, 8))
+        infer(client, case, headers={**AUTH, "traceparent": traceparent})
+        refused(lambda: infer(client, make_case((1, 2, 4, 8), (1, 2, 4, 4))))
+        client.close()
+        assert tracing.force_flush(timeout_s=10)
+    finally:
+        door.state.tracing = None
+    spans = exporter.get_finished_spans()
+    servers = [s for s in spans if s.name == "inference.GRPCInferenceService/ModelInfer"]
+    assert len(servers) == 2
+    ok = next(s for s in servers if s.attributes["rpc.grpc.status_code"] == 0)
+    bad = next(s for s in servers if s.attributes["rpc.grpc.status_code"] == 3)
+    assert f"{ok.context.trace_id:032x}" == trace_id
+    assert f"{ok.parent.span_id:016x}" == parent_id
+    assert ok.attributes["rpc.method"] == "ModelInfer"
+    assert ok.attributes["sdpa.batch_size"] == 1
+    children = sorted(
+        (s for s in spans if s.parent is not None and s.parent.span_id == ok.context.span_id),
+        key=lambda s: s.start_time,
+    )
+    assert [s.name for s in children] == ["read", "decode", "queue", "compute", "encode"]
+    assert all(ok.start_time <= s.start_time <= s.end_time <= ok.end_time for s in children)
+    assert bad.status.is_unset  # INVALID_ARGUMENT: the caller's error
+    assert f"{bad.context.trace_id:032x}" != trace_id  # no traceparent: a trace of its own
+    tracing.shutdown()
