@@ -7,8 +7,9 @@ gRPC door starts no span, so a request pays nothing, not even a test of a flag.
 
 On, a `Tracing` owns its own TracerProvider (never the process's global one: two apps in one
 process, as in the tests, keep their spans apart), one BatchSpanProcessor per exporter ("otlp":
-OTLP/HTTP protobuf, the SDK's OTLPSpanExporter; "console": JSON lines on stdout), and
-`shutdown()`, which the lifespan calls on its way out to flush what is left, in bounded time.
+OTLP/HTTP protobuf, the SDK's OTLPSpanExporter; "console": JSON lines on stdout),
+`force_flush()`, which the lifespan calls on its way out to export what is left, and
+`shutdown()`, both in bounded time.
 
 Configuration: the standard variables only. Settings reads OTEL_TRACES_EXPORTER when
 create_app() runs; the other OTEL_* variables are read by the OpenTelemetry SDK itself, at the
@@ -59,11 +60,23 @@ The doors' API (HTTP: service.middleware.tracing; gRPC: the servicer):
 - Nothing is made current (no context is attached): the service calls nothing downstream that
   would read it, and the event loop's tasks stay free of it.
 
-Cost, when on: the server span is the SDK's own (its sampler, limits and processors); the five
-children, whose times are known only once the request is over, are built as finished spans and
-handed to the same processors. Building them through the SDK's tracer cost about 45 µs each on
-this project's 2-core machine, ReadableSpans about 3 µs. A request whose span is not sampled
-builds no children.
+Cost, when on (measured on this project's shared 2-core machine, bench/tracing.py): the
+SDK's way, a Tracer's span per span and its OTLP encoder, cost some 320 µs of CPU per request
+(about 50 µs to start and end each span, 35-110 µs to encode each), a third of a small request's
+whole server time. So, keeping the SDK's sampler, ids, resource, BatchSpanProcessor and OTLP/HTTP
+client:
+- a request's six spans are built once it is over, as the finished spans (ReadableSpan) the
+  processors take, after one sampling decision by the provider's sampler at its start (so
+  OTEL_TRACES_SAMPLER and a caller's sampled flag still decide); an unsampled request builds
+  nothing. OTEL_SDK_DISABLED=true is off, as if OTEL_TRACES_EXPORTER were none.
+- the "otlp" exporter is the SDK's OTLPSpanExporter (its endpoint, headers, TLS, compression,
+  timeout and retries from the OTEL_EXPORTER_OTLP_* variables) encoding each batch with
+  `encode_otlp`, which fills opentelemetry.proto's ExportTraceServiceRequest in place instead of
+  building and copying a message per field: the same message (a test compares it with the SDK's
+  encoder), about 4x faster. A batch it does not cover (span events or links, which this
+  service never makes) takes the SDK's own export.
+The span limits (OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT...) do not apply: a request's attributes are
+the dozen above, of bounded size.
 """
 
 from __future__ import annotations
@@ -72,14 +85,14 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Any, Final
 
 if TYPE_CHECKING:  # the SDK is imported when tracing starts, never by importing this module
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import ReadableSpan
     from opentelemetry.sdk.trace.export import SpanExporter
     from opentelemetry.sdk.trace.sampling import Sampler
-    from opentelemetry.trace import Span
+    from opentelemetry.trace import SpanContext
 
     from service.serving.pipeline import Phases
     from service.settings import Settings
@@ -94,12 +107,13 @@ TRACESTATE: Final = "tracestate"
 # The children of a request's span, in order: Server-Timing's phases but dispatch (the device
 # thread's hop, the rest of the wait: a gap between queue and compute in the trace).
 PHASE_NAMES: Final = ("read", "decode", "queue", "compute", "encode")
-DEFAULT_SHUTDOWN_S: Final = 5.0
+DEFAULT_FLUSH_S: Final = 5.0
 # OTLP over HTTP is all this service exports (opentelemetry-exporter-otlp-proto-http).
 SUPPORTED_OTLP_PROTOCOL: Final = "http/protobuf"
 _PROTOCOL_VARIABLES: Final = ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL")
 # The SDK names a service it was not told the name of "unknown_service:<executable>".
 _UNKNOWN_SERVICE: Final = "unknown_service"
+_SCOPE: Final = "service.tracing"
 
 # The gRPC status codes by number, and those a server span reports as its errors
 # (OpenTelemetry's semantic conventions for gRPC).
@@ -173,14 +187,19 @@ class Tracing:
         clock: monotonic seconds, the clock of the phases' instants (time.monotonic).
         wall_clock_ns: epoch nanoseconds, what spans are stamped in (time.time_ns).
         """
-        from opentelemetry.sdk.trace import (
-            ReadableSpan,
-            TracerProvider,
+        from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+        from opentelemetry.sdk.trace.sampling import Decision
+        from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+        from opentelemetry.trace import (
+            NoOpTracer,
+            SpanContext,
+            SpanKind,
+            Status,
+            StatusCode,
+            TraceFlags,
+            get_current_span,
         )
-        from opentelemetry.sdk.trace.export import (
-            BatchSpanProcessor,
-        )
-        from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode
         from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
         from service.version import VERSION
@@ -188,31 +207,42 @@ class Tracing:
         self._provider = TracerProvider(
             sampler=sampler,
             resource=resource if resource is not None else _service_resource(VERSION),
-            # The lifespan shuts it down (bounded); an atexit hook would keep every provider,
-            # and its app's spans, alive until the process ends.
+            # The lifespan flushes it (bounded); an atexit hook would keep every provider, and
+            # its app's spans, alive until the process ends.
             shutdown_on_exit=False,
         )
         self._processors = [BatchSpanProcessor(exporter) for exporter in exporters]
         for processor in self._processors:
             self._provider.add_span_processor(processor)
-        self._tracer = self._provider.get_tracer("service.tracing", VERSION)
+        # OTEL_SDK_DISABLED=true: the provider hands out no-op tracers.
+        self.enabled = not isinstance(self._provider.get_tracer(_SCOPE, VERSION), NoOpTracer)
+        self._sampler = self._provider.sampler
         self._ids = self._provider.id_generator
+        self._resource = self._provider.resource
+        self._scope = InstrumentationScope(_SCOPE, VERSION)
         self._propagator = TraceContextTextMapPropagator()
         self._clock = clock
         self._wall_clock_ns = wall_clock_ns
-        # The SDK's classes, imported once here so that the module imports none of them.
+        # The SDK's names, bound once here so that importing this module imports none of them.
         self._readable_span = ReadableSpan
         self._span_context = SpanContext
+        self._parent_of = get_current_span
         self._server_kind = SpanKind.SERVER
-        self._error_status = Status(StatusCode.ERROR)
         self._status = Status
+        self._unset = Status(StatusCode.UNSET)
         self._error_code = StatusCode.ERROR
+        self._sampled = TraceFlags(TraceFlags.SAMPLED)
+        # W3C Trace Context level 2's random-trace-id flag, where the API has it (1.3x: not).
+        self._random_flag = int(getattr(TraceFlags, "RANDOM_TRACE_ID", 0))
+        self._trace_flags = TraceFlags
+        self._record_and_sample = Decision.RECORD_AND_SAMPLE
 
     @classmethod
     def from_settings(
         cls, settings: Settings, *, environ: Mapping[str, str] | None = None
     ) -> Tracing | None:
-        """The service's tracing, or None when OTEL_TRACES_EXPORTER leaves it off.
+        """The service's tracing, or None when OTEL_TRACES_EXPORTER leaves it off (or
+        OTEL_SDK_DISABLED=true).
 
         Args:
             settings: the service's (settings.otel_traces_exporter).
@@ -229,20 +259,18 @@ class Tracing:
         for name in names:
             if name == "otlp":
                 check_otlp_protocol(os.environ if environ is None else environ)
-                from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
-                    OTLPSpanExporter,
-                )
-
-                exporters.append(OTLPSpanExporter())
+                exporters.append(otlp_span_exporter())
             elif name == "console":
-                from opentelemetry.sdk.trace.export import (
-                    ConsoleSpanExporter,
-                )
+                from opentelemetry.sdk.trace.export import ConsoleSpanExporter
 
                 exporters.append(ConsoleSpanExporter())
             else:  # Settings' pattern admits no other name
                 raise TracingConfigError(f"OTEL_TRACES_EXPORTER: unknown exporter {name!r}")
-        return cls(exporters=exporters)
+        tracing = cls(exporters=exporters)
+        if not tracing.enabled:
+            tracing.shutdown(timeout_s=1.0)
+            return None
+        return tracing
 
     # ---- a request's span -------------------------------------------------------------------
 
@@ -293,24 +321,81 @@ class Tracing:
         now = self._clock()
         wall_ns = self._wall_clock_ns()
         offset_ns = wall_ns - round(now * 1e9)
-        span = self._tracer.start_span(
-            name,
-            context=self._propagator.extract(_trace_context(carrier)),
-            kind=self._server_kind,
-            attributes=attributes,
-            start_time=wall_ns,
+        caller = self._propagator.extract(_trace_context(carrier))
+        parent: SpanContext | None = self._parent_of(caller).get_span_context()
+        if parent is not None and not parent.is_valid:
+            parent = None
+        # What the SDK's tracer decides for a span it starts (its trace id, sampler, flags).
+        if parent is None:
+            trace_id = self._ids.generate_trace_id()
+            random_id = bool(getattr(self._ids, "is_trace_id_random", bool)())
+        else:
+            trace_id = parent.trace_id
+            random_id = bool(parent.trace_flags & self._random_flag)
+        decision = self._sampler.should_sample(
+            caller, trace_id, name, self._server_kind, attributes
         )
-        return ServerSpan(self, span, name=name, offset_ns=offset_ns, start_ns=wall_ns, grpc=grpc)
+        context = None
+        if decision.decision is self._record_and_sample:
+            flags = self._sampled
+            if random_id and self._random_flag:
+                flags = self._trace_flags(flags | self._random_flag)
+            context = self._span_context(
+                trace_id, self._ids.generate_span_id(), False, flags, decision.trace_state
+            )
+            if decision.attributes:
+                attributes.update(decision.attributes)
+        return ServerSpan(
+            self,
+            name=name,
+            trace_id=trace_id,
+            context=context,
+            parent=parent,
+            attributes=attributes,
+            offset_ns=offset_ns,
+            start_ns=wall_ns,
+            grpc=grpc,
+        )
 
     # ---- after the fact -----------------------------------------------------------------------
 
-    def _now_ns(self, offset_ns: int) -> int:
-        return offset_ns + round(self._clock() * 1e9)
-
-    def _emit_phases(
-        self, parent: ReadableSpan, phases: Phases, *, offset_ns: int, start_ns: int, end_ns: int
+    def _finish(
+        self,
+        span: ServerSpan,
+        context: SpanContext,
+        *,
+        name: str,
+        error_type: str | None,
+        phases: Phases | None,
     ) -> None:
-        """The five children of `parent` (the SDK's span, ended), to every processor."""
+        """The request's span and its phases' children, finished, to every processor."""
+        start_ns = span._start_ns
+        end_ns = max(span._offset_ns + round(self._clock() * 1e9), start_ns)
+        status = self._unset if error_type is None else self._status(self._error_code, error_type)
+        finished = [
+            self._readable_span(
+                name,
+                context=context,
+                parent=span._parent,
+                resource=self._resource,
+                attributes=span._attributes,
+                kind=self._server_kind,
+                status=status,
+                start_time=start_ns,
+                end_time=end_ns,
+                instrumentation_scope=self._scope,
+            )
+        ]
+        if phases is not None:
+            finished += self._children(context, phases, span._offset_ns, start_ns, end_ns)
+        for processor in self._processors:
+            for one in finished:
+                processor.on_end(one)
+
+    def _children(
+        self, parent: SpanContext, phases: Phases, offset_ns: int, start_ns: int, end_ns: int
+    ) -> list[ReadableSpan]:
+        """The five phases of a request, as children of its span `parent`."""
 
         def epoch(instant: float) -> int:  # a monotonic instant, inside the parent's time
             return min(max(offset_ns + round(instant * 1e9), start_ns), end_ns)
@@ -330,34 +415,31 @@ class Tracing:
             ("compute", compute_start, computed, compute_attributes),
             ("encode", computed, epoch(phases.encoded), None),
         )
-        context = parent.get_span_context()
-        if context is None:  # an ended SDK span always has one
-            return
-        trace_id, flags, state = context.trace_id, context.trace_flags, context.trace_state
-        resource, scope = parent.resource, parent.instrumentation_scope
-        for name, start, end, attributes in times:
-            child = self._readable_span(
+        trace_id, flags, state = parent.trace_id, parent.trace_flags, parent.trace_state
+        return [
+            self._readable_span(
                 name,
                 context=self._span_context(
                     trace_id, self._ids.generate_span_id(), False, flags, state
                 ),
-                parent=context,
-                resource=resource,
+                parent=parent,
+                resource=self._resource,
                 attributes=attributes,
+                status=self._unset,
                 start_time=start,
                 end_time=end,
-                instrumentation_scope=scope,
+                instrumentation_scope=self._scope,
             )
-            for processor in self._processors:
-                processor.on_end(child)
+            for name, start, end, attributes in times
+        ]
 
     # ---- the lifespan's end ------------------------------------------------------------------
 
-    def force_flush(self, *, timeout_s: float = DEFAULT_SHUTDOWN_S) -> bool:
+    def force_flush(self, *, timeout_s: float = DEFAULT_FLUSH_S) -> bool:
         """Export every finished span now; True if that ended within timeout_s."""
         return _bounded(self._provider.force_flush, timeout_s)
 
-    def shutdown(self, *, timeout_s: float = DEFAULT_SHUTDOWN_S) -> bool:
+    def shutdown(self, *, timeout_s: float = DEFAULT_FLUSH_S) -> bool:
         """Export what is left and stop the exporters' threads, waiting at most timeout_s
         (an unreachable collector is given up on, the rest of its spans dropped); True if it
         all ended in time. Spans ended later are dropped. Idempotent."""
@@ -366,23 +448,33 @@ class Tracing:
 
 class ServerSpan:
     """One request's server span: started by Tracing.start_http/start_grpc, ended once by
-    end() with what the request came to."""
+    end() with what the request came to. Nothing is built before end(), and nothing at all
+    for a request the sampler dropped."""
 
-    __slots__ = ("_ended", "_grpc", "_name", "_offset_ns", "_span", "_start_ns", "_tracing")
+    __slots__ = (
+        "_attributes", "_context", "_ended", "_grpc", "_name", "_offset_ns", "_parent",
+        "_start_ns", "_trace_id", "_tracing",
+    )  # fmt: skip
 
     def __init__(
         self,
         tracing: Tracing,
-        span: Span,
         *,
         name: str,
+        trace_id: int,
+        context: SpanContext | None,
+        parent: SpanContext | None,
+        attributes: dict[str, AttributeValue],
         offset_ns: int,
         start_ns: int,
         grpc: bool,
     ) -> None:
         self._tracing = tracing
-        self._span = span
         self._name = name
+        self._trace_id = trace_id
+        self._context = context  # None: not sampled
+        self._parent = parent
+        self._attributes = attributes
         self._offset_ns = offset_ns
         self._start_ns = start_ns
         self._grpc = grpc
@@ -391,17 +483,12 @@ class ServerSpan:
     @property
     def recording(self) -> bool:
         """Whether the span will be exported (False when the sampler dropped it)."""
-        return bool(self._span.is_recording())
+        return self._context is not None
 
     @property
     def trace_id(self) -> str:
         """The trace's id, 32 hex digits (the caller's when it sent a traceparent)."""
-        return f"{self._span.get_span_context().trace_id:032x}"
-
-    @property
-    def span_id(self) -> str:
-        """This span's id, 16 hex digits."""
-        return f"{self._span.get_span_context().span_id:016x}"
+        return f"{self._trace_id:032x}"
 
     def end(
         self,
@@ -429,11 +516,11 @@ class ServerSpan:
         if self._ended:
             return
         self._ended = True
-        span = self._span
-        if not span.is_recording():
+        context = self._context
+        if context is None:
             return  # not sampled: nothing is exported, nothing to build
-        tracing = self._tracing
-        attributes: dict[str, AttributeValue] = {}
+        attributes = self._attributes
+        name = self._name
         if self._grpc:
             attributes["rpc.grpc.status_code"] = status
             failed = status in GRPC_SERVER_ERRORS
@@ -442,27 +529,20 @@ class ServerSpan:
             failed = status >= 500
             if route is not None:
                 attributes["http.route"] = route
-                span.update_name(f"{self._name} {route}")
+                name = f"{name} {route}"
         if tenant is not None:
             attributes["sdpa.tenant"] = tenant
         if request_id is not None:
             attributes["sdpa.request_id"] = request_id
         if batch_size is not None:
             attributes["sdpa.batch_size"] = batch_size
+        error_type = None
         if failed:
             error_type = (
                 type(error).__qualname__ if error is not None else self._status_name(status)
             )
             attributes["error.type"] = error_type
-            span.set_status(tracing._status(tracing._error_code, error_type))
-        span.set_attributes(attributes)
-        end_ns = max(tracing._now_ns(self._offset_ns), self._start_ns)
-        span.end(end_time=end_ns)
-        # A recording span is the SDK's, which has the resource and scope its children share.
-        if phases is not None and isinstance(span, tracing._readable_span):
-            tracing._emit_phases(
-                span, phases, offset_ns=self._offset_ns, start_ns=self._start_ns, end_ns=end_ns
-            )
+        self._tracing._finish(self, context, name=name, error_type=error_type, phases=phases)
 
     def _status_name(self, status: int) -> str:
         if self._grpc and 0 <= status < len(GRPC_CODE_NAMES):
@@ -492,3 +572,144 @@ def _service_resource(version: str) -> Resource:
         attributes["service.name"] = DEFAULT_SERVICE_NAME
     attributes.setdefault("service.version", version)
     return Resource(attributes, detected.schema_url)
+
+
+# ---- OTLP ---------------------------------------------------------------------------------------
+
+
+def encode_otlp(spans: Sequence[ReadableSpan]) -> bytes | None:
+    """`spans` as the body of an OTLP/HTTP export: a serialized ExportTraceServiceRequest, the
+    same message the SDK's encoder builds (spans grouped by resource, then scope, in order of
+    appearance), filled in place. None when a span has events or links (left to the SDK's)."""
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+        ExportTraceServiceRequest,
+    )
+
+    request = ExportTraceServiceRequest()
+    by_resource: dict[int, Any] = {}
+    by_scope: dict[tuple[int, int], Any] = {}
+    for span in spans:
+        if span.events or span.links:
+            return None
+        resource, scope = span.resource, span.instrumentation_scope
+        # By identity: every span of a Tracing shares its resource and scope objects (the
+        # SDK's encoder groups by equality, hashing each span's resource to JSON on the way).
+        key = (id(resource), id(scope))
+        scope_spans = by_scope.get(key)
+        if scope_spans is None:
+            resource_spans = by_resource.get(id(resource))
+            if resource_spans is None:
+                resource_spans = by_resource[id(resource)] = request.resource_spans.add()
+                _put_attributes(resource_spans.resource.attributes, resource.attributes)
+                if resource.schema_url:
+                    resource_spans.schema_url = resource.schema_url
+            scope_spans = by_scope[key] = resource_spans.scope_spans.add()
+            _put_scope(scope_spans, scope)
+        _put_span(scope_spans.spans.add(), span)
+    return bytes(request.SerializePartialToString())
+
+
+# opentelemetry.trace.SpanKind's values (0 internal ... 4 consumer) + 1: the proto's enum.
+_KIND_OFFSET: Final = 1
+# Span.flags: the parent's remoteness is known (0x100), and it was remote (0x200).
+_HAS_IS_REMOTE, _IS_REMOTE = 0x100, 0x200
+
+
+def _put_span(out: Any, span: ReadableSpan) -> None:
+    context, parent = span.context, span.parent
+    if context is not None:
+        out.trace_id = context.trace_id.to_bytes(16, "big")
+        out.span_id = context.span_id.to_bytes(8, "big")
+        if context.trace_state:
+            out.trace_state = ",".join(f"{k}={v}" for k, v in context.trace_state.items())
+    if parent is not None:
+        out.parent_span_id = parent.span_id.to_bytes(8, "big")
+    out.name = span.name
+    out.kind = span.kind.value + _KIND_OFFSET
+    if span.start_time is not None:
+        out.start_time_unix_nano = span.start_time
+    if span.end_time is not None:
+        out.end_time_unix_nano = span.end_time
+    if span.attributes:
+        _put_attributes(out.attributes, span.attributes)
+    if span.dropped_attributes:
+        out.dropped_attributes_count = span.dropped_attributes
+    status = span.status
+    out.status.code = status.status_code.value  # present even when unset, as the SDK's
+    if status.description:
+        out.status.message = status.description
+    out.flags = _HAS_IS_REMOTE | (_IS_REMOTE if parent is not None and parent.is_remote else 0)
+
+
+def _put_scope(out: Any, scope: Any) -> None:
+    if scope is None:
+        out.scope.SetInParent()
+        return
+    out.scope.name = scope.name
+    if scope.version:
+        out.scope.version = scope.version
+    if scope.attributes:
+        _put_attributes(out.scope.attributes, scope.attributes)
+    if scope.schema_url:
+        out.schema_url = scope.schema_url
+
+
+def _put_attributes(out: Any, attributes: Mapping[str, Any]) -> None:
+    for key, value in attributes.items():
+        pair = out.add()
+        pair.key = key
+        _put_value(pair.value, value)
+
+
+def _put_value(out: Any, value: Any) -> None:
+    """One AnyValue, as the SDK's encoder writes each type (bool before int: a bool is one)."""
+    if isinstance(value, bool):
+        out.bool_value = value
+    elif isinstance(value, str):
+        out.string_value = value
+    elif isinstance(value, int):
+        out.int_value = value
+    elif isinstance(value, float):
+        out.double_value = value
+    elif isinstance(value, bytes):
+        out.bytes_value = value
+    elif value is None:
+        out.SetInParent()
+    elif isinstance(value, Mapping):
+        out.kvlist_value.SetInParent()
+        _put_attributes(out.kvlist_value.values, value)
+    elif isinstance(value, Sequence):
+        out.array_value.SetInParent()
+        for item in value:
+            _put_value(out.array_value.values.add(), item)
+    else:
+        raise TypeError(f"an attribute of type {type(value).__name__} has no OTLP encoding")
+
+
+def otlp_span_exporter() -> SpanExporter:
+    """The SDK's OTLP/HTTP span exporter (configured by its OTEL_EXPORTER_OTLP_* variables),
+    encoding with encode_otlp. Its HTTP client (retries, compression, TLS) sends the bytes;
+    where this SDK version has none that takes them (before 1.45), or a batch is one
+    encode_otlp leaves, the SDK's export runs as is."""
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    from opentelemetry.sdk.trace.export import SpanExportResult
+
+    class FastOTLPSpanExporter(OTLPSpanExporter):
+        def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+            send: Callable[[bytes], Any] | None = getattr(
+                getattr(self, "_client", None), "export", None
+            )
+            if send is None or self._shutdown:
+                return super().export(spans)
+            try:
+                data = encode_otlp(spans)
+            except Exception:  # an attribute of no OTLP type: the SDK's export says so
+                data = None
+            if data is None:
+                return super().export(spans)
+            result = send(data)
+            if getattr(result, "success", False):
+                return SpanExportResult.SUCCESS
+            return SpanExportResult.FAILURE
+
+    return FastOTLPSpanExporter()

@@ -12,14 +12,25 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import ConsoleSpanExporter
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from opentelemetry.sdk.trace.sampling import ALWAYS_ON
+from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ALWAYS_ON, TraceIdRatioBased
 from opentelemetry.trace import SpanKind, StatusCode, get_tracer_provider
 
 from service.serving.pipeline import Phases
 from service.settings import Settings
-from service.tracing import PHASE_NAMES, Tracing, TracingConfigError, check_otlp_protocol
+from service.tracing import (
+    PHASE_NAMES,
+    Tracing,
+    TracingConfigError,
+    check_otlp_protocol,
+    encode_otlp,
+)
 from tests.support.fake_clock import FakeClock
 
 CALLER_TRACE = 0x0AF7651916CD43DD8448EB211C80319C
@@ -334,6 +345,68 @@ def test_after_shutdown_spans_are_dropped(exported: InMemorySpanExporter) -> Non
     assert tracing.shutdown(timeout_s=5.0)  # twice: harmless
 
 
+def test_the_sampler_decides_at_the_start(clocks: Clocks, exported: InMemorySpanExporter) -> None:
+    """OTEL_TRACES_SAMPLER's choice (here given): a dropped request builds and exports nothing;
+    a ratio sampler keeps a trace by its id, the caller's included."""
+    dropping = Tracing(exporters=[exported], sampler=ALWAYS_OFF)
+    try:
+        span = dropping.start_http(method="POST", path="/v1/attention")
+        assert not span.recording
+        span.end(status=200, route="/v1/attention", phases=phases_from(clocks.monotonic()))
+        assert finished(dropping, exported) == []
+    finally:
+        dropping.shutdown(timeout_s=5.0)
+    # A ratio of 1e-30 keeps only trace ids below 2^64 * 1e-30, i.e. 0: never the caller's.
+    rare = Tracing(exporters=[exported], sampler=TraceIdRatioBased(1e-30))
+    try:
+        span = rare.start_http(method="GET", path="/v1/info", carrier={"traceparent": TRACEPARENT})
+        assert not span.recording
+        assert span.trace_id == f"{CALLER_TRACE:032x}"
+    finally:
+        rare.shutdown(timeout_s=5.0)
+
+
+# ---- the OTLP encoding ------------------------------------------------------------------------
+
+
+def test_encode_otlp_builds_the_message_the_sdks_encoder_builds(
+    tracing: Tracing, clocks: Clocks, exported: InMemorySpanExporter
+) -> None:
+    """Every kind of span this service exports (remote and local parents, a root, tracestate,
+    ERROR with a description, int, str, float and bool attributes), and spans of the SDK's own
+    tracer beside them (another resource and scope, events, dropped attributes): the SDK's
+    encoder is the truth."""
+    serve_one(tracing, clocks, traceparent=TRACEPARENT, tracestate="vendor=abc")
+    serve_one(tracing, clocks)
+    tracing.start_grpc("ModelInfer").end(status=13, error=RuntimeError("bug"))
+    ours = finished(tracing, exported)
+    encoded = encode_otlp(ours)
+    assert encoded is not None
+    assert ExportTraceServiceRequest.FromString(encoded) == encode_spans(ours)
+
+    provider = TracerProvider(
+        resource=Resource({"service.name": "other", "list": ("a", "b"), "ratio": 0.5}),
+        shutdown_on_exit=False,
+    )
+    try:
+        tracer = provider.get_tracer("tests", "1.2", schema_url="https://example.test/s")
+        with tracer.start_as_current_span("sdk", attributes={"flag": True, "x": 1.5}) as span:
+            span.set_attribute("many", [1, 2, 3])
+        assert isinstance(span, ReadableSpan)
+        mixed = [*ours, span]
+        assert encode_otlp(mixed) is not None
+        assert ExportTraceServiceRequest.FromString(encode_otlp(mixed) or b"") == encode_spans(
+            mixed
+        )
+        span_with_event = tracer.start_span("with an event")
+        span_with_event.add_event("e")
+        span_with_event.end()
+        assert isinstance(span_with_event, ReadableSpan)
+        assert encode_otlp([*ours, span_with_event]) is None  # the SDK's encoder does those
+    finally:
+        provider.shutdown()
+
+
 # ---- from the settings ------------------------------------------------------------------------
 
 
@@ -358,11 +431,17 @@ def test_otlp_and_console_build_their_exporters(monkeypatch: pytest.MonkeyPatch)
     )
     assert tracing is not None
     try:
-        exporters = [type(p.span_exporter).__name__ for p in tracing._processors]
-        assert exporters == ["OTLPSpanExporter", "ConsoleSpanExporter"]
+        otlp, console = (p.span_exporter for p in tracing._processors)
+        assert isinstance(otlp, OTLPSpanExporter)
+        assert isinstance(console, ConsoleSpanExporter)
         assert tracing._provider.resource.attributes["service.name"] == "attention-east"
     finally:
         assert tracing.shutdown(timeout_s=5.0)
+
+
+def test_otel_sdk_disabled_is_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OTEL_SDK_DISABLED", "true")
+    assert Tracing.from_settings(Settings(otel_traces_exporter="console")) is None
 
 
 @pytest.mark.parametrize(
