@@ -128,8 +128,13 @@ def decode_inputs(
             "inputs",
         )
     # The one copy, into memory torch will own: writable, and aligned (numpy aligns a fresh
-    # array for any element size), where a view of the body would be neither.
-    binary = np.frombuffer(body, dtype=np.uint8, offset=offset).copy() if cursor > offset else None
+    # array for any element size), where a view of the body would be neither. Binary inputs
+    # that hold no element (a 0 in their shape, binary_data_size 0) have no bytes at all.
+    binary = (
+        np.frombuffer(body, dtype=np.uint8, offset=offset).copy()
+        if cursor > offset
+        else np.empty(0, dtype=np.uint8)
+    )
     tensors: dict[str, torch.Tensor] = {}
     for plan in plans:
         inp = plan.input
@@ -137,7 +142,6 @@ def decode_inputs(
             data = [] if inp.data is None else inp.data
             tensors[inp.name] = _from_json(inp.name, plan.spec, plan.shape, data)
         else:
-            assert binary is not None  # a binary input has bytes after the header
             raw = binary[plan.start - offset : plan.start - offset + plan.size]
             tensors[inp.name] = _from_binary(inp.name, plan.spec, plan.shape, raw)
     return tensors
