@@ -47,6 +47,7 @@ REPO: Final = CORPUS.parent.parent
 _STAT: Final = re.compile(r"^stat::(\w+):\s+(\d+)", re.MULTILINE)
 _DONE: Final = re.compile(r"^#(\d+)\s+DONE\s+(.*)$", re.MULTILINE)
 _ARTIFACT: Final = re.compile(r"Test unit written to (\S+)")
+_PROGRESS: Final = re.compile(r"^#\d+\s+(NEW|REDUCE|pulse|INITED)\b")
 
 
 @dataclass
@@ -99,15 +100,15 @@ def run_harness(
     # A hang of the whole process (not one input: -timeout) is a finding too.
     try:
         proc = subprocess.run(
-            command, cwd=REPO, env=env, capture_output=True, text=True, errors="replace",
-            timeout=seconds + 300,
+            command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True, errors="replace", timeout=seconds + 300,
         )  # fmt: skip
-        log, code = proc.stdout + proc.stderr, proc.returncode
+        log, code = proc.stdout, proc.returncode
     except subprocess.TimeoutExpired as exc:
         # What it wrote before it was killed (bytes here, whatever `text` says).
-        written = [x.decode(errors="replace") if isinstance(x, bytes) else x or ""
-                   for x in (exc.stdout, exc.stderr)]  # fmt: skip
-        log = "".join(written) + f"\nthe fuzzer ran {seconds + 300} s: killed"
+        out = exc.stdout
+        written = out.decode(errors="replace") if isinstance(out, bytes) else out or ""
+        log = written + f"\nthe fuzzer ran {seconds + 300} s: killed"
         code = -1
     elapsed = time.monotonic() - started
     (work / harness / "fuzz.log").write_text(log)
@@ -128,9 +129,8 @@ def run_harness(
         if merge:
             _merge(harness, corpus, found, work / harness)
         return outcome
-    print(f"   FINDING (exit status {code}); the end of its log:", flush=True)
-    lines = [line for line in log.splitlines() if not line.startswith("INFO: Instrumenting")]
-    print("\n".join(lines[-60:]), flush=True)
+    print(f"   FINDING (exit status {code}); what libFuzzer said of it:", flush=True)
+    print(_finding_report(log), flush=True)
     for path in _ARTIFACT.findall(log):
         artifact = Path(path)
         if artifact.is_file():
@@ -139,6 +139,21 @@ def run_harness(
             print(f"   {base64.b64encode(data).decode()}", flush=True)
             print(f"   replay: .venv/bin/python -m fuzz.{harness} {artifact}", flush=True)
     return outcome
+
+
+def _finding_report(log: str) -> str:
+    """The part of a log that tells a finding: from the uncaught exception (or libFuzzer's
+    ERROR line) to the end, without the progress lines; else its last lines."""
+    lines = [
+        line
+        for line in log.splitlines()
+        if not line.startswith("INFO: Instrumenting") and not _PROGRESS.match(line)
+    ]
+    for marker in ("=== Uncaught Python exception", "==ERROR", "ALARM:", "ERROR: libFuzzer"):
+        starts = [i for i, line in enumerate(lines) if marker in line]
+        if starts:
+            return "\n".join(lines[starts[0] :][:120])
+    return "\n".join(lines[-60:])
 
 
 def _merge(harness: str, corpus: Path, found: Path, work: Path) -> None:
@@ -169,7 +184,7 @@ def _merge(harness: str, corpus: Path, found: Path, work: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("harness", nargs="*", default=list(HARNESSES), choices=HARNESSES)
+    parser.add_argument("harness", nargs="*", choices=[*HARNESSES, []], help="default: all")
     parser.add_argument(
         "--seconds",
         type=int,
@@ -193,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
             work=work,
             merge=args.merge,
         )
-        for harness in args.harness
+        for harness in args.harness or HARNESSES
     ]
     print("\nharness       status     executions   exec/s   new inputs   peak RSS   seconds")
     for o in outcomes:
