@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 # Pinning it here stops pip from resolving a bare range to a multi-GB build it must download.
 TORCH ?= torch==2.13.0
 
-.PHONY: venv serve test unit lint typecheck bench-core clean image
+.PHONY: venv serve test unit lint typecheck bench-core clean image fuzz proto
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -42,6 +42,19 @@ test: lint typecheck $(VENV)/.minilm
 # subprocesses, no slow marks. `make test` stays the whole suite.
 unit: venv
 	$(BIN)/pytest -n 2 -q -m "not slow" tests/core tests/service tests/client
+
+# Coverage-guided fuzzing (atheris) of the parsers that take bytes from anyone: the v1 body,
+# v2's binary framing, the gRPC door's messages (fuzz/). Each harness runs FUZZ_SECONDS from
+# its committed corpus (fuzz/corpus/); any crash, 500, hang or blow-up of memory fails it.
+#   make fuzz FUZZ_SECONDS=600                     # longer; fuzz/run.py --merge grows the corpus
+FUZZ_SECONDS ?= 30
+fuzz: venv
+	$(BIN)/python -m fuzz.run --seconds $(FUZZ_SECONDS)
+
+# The gRPC door's generated protobuf code, from service/wire/grpc/grpc_predict_v2.proto
+# (scripts/generate-proto.sh: pinned grpcio-tools in a throwaway venv; --check compares).
+proto:
+	PYTHON="$(PY)" scripts/generate-proto.sh
 
 # The container image (README: Operations): docker, podman or buildah, whichever works here.
 #   make image                                   # localhost/sdpa-service:latest, CPU torch
