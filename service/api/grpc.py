@@ -24,7 +24,8 @@ health apply. What this module adds is gRPC's part:
   sdpa_request_duration_seconds{route}. `status` is the HTTP status the REST door would answer
   (200, 400, 401, 404, 413, 429, 499 for a call its client cancelled, 500, 503, 504), so the
   rules and dashboards that read it count both doors alike; the log line adds `grpc_status`.
-  Every call carries `x-request-id` back in its trailing metadata (the caller's own, when sane).
+  Every call carries `x-request-id` back in its trailing metadata (the caller's own, when sane),
+  and a computed one `server-timing`, as REST's Server-Timing header (read, decode, queue, ...).
 - A server span per call when tracing is on (service.tracing: W3C traceparent from the
   metadata), its phases as children.
 """
@@ -76,6 +77,7 @@ access_logger = logging.getLogger("sdpa.access")
 ROUTE_PREFIX: Final = "grpc:"
 REQUEST_ID_KEY: Final = "x-request-id"
 RETRY_AFTER_KEY: Final = "retry-after"
+SERVER_TIMING_KEY: Final = "server-timing"
 # As the HTTP access log takes a caller's X-Request-ID: 1-128 visible ASCII characters.
 _SANE_REQUEST_ID: Final = re.compile(r"[\x21-\x7e]{1,128}")
 # What a call its client cancelled is logged and counted as (nginx's "client closed request").
@@ -255,9 +257,12 @@ class InferenceServicer:
                 500,
             )
         finally:
-            context.set_trailing_metadata(
-                ((REQUEST_ID_KEY, record.request_id), *(refused.trailing if refused else ()))
-            )
+            trailing = [(REQUEST_ID_KEY, record.request_id)]
+            if refused is not None:
+                trailing += refused.trailing
+            elif record.phases is not None:  # where its time went, as REST's Server-Timing
+                trailing.append((SERVER_TIMING_KEY, record.phases.server_timing()))
+            context.set_trailing_metadata(tuple(trailing))
             if refused is not None:
                 record.http_status, record.code = refused.http_status, refused.code
             self._record(record)

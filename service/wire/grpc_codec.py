@@ -92,17 +92,88 @@ def _name(text: str) -> str:
 # ---- requests ------------------------------------------------------------------------------
 
 
-def decode_infer_request(raw: bytes) -> pb.ModelInferRequest:
+@dataclass(frozen=True, slots=True)
+class DecodedRequest:
+    """A parsed ModelInferRequest and its raw_input_contents, in order. The entries are views
+    of the serialized message where they could be split off before parsing (the message then
+    holds none): protobuf would copy every tensor's bytes into a new object of its own."""
+
+    message: pb.ModelInferRequest
+    raw_contents: tuple[bytes | memoryview, ...]
+
+
+def decode_infer_request(raw: bytes) -> DecodedRequest:
     """The serialized ModelInferRequest, or InvalidRequest when protobuf cannot parse it."""
+    split = _split_raw_contents(raw)
     try:
-        request: pb.ModelInferRequest = pb.ModelInferRequest.FromString(raw)
+        if split is None:  # anything unusual: protobuf parses it all, and judges it
+            message: pb.ModelInferRequest = pb.ModelInferRequest.FromString(raw)
+            return DecodedRequest(message, tuple(message.raw_input_contents))
+        rest, contents = split
+        return DecodedRequest(pb.ModelInferRequest.FromString(rest), contents)
     except DecodeError as exc:
         raise _invalid(
             f"the request is not a valid inference.ModelInferRequest (protobuf): {exc}",
             "request",
             kind="protobuf",
         ) from None
-    return request
+
+
+# ModelInferRequest.raw_input_contents: field 7, length-delimited.
+_RAW_INPUT_FIELD: Final = 7
+_LENGTH_DELIMITED: Final = 2
+# Bytes a fixed-size field's value takes, by wire type (1: 64-bit, 5: 32-bit).
+_FIXED_BYTES: Final = {1: 8, 5: 4}
+
+
+def _read_varint(raw: bytes, at: int) -> tuple[int, int] | None:
+    """The varint at raw[at:] and where it ends; None when it runs past the end or 10 bytes."""
+    value = shift = 0
+    for end in range(at, min(at + 10, len(raw))):
+        byte = raw[end]
+        value |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return value, end + 1
+        shift += 7
+    return None
+
+
+def _split_raw_contents(raw: bytes) -> tuple[bytes, tuple[memoryview, ...]] | None:
+    """(the message's other fields, its raw_input_contents as views of `raw`), read from the
+    top-level fields' tags and lengths alone; None for anything but plain well-formed fields
+    (groups, truncation, a bad varint), which protobuf's parser then judges."""
+    view = memoryview(raw)
+    others: list[memoryview] = []
+    contents: list[memoryview] = []
+    at, size = 0, len(raw)
+    while at < size:
+        start = at
+        key = _read_varint(raw, at)
+        if key is None:
+            return None
+        tag, at = key
+        field, wire = tag >> 3, tag & 7
+        if wire == 0:
+            value = _read_varint(raw, at)
+            if value is None:
+                return None
+            at = value[1]
+        elif wire == _LENGTH_DELIMITED:
+            length = _read_varint(raw, at)
+            if length is None or length[1] + length[0] > size:
+                return None
+            at = length[1] + length[0]
+            if field == _RAW_INPUT_FIELD:
+                contents.append(view[length[1] : at])
+                continue
+        elif wire in _FIXED_BYTES:
+            at += _FIXED_BYTES[wire]
+            if at > size:
+                return None
+        else:  # groups (3, 4), or no wire type at all
+            return None
+        others.append(view[start:at])
+    return b"".join(others), tuple(contents)
 
 
 def check_model(name: str, version: str) -> None:
@@ -150,12 +221,13 @@ class InferPayload:
     body: bytes
 
 
-def infer_payload(request: pb.ModelInferRequest) -> InferPayload:
+def infer_payload(decoded: DecodedRequest) -> InferPayload:
     """The REST payload and binary data of a ModelInferRequest (module docstring). Checks only
     what REST cannot see (raw_input_contents' count and sizes, contents' fields); the models
     and the tensor codec check the rest."""
+    request = decoded.message
     check_model(request.model_name, request.model_version)
-    raws: Sequence[bytes] = request.raw_input_contents
+    raws = decoded.raw_contents
     inputs = request.inputs
     if raws and len(raws) != len(inputs):
         raise _invalid(
@@ -180,7 +252,7 @@ def infer_payload(request: pb.ModelInferRequest) -> InferPayload:
 
 
 def _input_entry(
-    tensor: pb.ModelInferRequest.InferInputTensor, index: int, raw: bytes | None
+    tensor: pb.ModelInferRequest.InferInputTensor, index: int, raw: bytes | memoryview | None
 ) -> dict[str, Any]:
     name = tensor.name
     label = f"input {_name(name)!r}"
@@ -307,7 +379,7 @@ def set_parameter(target: pb.InferParameter, value: bool | int | float | str) ->
         raise TypeError(f"a response parameter of type {type(value).__name__}")
 
 
-def _varint(value: int) -> bytes:
+def _encode_varint(value: int) -> bytes:
     out = bytearray()
     while True:
         byte = value & 0x7F
@@ -336,5 +408,5 @@ def encode_infer_response(
         response.outputs.add(name=output.name, datatype=output.datatype, shape=output.shape)
     parts: list[bytes | memoryview] = [response.SerializeToString()]
     for output in outputs:
-        parts += [_RAW_OUTPUT_TAG, _varint(output.data.nbytes), output.data]
+        parts += [_RAW_OUTPUT_TAG, _encode_varint(output.data.nbytes), output.data]
     return b"".join(parts)

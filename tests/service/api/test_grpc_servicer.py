@@ -332,18 +332,25 @@ def test_access_log_line_and_request_id(
     case = make_case((1, 1, 3, 4))
     raw = raw_request(case)
 
-    async def call(metadata: tuple[tuple[str, str], ...]) -> tuple[Any, Any]:
+    async def call(metadata: tuple[tuple[str, str], ...]) -> tuple[Any, Any, Any]:
         async with aio.insecure_channel(door.target) as channel:
-            method = channel.unary_unary(INFER)
+            rpc = channel.unary_unary(INFER)(raw, metadata=metadata)
             try:
-                answer = await method(raw, metadata=metadata)
-                return answer, None
+                answer = await rpc
+                return answer, dict(await rpc.trailing_metadata()), None
             except grpc.aio.AioRpcError as exc:
-                return None, exc
+                return None, None, exc
 
     with caplog.at_level(logging.INFO, logger="sdpa.access"):
-        answer, _ = door.run(lambda: call((*AUTH.items(), ("x-request-id", "trace-me-1"))))
-        _, error = door.run(lambda: call((("x-request-id", "trace-me-2"),)))
+        answer, trailing, _ = door.run(
+            lambda: call((*AUTH.items(), ("x-request-id", "trace-me-1")))
+        )
+        _, _, error = door.run(lambda: call((("x-request-id", "trace-me-2"),)))
+    # The answer's trailing metadata: its id, and where its time went (as REST's Server-Timing).
+    assert trailing["x-request-id"] == "trace-me-1"
+    phases = dict(part.strip().split(";dur=") for part in trailing["server-timing"].split(","))
+    assert set(phases) == {"read", "decode", "queue", "compute", "dispatch", "encode"}
+    assert all(float(ms) >= 0 for ms in phases.values())
     assert (
         service_pb2.ModelInferResponse.FromString(answer).parameters["request_id"].string_param
         == "trace-me-1"

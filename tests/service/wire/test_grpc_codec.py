@@ -194,6 +194,36 @@ def test_requested_outputs_keep_their_order() -> None:
     assert [out["name"] for out in payload["outputs"]] == ["lse", "output", "weights"]
 
 
+def test_raw_input_contents_are_read_without_a_copy_and_as_protobuf_reads_them() -> None:
+    request = _grpc_request(_inputs("FP32"), parameters={"causal": True}, request_id="r")
+    raw = request.SerializeToString()
+    decoded = decode_infer_request(raw)
+    assert all(isinstance(entry, memoryview) for entry in decoded.raw_contents)
+    assert [bytes(e) for e in decoded.raw_contents] == list(request.raw_input_contents)
+    assert not decoded.message.raw_input_contents
+    whole = service_pb2.ModelInferRequest.FromString(raw)
+    whole.ClearField("raw_input_contents")
+    assert service_pb2.ModelInferRequest.FromString(decoded.message.SerializeToString()) == whole
+    # Fields in any order (raw entries first, the rest after) read the same.
+    shuffled = (
+        b"".join(
+            service_pb2.ModelInferRequest(raw_input_contents=[entry]).SerializeToString()
+            for entry in request.raw_input_contents
+        )
+        + whole.SerializeToString()
+    )
+    _same_tensors(_grpc_decode(shuffled)[1], _grpc_decode(raw)[1])
+
+
+def test_a_message_the_quick_reader_leaves_to_protobuf() -> None:
+    """A group (wire type 3) or a length past the end: protobuf's parser judges the message,
+    with protobuf's words."""
+    raw = _good().SerializeToString()
+    for broken in (raw + bytes([(9 << 3) | 3]), raw + bytes([(7 << 3) | 2, 0x7F])):
+        error = _refused(broken)
+        assert "not a valid inference.ModelInferRequest" in error.detail
+
+
 # ---- bad requests ----------------------------------------------------------------------------
 
 
