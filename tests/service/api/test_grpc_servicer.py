@@ -13,19 +13,22 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Callable, Coroutine, Iterator, Sequence
 from typing import Any, TypeVar
 
 import grpc
 import httpx
 import numpy as np
 import pytest
+import torch
 from grpc import aio
 
 from service.api.deps import state_of
 from service.api.grpc import build_server
 from service.api.v2 import MODEL_METADATA
 from service.app import create_app
+from service.runtime.engine import Engine
+from service.runtime.jobs import Outcome, PreparedJob
 from service.serving.state import AppState
 from service.settings import Settings
 from tests.support.app import small_settings
@@ -45,14 +48,14 @@ INFER = "/inference.GRPCInferenceService/ModelInfer"
 class InProcessDoor:
     """An app and its gRPC door, serving on 127.0.0.1 from an event loop on a thread."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, *, engine: Engine | None = None) -> None:
         self.settings = settings
         self.loop = asyncio.new_event_loop()
         self.started = threading.Event()
         self.failed: BaseException | None = None
         self.port = 0
         self.state: AppState | None = None
-        self.app = create_app(settings)
+        self.app = create_app(settings, engine=engine)
         self._stop: asyncio.Event | None = None
         self._thread = threading.Thread(target=self._main, name="grpc-door", daemon=True)
 
@@ -540,3 +543,40 @@ def test_a_call_with_a_traceparent_is_one_server_span_with_its_phases(door: InPr
     assert bad.status.is_unset  # INVALID_ARGUMENT: the caller's error
     assert f"{bad.context.trace_id:032x}" != trace_id  # no traceparent: a trace of its own
     tracing.shutdown()
+
+
+# ---- a bug of ours --------------------------------------------------------------------------
+
+
+class EngineWithABug(Engine):
+    """A CPU engine that fails (a RuntimeError, as a bug would) every batch holding a job whose
+    head dim is 7; every other batch it runs as the real engine does."""
+
+    def run_batch(self, jobs: Sequence[PreparedJob]) -> list[Outcome | BaseException]:
+        if any(job.spec.d == 7 for job in jobs):
+            return [RuntimeError("a bug of ours (injected)") for _ in jobs]
+        return super().run_batch(jobs)
+
+
+def test_a_bug_is_internal_with_the_request_id_and_the_door_keeps_serving(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with InProcessDoor(small_settings(), engine=EngineWithABug(torch.device("cpu"))) as door:
+        client = door.client()
+        with caplog.at_level(logging.ERROR, logger="sdpa.grpc"):
+            error = refused(
+                lambda: infer(client, make_case((1, 1, 3, 7)), headers={}, request_id="r")
+            )
+        assert error.status() == "StatusCode.INTERNAL"
+        assert "internal server error; request id" in error.message()
+        assert "injected" not in error.message()  # the traceback goes to the log only
+        logged = [r for r in caplog.records if r.name == "sdpa.grpc"]
+        assert logged
+        assert logged[0].exc_info is not None
+        assert "a bug of ours (injected)" in str(logged[0].exc_info[1])
+        assert door.sample("sdpa_requests_total", route="grpc:ModelInfer", status="500",
+                           tenant="anonymous") == 1  # fmt: skip
+        good = make_case((1, 1, 3, 4))
+        assert_close(infer(client, good, headers={}).as_numpy("output"), expected(good).output,
+                     "FP32")  # fmt: skip
+        client.close()
