@@ -136,3 +136,29 @@ def mutate_json(text: bytes, rng: random.Random, words: Sequence[str]) -> bytes 
         return json.dumps(value, indent=indent).encode()
     except (ValueError, RecursionError):  # pragma: no cover - nothing here nests so deep
         return None
+
+
+def attention_shapes(rng: random.Random) -> dict[str, list[int]]:
+    """Shapes of an attention request's tensors that (mostly) fit together: q [..., H, N_q, D],
+    k and v [..., H_kv, N_kv, D(_v)] (H a multiple of H_kv), now and then a key_padding_mask,
+    an attn_mask of a shape that broadcasts, key_lengths (its shape: [] one for all, [B] one
+    per sequence), and one dimension in five off by one (so 0 at times)."""
+    batch = [rng.choice((1, 2, 3))] * rng.randrange(3)
+    h_kv = rng.choice((1, 2))
+    h = h_kv * rng.choice((1, 2))
+    n_q, n_kv, d, d_v = (rng.choice((1, 2, 3, 5, 8)) for _ in range(4))
+    shapes: dict[str, list[int]] = {
+        "q": [*batch, h, n_q, d],
+        "k": [*batch, h_kv, n_kv, d],
+        "v": [*batch, h_kv, n_kv, d_v],
+    }
+    if rng.random() < 0.3:
+        shapes["key_padding_mask"] = [*batch[:1], n_kv]
+    if rng.random() < 0.3:
+        shapes["attn_mask"] = rng.choice(([n_q, n_kv], [*batch, h, n_q, n_kv], [1, n_kv]))
+    if rng.random() < 0.2:
+        shapes["key_lengths"] = batch[:1] if rng.random() < 0.7 else []
+    if rng.random() < 0.2:
+        dims = rng.choice([dims for name, dims in shapes.items() if name != "key_lengths"])
+        dims[rng.randrange(len(dims))] += rng.choice((1, -1))
+    return shapes

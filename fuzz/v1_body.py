@@ -17,7 +17,7 @@ import random
 from collections.abc import Iterator
 from typing import Any, Final
 
-from fuzz.mutate import mutate_json
+from fuzz.mutate import attention_shapes, mutate_json
 from fuzz.support import (
     Check,
     answer,
@@ -65,11 +65,78 @@ def load() -> Check:
 
 def mutate(data: bytes, max_size: int, seed: int) -> bytes:
     rng = random.Random(seed)
-    if rng.random() < 0.5:
+    pick = rng.random()
+    if pick < 0.15:
+        out = regenerate(data, rng)
+        if out is not None and len(out) <= max_size:
+            return out
+    if pick < 0.55:
         out = mutate_json(data, rng, WORDS)
         if out is not None and len(out) <= max_size:
             return out
     return fuzz_mutate(data, max_size)
+
+
+_ITEMSIZE: Final = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "bool": 1}
+
+
+def _tensor(shape: list[int], dtype: str, rng: random.Random) -> Any:
+    """A tensor of `shape` as a client writes it: a bare nested list, an object with data, or
+    an object with b64 (random bytes: any bit pattern, NaN and Inf included)."""
+    count = 1
+    for dim in shape:
+        count *= dim
+    pick = rng.randrange(3)
+    if pick == 2:
+        size = count * _ITEMSIZE[dtype]
+        raw = (
+            bytes(rng.randrange(2) for _ in range(size)) if dtype == "bool" else rng.randbytes(size)
+        )
+        return {"dtype": dtype, "shape": shape, "b64": base64.b64encode(raw).decode()}
+
+    def nested(dims: list[int]) -> Any:
+        if not dims:
+            return rng.random() < 0.5 if dtype == "bool" else round(rng.uniform(-3, 3), 2)
+        return [nested(dims[1:]) for _ in range(dims[0])]
+
+    data = nested(shape)
+    if pick == 0 and dtype in ("bool", "float32"):
+        return data
+    return (
+        {"dtype": dtype, "shape": shape, "data": data}
+        if rng.random() < 0.7
+        else {
+            "dtype": dtype,
+            "data": data,
+        }
+    )
+
+
+def regenerate(data: bytes, rng: random.Random) -> bytes | None:
+    """The body's tensors written anew, of shapes that (mostly) fit together: q [..., H, N_q,
+    D], k and v [..., H_kv, N_kv, D(_v)], masks of shapes that broadcast, key_lengths per
+    sequence or one for all, now and then a dimension off by one (fuzz.mutate.attention_shapes).
+    The request's other fields stay: this reaches sdpa_core's shape and mask checks, and the
+    limits, with valid data."""
+    try:
+        body = json.loads(data)
+    except (ValueError, RecursionError):
+        body = {}
+    if not isinstance(body, dict):
+        body = {}
+    shapes = attention_shapes(rng)
+    if "key_lengths" in shapes:
+        count = shapes.pop("key_lengths")
+        n_kv = shapes["k"][-2]
+        lengths = [rng.randrange(n_kv + 2) for _ in range(count[0] if count else 1)]
+        body["key_lengths"] = lengths if count else lengths[0]
+    dtype = rng.choice(("float16", "bfloat16", "float32", "float64"))
+    for name, shape in shapes.items():
+        mask_dtype = "bool" if name == "key_padding_mask" or rng.random() < 0.5 else dtype
+        body[name] = _tensor(shape, dtype if name in ("q", "k", "v") else mask_dtype, rng)
+    if rng.random() < 0.2:  # as /v1/analyze takes them
+        body.pop("v", None)
+    return json.dumps(body).encode()
 
 
 # ---- seeds -------------------------------------------------------------------------------

@@ -28,7 +28,7 @@ import random
 from collections.abc import Callable, Iterator
 from typing import Any, Final
 
-from fuzz.mutate import mutate_json
+from fuzz.mutate import attention_shapes, mutate_json
 from fuzz.support import (
     Check,
     answer,
@@ -155,11 +155,60 @@ def _fit(header: bytes, rng: random.Random) -> tuple[bytes, bytes] | None:
     return header, bytes(tail)
 
 
+def regenerate(header: bytes, rng: random.Random) -> tuple[bytes, bytes]:
+    """The request's inputs written anew, of shapes that (mostly) fit together
+    (fuzz.mutate.attention_shapes), each as binary data (its binary_data_size right) or a JSON
+    list, in a datatype it takes; its parameters and outputs stay."""
+    try:
+        request = json.loads(header)
+    except (ValueError, RecursionError):
+        request = {}
+    if not isinstance(request, dict):
+        request = {}
+    shapes = attention_shapes(rng)
+    datatype = rng.choice(("FP16", "BF16", "FP32", "FP64"))
+    inputs, tail = [], bytearray()
+    order = list(shapes.items())
+    rng.shuffle(order)  # the inputs in any order, their binary data in theirs
+    for name, shape in order:
+        if name == "key_lengths":
+            shape = shape or [1]
+            kind = rng.choice(("INT32", "INT64"))
+        elif name in ("q", "k", "v"):
+            kind = datatype
+        else:
+            kind = "BOOL" if name == "key_padding_mask" or rng.random() < 0.5 else datatype
+        count = math.prod(shape)
+        entry: dict[str, Any] = {"name": name, "shape": shape, "datatype": kind}
+        if kind == "BF16" or rng.random() < 0.6:
+            size = count * _ITEMSIZE[kind]
+            if kind == "BOOL":
+                tail += bytes(rng.randrange(2) for _ in range(size))
+            elif kind.startswith("INT"):
+                tail += b"".join(rng.randrange(7).to_bytes(_ITEMSIZE[kind], "little")
+                                 for _ in range(count))  # fmt: skip
+            else:
+                tail += rng.randbytes(size)
+            entry["parameters"] = {"binary_data_size": size}
+        elif kind == "BOOL":
+            entry["data"] = [rng.random() < 0.5 for _ in range(count)]
+        elif kind.startswith("INT"):
+            entry["data"] = [rng.randrange(7) for _ in range(count)]
+        else:
+            entry["data"] = [round(rng.uniform(-3, 3), 2) for _ in range(count)]
+        inputs.append(entry)
+    request["inputs"] = inputs
+    return json.dumps(request).encode(), bytes(tail)
+
+
 def mutate(data: bytes, max_size: int, seed: int) -> bytes:
     rng = random.Random(seed)
     form, header, tail = unframe(data)
-    pick = rng.randrange(16)
-    if pick < 5:
+    pick = rng.randrange(18)
+    if pick >= 16:
+        header, tail = regenerate(header, rng)
+        form = 1 if tail or rng.random() < 0.5 else 0
+    elif pick < 5:
         header = fuzz_mutate(header, max(len(header) * 2, 64))
     elif pick < 10:
         header = mutate_json(header, rng, WORDS) or fuzz_mutate(header, len(header) + 64)

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from fuzz import grpc_infer, v1_body, v2_framing
+from fuzz import support as fuzz_support
 from fuzz.mutate import mutate_json
 from fuzz.support import CORPUS, Check, Finding, answer, same_answers
 from sdpa_core.errors import ShapeError
@@ -136,3 +137,22 @@ def test_grpc_mutations_keep_a_message() -> None:
         assert out is not None
         raw = out if len(out) < 4096 else raw
     assert grpc_infer.mutate_message(b"\xff\xff\xff", rng) is None
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")
+def test_regenerated_requests_reach_prepared_jobs() -> None:
+    """The mutators that write a request's tensors anew write ones that fit together (mostly):
+    the harnesses get past validation to sdpa_core's checks and the limits."""
+    from service.serving.prepare import prepare_attention
+    from service.serving.prepare_v2 import prepare_infer
+
+    settings, cost = fuzz_support.settings(), fuzz_support.cost_model()
+    rng = random.Random(3)
+    v1 = [v1_body.regenerate(b'{"diagnostics": "full"}', rng) for _ in range(40)]
+    answers = [answer(lambda b=body: prepare_attention(b, settings, cost)) for body in v1]
+    assert sum(a[0] == "ok" for a in answers) >= 10
+    v2 = [v2_framing.regenerate(b'{"id": "x"}', rng) for _ in range(40)]
+    answers = [
+        answer(lambda h=h, t=t: prepare_infer(h + t, str(len(h)), settings, cost)) for h, t in v2
+    ]
+    assert sum(a[0] == "ok" for a in answers) >= 10
