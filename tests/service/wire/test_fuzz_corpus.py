@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import random
-from functools import cache
+from functools import cache, partial
 from pathlib import Path
 
 import pytest
@@ -149,10 +149,8 @@ def test_regenerated_requests_reach_prepared_jobs() -> None:
     settings, cost = fuzz_support.settings(), fuzz_support.cost_model()
     rng = random.Random(3)
     v1 = [v1_body.regenerate(b'{"diagnostics": "full"}', rng) for _ in range(40)]
-    answers = [answer(lambda b=body: prepare_attention(b, settings, cost)) for body in v1]
+    answers = [answer(partial(prepare_attention, body, settings, cost)) for body in v1]
     assert sum(a[0] == "ok" for a in answers) >= 10
     v2 = [v2_framing.regenerate(b'{"id": "x"}', rng) for _ in range(40)]
-    answers = [
-        answer(lambda h=h, t=t: prepare_infer(h + t, str(len(h)), settings, cost)) for h, t in v2
-    ]
+    answers = [answer(partial(prepare_infer, h + t, str(len(h)), settings, cost)) for h, t in v2]
     assert sum(a[0] == "ok" for a in answers) >= 10
