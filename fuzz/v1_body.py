@@ -67,9 +67,9 @@ def mutate(data: bytes, max_size: int, seed: int) -> bytes:
     rng = random.Random(seed)
     pick = rng.random()
     if pick < 0.15:
-        out = regenerate(data, rng)
-        if out is not None and len(out) <= max_size:
-            return out
+        body = regenerate(data, rng)
+        if len(body) <= max_size:
+            return body
     if pick < 0.55:
         out = mutate_json(data, rng, WORDS)
         if out is not None and len(out) <= max_size:
@@ -112,7 +112,7 @@ def _tensor(shape: list[int], dtype: str, rng: random.Random) -> Any:
     )
 
 
-def regenerate(data: bytes, rng: random.Random) -> bytes | None:
+def regenerate(data: bytes, rng: random.Random) -> bytes:
     """The body's tensors written anew, of shapes that (mostly) fit together: q [..., H, N_q,
     D], k and v [..., H_kv, N_kv, D(_v)], masks of shapes that broadcast, key_lengths per
     sequence or one for all, now and then a dimension off by one (fuzz.mutate.attention_shapes).
