@@ -187,6 +187,7 @@ class Tracing:
         clock: monotonic seconds, the clock of the phases' instants (time.monotonic).
         wall_clock_ns: epoch nanoseconds, what spans are stamped in (time.time_ns).
         """
+        from opentelemetry.context import Context
         from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
         from opentelemetry.sdk.trace.sampling import Decision
@@ -221,6 +222,7 @@ class Tracing:
         self._resource = self._provider.resource
         self._scope = InstrumentationScope(_SCOPE, VERSION)
         self._propagator = TraceContextTextMapPropagator()
+        self._no_context = Context()
         self._clock = clock
         self._wall_clock_ns = wall_clock_ns
         # The SDK's names, bound once here so that importing this module imports none of them.
@@ -321,7 +323,9 @@ class Tracing:
         now = self._clock()
         wall_ns = self._wall_clock_ns()
         offset_ns = wall_ns - round(now * 1e9)
-        caller = self._propagator.extract(_trace_context(carrier))
+        headers = _trace_context(carrier)
+        # No trace context (most requests): a root span, without the propagator's work.
+        caller = self._propagator.extract(headers) if headers else self._no_context
         parent: SpanContext | None = self._parent_of(caller).get_span_context()
         if parent is not None and not parent.is_valid:
             parent = None
@@ -663,7 +667,12 @@ def _put_attributes(out: Any, attributes: Mapping[str, Any]) -> None:
 
 def _put_value(out: Any, value: Any) -> None:
     """One AnyValue, as the SDK's encoder writes each type (bool before int: a bool is one)."""
-    if isinstance(value, bool):
+    kind = type(value)
+    if kind is str:  # the common cases first, by type alone
+        out.string_value = value
+    elif kind is int:
+        out.int_value = value
+    elif isinstance(value, bool):
         out.bool_value = value
     elif isinstance(value, str):
         out.string_value = value
