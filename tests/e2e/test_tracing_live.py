@@ -3,7 +3,8 @@ this test (tests/support/otlp_receiver.py decodes what arrives with opentelemetr
 
 - A request with a W3C traceparent is one SERVER span whose parent is the caller's span, in the
   caller's trace, with children read, decode, queue, compute and encode inside it.
-- sdpa_client called inside a span of this process: the server's span continues it.
+- sdpa_client called inside a span of this process: the server's span continues it; so does
+  a gRPC call (tritonclient.grpc) whose metadata carries a traceparent.
 - The lifespan's end flushes what the batch processor still holds.
 - Off (OTEL_TRACES_EXPORTER unset), the receiver gets nothing, and building the app imports
   neither OpenTelemetry's SDK nor an exporter.
@@ -95,14 +96,21 @@ def receiver() -> Iterator[OtlpReceiver]:
 
 
 @pytest.fixture(scope="module")
+def grpc_port() -> int:
+    return free_port()
+
+
+@pytest.fixture(scope="module")
 def traced_server(
-    receiver: OtlpReceiver, tmp_path_factory: pytest.TempPathFactory
+    receiver: OtlpReceiver, grpc_port: int, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[LiveServer]:
+    """A server exporting to `receiver`, its gRPC door on `grpc_port`."""
     with pytest.MonkeyPatch.context() as env:
         for name in [n for n in os.environ if n.startswith("OTEL_")]:
             env.delenv(name)  # only what tracing_env says
         with live_server(
-            tracing_env(receiver), tmp_path=tmp_path_factory.mktemp("traced")
+            tracing_env(receiver, SDPA_GRPC_PORT=str(grpc_port)),
+            tmp_path=tmp_path_factory.mktemp("traced"),
         ) as server:
             yield server
 
@@ -161,6 +169,37 @@ def test_sdpa_client_inside_a_span_is_continued_by_the_server(
     spans = receiver.wait_for(of_trace(trace_id), timeout_s=WAIT_S)
     server, children = request_tree(spans, trace_id)
     assert server.parent_span_id == f"{context.span_id:016x}"
+    assert_phases_inside(server, children)
+
+
+def test_a_grpc_call_with_a_traceparent_in_its_metadata_is_continued(
+    traced_server: LiveServer, receiver: OtlpReceiver, grpc_port: int
+) -> None:
+    grpcclient = pytest.importorskip("tritonclient.grpc")
+    trace, parent = 0x6E0C63257DE34C926F9EFCD03927272E, 0x00F067AA0BA902B7
+    q = np.random.default_rng(1).standard_normal((1, 2, 4, 8)).astype(np.float32)
+    inputs = []
+    for name in ("q", "k", "v"):
+        tensor = grpcclient.InferInput(name, list(q.shape), "FP32")
+        tensor.set_data_from_numpy(q)
+        inputs.append(tensor)
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{grpc_port}")
+    try:
+        result = client.infer(
+            "attention", inputs, headers={"traceparent": caller_traceparent(trace, parent)}
+        )
+    finally:
+        client.close()
+    assert result.as_numpy("output") is not None
+    trace_id = f"{trace:032x}"
+    spans = receiver.wait_for(of_trace(trace_id), timeout_s=WAIT_S)
+    server, children = request_tree(spans, trace_id)
+    assert server.parent_span_id == f"{parent:016x}"
+    assert server.name == "inference.GRPCInferenceService/ModelInfer"
+    assert server.attributes["rpc.system"] == "grpc"
+    assert server.attributes["rpc.method"] == "ModelInfer"
+    assert server.attributes["rpc.grpc.status_code"] == 0
+    assert server.status_code == STATUS_UNSET
     assert_phases_inside(server, children)
 
 
