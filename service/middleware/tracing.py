@@ -21,6 +21,7 @@ others fill in: they share scope["state"], one dict, with it.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -32,7 +33,9 @@ from service.routes import BATCH_SIZE, PHASES, REQUEST_ID, TENANT, UNMETERED_PAT
 from service.tenants import ANONYMOUS
 
 if TYPE_CHECKING:
-    from service.tracing import Tracing
+    from service.tracing import ServerSpan, Tracing
+
+logger = logging.getLogger("sdpa.tracing")
 
 _TRACEPARENT = b"traceparent"
 _TRACESTATE = b"tracestate"
@@ -99,16 +102,29 @@ class TracingMiddleware:
                 # The server answers 500 to an exception before a response; with neither, the
                 # client left before its answer was ready.
                 status = 500 if error is not None else CLIENT_CLOSED_STATUS
-            route = route_template(scope, self.included)
-            batch_size = state.get(BATCH_SIZE)
-            request_id = state.get(REQUEST_ID)
-            tenant = state.get(TENANT, ANONYMOUS)  # no API keys: everyone is anonymous
-            span.end(
-                status=status,
-                route=None if route == UNMATCHED_ROUTE else route,
-                tenant=tenant if isinstance(tenant, str) else None,
-                request_id=request_id if isinstance(request_id, str) else None,
-                batch_size=batch_size if isinstance(batch_size, int) else None,
-                phases=state.get(PHASES),
-                error=error,
-            )
+            try:
+                self._end(span, scope, state, status, error)
+            except Exception:  # a bug in tracing must not fail a request that was answered
+                logger.exception("tracing: the span of %s %s", scope["method"], scope["path"])
+
+    def _end(
+        self,
+        span: ServerSpan,
+        scope: Scope,
+        state: dict[str, Any],
+        status: int,
+        error: BaseException | None,
+    ) -> None:
+        route = route_template(scope, self.included)
+        batch_size = state.get(BATCH_SIZE)
+        request_id = state.get(REQUEST_ID)
+        tenant = state.get(TENANT, ANONYMOUS)  # no API keys: everyone is anonymous
+        span.end(
+            status=status,
+            route=None if route == UNMATCHED_ROUTE else route,
+            tenant=tenant if isinstance(tenant, str) else None,
+            request_id=request_id if isinstance(request_id, str) else None,
+            batch_size=batch_size if isinstance(batch_size, int) else None,
+            phases=state.get(PHASES),
+            error=error,
+        )
