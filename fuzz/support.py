@@ -13,8 +13,8 @@ and bit for bit, as that module promises.
 Nothing from service or sdpa_core is imported at this module's import: `fuzz_main` imports the
 harness's target inside atheris.instrument_imports, so that only our packages are instrumented
 (torch, numpy and pydantic are imported first, uninstrumented: instrumented, torch alone takes
-minutes to import and runs many times slower). The corpus replay test (tests/fuzz) loads the
-same targets without atheris.
+minutes to import and runs many times slower). The corpus replay test
+(tests/service/wire/test_fuzz_corpus.py) loads the same targets without atheris.
 """
 
 from __future__ import annotations
@@ -235,6 +235,10 @@ def fuzz_main(
     with atheris.instrument_imports(include=list(INSTRUMENTED)):
         check = load()
     args = list(sys.argv if argv is None else argv)
+    if args and args[0].endswith(".py") and Path(args[0]).resolve().parent == ROOT:
+        # Run as `python -m fuzz.<harness>`: libFuzzer starts itself again for -merge (and
+        # -fork) with the shell command args[0] + flags, and a .py file is no command.
+        args[0] = f"{sys.executable} -m fuzz.{Path(args[0]).stem}"
     if mutator is None:
         atheris.Setup(args, check)
     else:

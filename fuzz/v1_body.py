@@ -217,6 +217,40 @@ def seeds() -> Iterator[tuple[str, bytes]]:
     yield "analyze-masks", body(q=q, k=k, key_padding_mask=padding, attn_mask=visible)
     yield "not-json", b'{"q": [1, 2,'
     yield "surrogate", b'{"q": "\\ud800", "tag": "\\udfff"}'
+    # The refusals a fuzzer rarely writes on its own: start the corpus from them.
+    yield "unknown-fields", body(q=q, k=k, v=v, **{f"extra{i}": i for i in range(10)})
+    yield "scale-and-temperature", body(q=q, k=k, v=v, scale=0.5, temperature=2.0)
+    yield "temperature-tiny", body(q=q, k=k, v=v, temperature=1e-310)
+    yield (
+        "synthetic-overflow",
+        body(synthetic={"n_q": 2, "n_k": 2, "d_k": 2, "std": 1e6, "dtype": "float16"}),
+    )
+    deep = b"[" * 130 + b"1.5, 2.5, 3.5, 4.5, 5.5, 6.5" + b"]" * 130
+    yield "nested-130", b'{"q": ' + deep + b', "k": [[1.0]], "v": [[1.0]]}'
+    huge = b"1" + b"0" * 400
+    yield (
+        "mask-huge-integer",
+        (
+            b'{"q": [[1.0, 2.0]], "k": [[1.0, 2.0], [3.0, 4.0]], "v": [[1.0], [2.0]], '
+            b'"attn_mask": {"dtype": "float32", "data": [[null, ' + huge + b"]]}}"
+        ),
+    )
+    yield (
+        "key-lengths-huge-integer",
+        (b'{"q": [[1.0, 2.0]], "k": [[1.0, 2.0]], "v": [[1.0]], "key_lengths": [' + huge + b"]}"),
+    )
+    yield (
+        "quotes-beside-arrays",
+        (
+            b'{"tag": "a\\"[1, 2, 3, 4, 5]\\\\", "q": [[1.0, 2.0, 3.0, 4.0, 5.0]], '
+            b'"k": [[1.0, 2.0, 3.0, 4.0, 5.0]], "v": [[1.0, 2.0, 3.0, 4.0, 5.0]]}'
+        ),
+    )
+    for i, bad in enumerate((b"[1, 2 3]", b"[1, 2,, 3]", b"[1, tru, 3]", b"[1.5e, 2]", b"[1]]")):
+        yield (
+            f"not-json-in-a-list-{i}",
+            (b'{"q": [[1, 2, 3, 4, 5, 6, 7, 8, 9],\n' + bad + b'], "k": [[1]], "v": [[1]]}'),
+        )
 
 
 def main() -> None:

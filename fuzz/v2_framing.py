@@ -294,6 +294,9 @@ def seeds() -> Iterator[tuple[str, bytes]]:
             else:
                 yield f"{name}-{kind}", frame(1, body[:json_size], body[json_size:])
     yield "not-json", frame(1, b'{"inputs": [', b"\x00\x01")
+    both = {"name": "q", "shape": [1], "datatype": "FP32", "data": [1.0],
+            "parameters": {"binary_data_size": 4}}  # fmt: skip
+    yield "data-and-binary", frame(1, json.dumps({"inputs": [both]}).encode(), bytes(4))
     yield "length-zeros", frame(8, b'{"inputs": []}', b"")
 
 
