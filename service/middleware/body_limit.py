@@ -16,6 +16,7 @@ Its body is still limited.
 
 from __future__ import annotations
 
+import re
 from typing import Final
 
 from starlette.routing import Match
@@ -46,10 +47,56 @@ def declared_length(scope: Scope) -> int | None:
     return None
 
 
-def _too_large(limit: int) -> PayloadTooLarge:
+# How much of a streamed body's start is kept to tell how its tensors were encoded: a v1 body
+# names its first tensor's encoding within its first few hundred bytes ({"q": {"b64": ...} or
+# {"q": [[...). Bounded, so that the advice costs nothing next to the limit itself.
+_SNIFF_BYTES: Final = 4096
+
+# What to do about the refusal, by what was sent (`_advice`): the advice of a 413 must fit the
+# request, never tell a caller to switch to the encoding it already uses.
+_SPLIT: Final = "split it into smaller requests (fewer batch items or shorter sequences)"
+ADVICE_V1_LISTS: Final = (
+    f'its tensors are JSON lists: send them as base64 ("b64", about 3x smaller), or {_SPLIT}'
+)
+ADVICE_V1_BASE64: Final = f"its tensors are already base64, the compact encoding: {_SPLIT}"
+ADVICE_V1_UNKNOWN: Final = (
+    f'{_SPLIT}; if its tensors are JSON lists, base64 ("b64") is about 3x smaller'
+)
+ADVICE_V2_JSON: Final = (
+    "its tensors are JSON numbers: send them as binary data (Inference-Header-Content-Length, "
+    f"about 3x smaller), or {_SPLIT}"
+)
+ADVICE_V2_BINARY: Final = f"its tensors are already binary, the compact encoding: {_SPLIT}"
+
+
+def _header(scope: Scope, wanted: bytes) -> bytes | None:
+    for name, value in scope.get("headers", ()):
+        if name == wanted:
+            return bytes(value)
+    return None
+
+
+def _advice(scope: Scope, start: bytes) -> str:
+    """What the caller can do about a body over the limit, from what it sent: the path (v1 or
+    v2), v2's binary framing header, and for v1 the start of the body when some of it was read
+    (a refusal on Content-Length alone reads none: then the advice names both cases)."""
+    if is_v2_path(scope["path"]):
+        # Triton's binary extension: the JSON header's length is declared, raw bytes follow.
+        if _header(scope, b"inference-header-content-length") is not None:
+            return ADVICE_V2_BINARY
+        return ADVICE_V2_JSON
+    if b'"b64"' in start:
+        return ADVICE_V1_BASE64
+    # A JSON list of numbers (or of lists) as a field's value: {"q": [[0.1, ...
+    if re.search(rb'":\s*\[', start):
+        return ADVICE_V1_LISTS
+    return ADVICE_V1_UNKNOWN
+
+
+def _too_large(limit: int, scope: Scope, start: bytes = b"") -> PayloadTooLarge:
     msg = (
-        f"request body exceeds the limit of {limit} bytes (SDPA_MAX_BODY_BYTES); send smaller "
-        "requests, or base64 tensors instead of JSON lists (about 3x smaller)"
+        f"request body exceeds the limit of {limit} bytes (SDPA_MAX_BODY_BYTES); "
+        f"{_advice(scope, start)}"
     )
     return BodyTooLarge(msg, errors=[FieldError(loc=("body",), msg=msg, type="too_large")])
 
@@ -121,17 +168,21 @@ class BodyLimitMiddleware:
 
         received = 0
         refused = False
+        start = b""  # the body's first bytes, for the refusal's advice
 
         async def counting_receive() -> Message:
-            nonlocal received, refused
+            nonlocal received, refused, start
             message = await receive()
             if message["type"] == "http.request":
-                received += len(message.get("body", b""))
+                chunk = message.get("body", b"")
+                if len(start) < _SNIFF_BYTES:
+                    start += chunk[: _SNIFF_BYTES - len(start)]
+                received += len(chunk)
                 if received > limit:
                     if not refused:
                         refused = True
                         self._count_refusal()
-                    raise _too_large(limit)
+                    raise _too_large(limit, scope, start)
             return message
 
         response_started = False
@@ -147,7 +198,7 @@ class BodyLimitMiddleware:
         except BodyTooLarge:
             if response_started:
                 raise
-            await service_error_response(_too_large(limit))(scope, receive, send)
+            await service_error_response(_too_large(limit, scope, start))(scope, receive, send)
 
     def _count_refusal(self) -> None:
         if self.metrics is not None:
@@ -156,4 +207,5 @@ class BodyLimitMiddleware:
     async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
         self._count_refusal()
         # The rest of the body is never read into memory: uvicorn discards what still arrives.
-        await service_error_response(_too_large(self.max_body_bytes))(scope, receive, send)
+        error = _too_large(self.max_body_bytes, scope)
+        await service_error_response(error)(scope, receive, send)
