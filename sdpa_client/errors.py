@@ -78,10 +78,13 @@ class SDPARequestError(Exception):
 
     def _message(self) -> str:
         head = f"{self.status} {self.title}" if self.status is not None else self.title
+        # The server's detail often is (or holds) its one field problem's msg: each is said
+        # once, the field problems the detail already says are left out.
         text = f"{head}: {self.detail}" if self.detail else head
-        if self.errors:
-            shown = "; ".join(f"{'.'.join(map(str, e.loc))}: {e.msg}" for e in self.errors[:3])
-            more = f" (+{len(self.errors) - 3} more)" if len(self.errors) > 3 else ""
+        unsaid = [e for e in self.errors if not e.msg or e.msg not in self.detail]
+        if unsaid:
+            shown = "; ".join(f"{'.'.join(map(str, e.loc))}: {e.msg}" for e in unsaid[:3])
+            more = f" (+{len(unsaid) - 3} more)" if len(unsaid) > 3 else ""
             text = f"{text} [{shown}{more}]"
         return text
 
@@ -103,7 +106,15 @@ class SDPAAuthError(SDPAClientError):
 
 
 class SDPAPayloadTooLarge(SDPAClientError):
-    """413: the body is larger than the server accepts (its SDPA_MAX_BODY_BYTES)."""
+    """413: the body is larger than the server accepts (its SDPA_MAX_BODY_BYTES).
+
+    Also raised by the client itself, before sending, for a body over the limit the server
+    advertised (/v1/info limits.max_body_bytes): then `.attempts` is 0 and `.limit_bytes` and
+    `.body_bytes` say the limit and the body's size (None on a server's 413).
+    """
+
+    limit_bytes: int | None = None
+    body_bytes: int | None = None
 
 
 class SDPAUnsupportedMediaType(SDPAClientError):
