@@ -39,6 +39,8 @@ from sdpa_client.types import (
 from sdpa_client.v2 import INFER_PATH, build_infer_request, parse_infer_response
 
 Protocol = Literal["v1", "v2"]
+# The server's description, limits included (the client learns its body limit there).
+INFO_PATH = "/v1/info"
 
 T = TypeVar("T")
 P = ParamSpec("P")
@@ -333,7 +335,7 @@ class Endpoints(Generic[AttentionOut, AnalyzeOut, InfoOut, ProbeOut]):
             SDPARequestError: any other answer than 2xx (not retried), or no answer.
             SDPAProtocolError: an answer that is not a JSON object.
         """
-        return cast(InfoOut, self._dispatch(lambda: Call("GET", "/v1/info", None, _read_info)))
+        return cast(InfoOut, self._dispatch(lambda: Call("GET", INFO_PATH, None, _read_info)))
 
     def healthz(self) -> ProbeOut:
         """Ask whether the server process is alive (GET /healthz, liveness: 200 while it serves).
