@@ -28,6 +28,9 @@ _CONTENT_TYPES: Final[dict[str, str]] = {
     ".png": "image/png",
     ".ico": "image/x-icon",
     ".json": "application/json",
+    # Captures from `sdpa-tap capture` (np.savez_compressed): a zip of .npy files, read by
+    # the page's own JS (static/capture.js).
+    ".npz": "application/zip",
 }
 
 # The page loads only its own scripts and styles, and talks only to this origin. `blob:` lets

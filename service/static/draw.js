@@ -92,9 +92,14 @@ export const HEATMAP_MARGIN = { left: 40, top: 22 };
 // Draws one head. `shade(i, w)` maps row i's weight w to a LUT index in [0, 255]. Returns the
 // geometry in device pixels: cell (i, j) covers x in [x0 + j*cell, x0 + (j+1)*cell),
 // y in [y0 + i*cell, y0 + (i+1)*cell).
-export function drawHeatmap(canvas, { weights, nQ, nKv, masked, shade, hatch, maxCss = 512 }) {
+//
+// `labels` ({rows, cols}: one string per query and per key, e.g. a sentence's tokens) replaces the
+// index ticks with the strings, keys written upwards along the top; the margins grow to fit the
+// longest one. The returned geometry lists where each label was drawn (CSS pixels, its anchor
+// at the cell's centre line), so a test can hold the page to the tokens it was given.
+export function drawHeatmap(canvas, { weights, nQ, nKv, masked, shade, hatch, labels = null, maxCss = 512 }) {
   const cssCell = Math.max(1, Math.min(40, Math.floor(maxCss / Math.max(nQ, nKv))));
-  const { left, top } = HEATMAP_MARGIN;
+  const { left, top } = labels ? labelMargins(labels) : HEATMAP_MARGIN;
   const { ctx, dpr } = sizeCanvas(canvas, left + nKv * cssCell + 1, top + nQ * cssCell + 1);
   ctx.clearRect(0, 0, canvas.width, canvas.height);
   const cell = cssCell * dpr;
@@ -141,8 +146,12 @@ export function drawHeatmap(canvas, { weights, nQ, nKv, masked, shade, hatch, ma
   const y0 = top * dpr;
   ctx.putImageData(image, x0, y0);
 
-  // Axes: key index along the top, query index down the left.
   ctx.font = FONT;
+  if (labels) {
+    const drawn = drawLabels(ctx, labels, { left, top, cssCell, nQ, nKv });
+    return { x0, y0, cell, cssCell, nQ, nKv, dpr, cssLeft: left, cssTop: top, labels: drawn };
+  }
+  // Axes: key index along the top, query index down the left.
   ctx.fillStyle = PALETTE.muted;
   ctx.strokeStyle = PALETTE.muted;
   ctx.lineWidth = 1;
@@ -168,7 +177,49 @@ export function drawHeatmap(canvas, { weights, nQ, nKv, masked, shade, hatch, ma
     ctx.lineTo(left - 1, y);
     ctx.stroke();
   }
-  return { x0, y0, cell, cssCell, nQ, nKv, dpr, cssLeft: left, cssTop: top };
+  return { x0, y0, cell, cssCell, nQ, nKv, dpr, cssLeft: left, cssTop: top, labels: null };
+}
+
+const LABEL_FONT = '12px ui-monospace, "SFMono-Regular", Menlo, Consolas, monospace';
+const LABEL_GAP = 6;
+
+// Margins that fit the longest row label on the left and the longest key label stood upright
+// on top (measured with the font they are drawn in, on a scratch canvas).
+function labelMargins(labels) {
+  const ctx = document.createElement("canvas").getContext("2d");
+  ctx.font = LABEL_FONT;
+  const widest = (texts) => Math.max(0, ...texts.map((t) => ctx.measureText(t).width));
+  return {
+    left: Math.ceil(widest(labels.rows) + 2 * LABEL_GAP),
+    top: Math.ceil(widest(labels.cols) + 2 * LABEL_GAP),
+  };
+}
+
+function drawLabels(ctx, labels, { left, top, cssCell, nQ, nKv }) {
+  ctx.font = LABEL_FONT;
+  ctx.fillStyle = PALETTE.ink;
+  // Below ~9 px a row of text overlaps its neighbours: label every few cells instead.
+  const step = Math.max(1, Math.ceil(12 / cssCell));
+  const rows = [];
+  ctx.textAlign = "right";
+  ctx.textBaseline = "middle";
+  for (let i = 0; i < nQ; i += step) {
+    const y = top + (i + 0.5) * cssCell;
+    ctx.fillText(labels.rows[i], left - LABEL_GAP, y);
+    rows.push({ index: i, text: labels.rows[i], x: left - LABEL_GAP, y });
+  }
+  const cols = [];
+  ctx.textAlign = "left";
+  for (let j = 0; j < nKv; j += step) {
+    const x = left + (j + 0.5) * cssCell;
+    ctx.save();
+    ctx.translate(x, top - LABEL_GAP);
+    ctx.rotate(-Math.PI / 2);
+    ctx.fillText(labels.cols[j], 0, 0);
+    ctx.restore();
+    cols.push({ index: j, text: labels.cols[j], x, y: top - LABEL_GAP });
+  }
+  return { rows, cols };
 }
 
 export function drawColorbar(canvas, { width = 220, height = 10 }) {
@@ -218,8 +269,8 @@ export function drawThumbnail(canvas, { weights, nQ, nKv, masked, shade, size = 
 // Per-row side chart, rows aligned with the heatmap's rows. `values[i]` is the bar for row i;
 // `reference[i]` (optional) a per-row bound drawn as a dashed step line; `empty[i]` marks
 // rows with no visible key.
-export function drawRowChart(canvas, { values, reference, empty, nQ, cssCell, xmax, width = 200, format }) {
-  const top = HEATMAP_MARGIN.top;
+// `top` is the heatmap's top margin, so the bars line up with its rows when labels widen it.
+export function drawRowChart(canvas, { values, reference, empty, nQ, cssCell, xmax, top = HEATMAP_MARGIN.top, width = 200, format }) {
   const left = 8;
   const right = 14;
   const { ctx } = sizeCanvas(canvas, width, top + nQ * cssCell + 1);

@@ -27,7 +27,7 @@ function parseHeader(text) {
 }
 
 // Reverse the axes: a Fortran-ordered array's bytes are the C-ordered bytes of its transpose.
-function fortranToC(values, shape) {
+export function fortranToC(values, shape) {
   if (shape.length < 2) return values;
   const n = values.length;
   const out = new values.constructor(n);
@@ -52,7 +52,10 @@ function fortranToC(values, shape) {
   return out;
 }
 
-export function parseNpy(buffer, name = "array") {
+// The header of a .npy file: {descr, fortranOrder, shape, dataStart, major}. Shared by the float
+// reader below and the capture reader (capture.js), whose archives also hold ints, bools and
+// strings.
+export function npyHeader(buffer, name = "array") {
   const bytes = new Uint8Array(buffer);
   if (bytes.length < 10 || MAGIC.some((b, i) => bytes[i] !== b)) {
     throw new NpyError(`${name}: not a .npy file (missing the \\x93NUMPY magic)`);
@@ -74,7 +77,14 @@ export function parseNpy(buffer, name = "array") {
   if (dataStart > bytes.length) throw new NpyError(`${name}: truncated header`);
   const headerBytes = bytes.subarray(headerStart, dataStart);
   const headerText = new TextDecoder(major === 3 ? "utf-8" : "latin1").decode(headerBytes);
-  const header = parseHeader(headerText);
+  return { ...parseHeader(headerText), dataStart, major };
+}
+
+export function parseNpy(buffer, name = "array") {
+  const bytes = new Uint8Array(buffer);
+  const view = new DataView(buffer);
+  const header = npyHeader(buffer, name);
+  const dataStart = header.dataStart;
 
   const m = /^([<>|=])?([a-z])(\d+)$/.exec(header.descr);
   const kindSize = m ? `${m[2]}${m[3]}` : header.descr;
