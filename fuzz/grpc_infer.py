@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from typing import Any, Final
 
 from fuzz.mutate import NUMBERS, STRINGS
-from fuzz.support import Check, answer, cost_model, fuzz_main, fuzz_mutate, settings
+from fuzz.support import Check, Finding, answer, cost_model, fuzz_main, fuzz_mutate, settings
 from fuzz.v2_framing import cases
 
 NAME: Final = "grpc_infer"
@@ -41,13 +41,47 @@ _INT64: Final = (-(2**63), 2**63 - 1)
 
 
 def load() -> Check:
-    """The check of one input: the gRPC door's prepare."""
+    """The check of one input: the gRPC door's prepare, and its reading of the message against
+    protobuf's own (decode_infer_request splits raw_input_contents off by the top-level tags
+    and lengths, as views, and lets protobuf parse the rest: the message and the entries must
+    be protobuf's, and a message protobuf refuses must be refused)."""
+    from google.protobuf.message import DecodeError  # type: ignore[import-untyped, unused-ignore]
+
+    from service.errors import InvalidRequest
     from service.serving.prepare_grpc import prepare_grpc_infer
+    from service.wire.grpc import grpc_predict_v2_pb2 as pb
+    from service.wire.grpc_codec import decode_infer_request
 
     config, cost = settings(), cost_model()
 
     def check(data: bytes) -> None:
         answer(lambda: prepare_grpc_infer(data, config, cost))
+        try:
+            whole = pb.ModelInferRequest.FromString(data)
+        except DecodeError:
+            whole = None
+        try:
+            decoded = decode_infer_request(data)
+        except InvalidRequest:
+            decoded = None
+        if (whole is None) != (decoded is None):
+            raise Finding(
+                "decode_infer_request and protobuf disagree on whether the message parses: "
+                f"protobuf {'refuses' if whole is None else 'parses'} it"
+            )
+        if whole is None or decoded is None:
+            return
+        entries = [bytes(entry) for entry in decoded.raw_contents]
+        if entries != list(whole.raw_input_contents):
+            raise Finding("decode_infer_request's raw_input_contents are not protobuf's")
+        rest = pb.ModelInferRequest()
+        rest.CopyFrom(whole)
+        del rest.raw_input_contents[:]
+        del decoded.message.raw_input_contents[:]  # an entry split off: none left in it
+        if decoded.message.SerializeToString(deterministic=True) != rest.SerializeToString(
+            deterministic=True
+        ):
+            raise Finding("decode_infer_request's message is not protobuf's")
 
     return check
 
