@@ -64,10 +64,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, Literal
 
@@ -232,7 +233,7 @@ def _check_plan(options: RayOptions, settings: Settings) -> None:
 
 
 @contextlib.contextmanager
-def _environment(env: Mapping[str, str]) -> Any:
+def _environment(env: Mapping[str, str]) -> Iterator[None]:
     """os.environ with exactly `env`'s SDPA_*/OTEL_* variables, restored afterwards."""
     saved = {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_ENV_PREFIXES)}
     for key in saved:
@@ -611,11 +612,13 @@ def build(args: Mapping[str, Any]) -> serve.Application:
     ingress_actor: dict[str, Any] = {"num_cpus": 0}
     if options.ingress_on_head:
         ingress_actor["resources"] = {"node:__internal_head__": 0.001}
+    # An ingress replica only waits on the replicas: it holds what they all hold, its share.
+    most_replicas = options.max_replicas or options.num_replicas
+    ingress_cap = math.ceil(max_ongoing * most_replicas / options.ingress_replicas)
     ingress = serve.deployment(
         name="ingress",
         num_replicas=options.ingress_replicas,
-        # It only waits on the replicas: as many requests as they all hold, and more.
-        max_ongoing_requests=max(max_ongoing * options.ingress_replicas, 1024),
+        max_ongoing_requests=max(ingress_cap, 1024),
         ray_actor_options=ingress_actor,
         graceful_shutdown_wait_loop_s=SHUTDOWN_WAIT_LOOP_S,
         graceful_shutdown_timeout_s=settings.drain_timeout_s + 2 * SHUTDOWN_MARGIN_S,
