@@ -2,7 +2,7 @@
 as the float64 reference says, from at least two nodes, and a replica killed (ray.kill) and
 then a worker node lost (its raylet and workers SIGKILLed) under a closed loop of sdpa_client
 cost the client no request: Ray replaces what died, and the retrying ingress sends again what a
-dead replica dropped; nor does a replica Ray stops (a scale-down: it drains). The client never
+dead replica dropped; nor do the replicas Ray stops in a redeploy (they drain). The client never
 retries here (NO_RETRY): what it sees is Ray's doing.
 
 About two minutes on two loaded cores; skipped without ray (`pip install sdpa-service[ray]`).
@@ -11,6 +11,8 @@ Run with `-s` to see the figures.
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -40,6 +42,10 @@ ARGS = {
     "compile_kernels": "false",
     "log_level": "warning",
     "drain_timeout_s": "10",
+    # A lone request waits this long for company before its batch runs: every replica holds
+    # requests most of the time, so a replica that dies always takes some with it (the victims
+    # are chosen among the replicas that hold some), and the ingress's retry is exercised.
+    "max_batch_delay_ms": "500",
 }
 CLIENTS = 4
 LOAD_MAX_S = 240.0  # the closed loop stops by then whatever happens
@@ -119,6 +125,22 @@ def wait_until(
         time.sleep(0.2)
 
 
+def busy(candidates: list[dict[str, Any]]) -> dict[str, Any]:
+    """One of `candidates` that holds a request now, by Ray's own count (its replica actor's
+    get_num_ongoing_requests), waiting a little for one."""
+    give_up = time.monotonic() + 30.0
+    while time.monotonic() < give_up:
+        for replica in candidates:
+            actor = ray.get_actor(replica["actor_name"], namespace="serve")
+            if ray.get(actor.get_num_ongoing_requests.remote(), timeout=10) > 0:
+                return replica
+        time.sleep(0.02)
+    raise TimeoutError(f"none of {[r['actor_name'] for r in candidates]} holds a request")
+
+
+RETRIED = "sending it again"  # what the ingress logs when it resends a dropped request
+
+
 def test_three_replicas_answer_from_two_nodes_and_lose_nothing_when_one_dies(
     cluster: LocalCluster,
 ) -> None:
@@ -147,8 +169,8 @@ def test_three_replicas_answer_from_two_nodes_and_lose_nothing_when_one_dies(
     load.start()
     try:
         time.sleep(3.0)
-        # A replica dies (SIGKILL of its worker process).
-        victim = running[0]
+        # A replica holding requests dies (SIGKILL of its worker process).
+        victim = busy(running)
         killed_at = time.monotonic()
         ray.kill(ray.get_actor(victim["actor_name"], namespace="serve"), no_restart=True)
         running, took = wait_until(
@@ -156,43 +178,56 @@ def test_three_replicas_answer_from_two_nodes_and_lose_nothing_when_one_dies(
             lambda reps: victim["actor_name"] not in {r["actor_name"] for r in reps},
             "a killed replica replaced",
         )
-        print(f"killed replica replaced in {took:.1f} s")
+        retried_after_kill = cluster.count_in_logs(RETRIED)
+        print(f"killed replica replaced in {took:.1f} s; {retried_after_kill} requests resent")
         time.sleep(2.0)
 
-        # A worker node holding a replica is lost: its raylet and workers SIGKILLed.
+        # A worker node whose replica holds requests is lost, every process of it at once: its
+        # replicas' and then its raylet and the rest (remove_node alone SIGKILLs the raylet, and
+        # a replica whose raylet died may still finish what it holds before it notices).
         workers = {node.node_id: node for node in cluster.workers}
-        lost = next(workers[r["node_id"]] for r in running if r["node_id"] in workers)
+        lost = workers[busy([r for r in running if r["node_id"] in workers])["node_id"]]
         lost_at = time.monotonic()
+        for replica in running:
+            if replica["node_id"] == lost.node_id:
+                os.kill(replica["pid"], signal.SIGKILL)
         cluster.cluster.remove_node(lost, allow_graceful=False)
         running, took = wait_until(
             cluster,
             lambda reps: lost.node_id not in {r["node_id"] for r in reps},
             "the replicas of a lost node replaced",
         )
-        print(f"lost node's replicas replaced in {took:.1f} s")
+        retried_after_loss = cluster.count_in_logs(RETRIED)
+        print(
+            f"lost node's replicas replaced in {took:.1f} s; "
+            f"{retried_after_loss - retried_after_kill} requests resent"
+        )
         time.sleep(2.0)
         status = serve.status().applications["default"]
         assert status.status == "RUNNING"
         assert status.deployments["sdpa"].replica_states.get("RUNNING") == REPLICAS
 
-        # Ray stops a replica (scale to 2): it drains (its requests finish, then its lifespan
-        # ends) and loses nothing either.
+        # A redeploy with two replicas: Ray stops replicas (a new deploy of the Python API is a
+        # new code version, so it replaces them all, one by one); a stopped replica drains (its
+        # requests finish, then its lifespan ends) and loses nothing either.
+        before = {r["actor_name"] for r in running}
         scaled_at = time.monotonic()
         serve.run(build({**ARGS, "num_replicas": "2"}), name="default", blocking=False)
-        cluster.wait_for_running(2, timeout_s=RESTORE_S)
-        print(f"scaled down to 2 in {time.monotonic() - scaled_at:.1f} s")
+        after = cluster.wait_for_running(2, timeout_s=RESTORE_S)
+        kept = len(before & {r["actor_name"] for r in after})
+        print(f"redeployed with 2 replicas in {time.monotonic() - scaled_at:.1f} s ({kept} kept)")
         time.sleep(2.0)
     finally:
         load.finish()
     ended = time.monotonic()
 
-    retries = cluster.count_in_logs("sending it again")
-    print(
-        f"closed loop of {CLIENTS}: {len(load.answered_at)} answered, "
-        f"{len(load.failures)} failed; the ingress sent {retries} dropped requests again"
-    )
+    answered, failed = len(load.answered_at), len(load.failures)
+    print(f"closed loop of {CLIENTS}: {answered} answered, {failed} failed")
     assert load.failures == [], load.failures[:10]
-    # The load ran through both deaths and the scale-down.
+    # Each death dropped requests, and the ingress sent them again: no request was lost to luck.
+    assert retried_after_kill > 0
+    assert retried_after_loss > retried_after_kill
+    # The load ran through both deaths and the redeploy.
     assert load.answered_between(killed_at, lost_at) > 0
     assert load.answered_between(lost_at, scaled_at) > 0
     assert load.answered_between(scaled_at, ended) > 0

@@ -37,6 +37,9 @@ RAY_ENV: dict[str, str] = {
     "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
     "RAY_SERVE_PROXY_PREFER_LOCAL_NODE_ROUTING": "0",
     "RAY_USAGE_STATS_ENABLED": "0",
+    # A cluster on loopback for a test: no token (Ray 2.60 may otherwise write one to
+    # ~/.ray/auth_token and turn token authentication on for every later cluster).
+    "RAY_AUTH_MODE": "disabled",
     # Serve's own logs stay in the session's folder, not on the test's output.
     "RAY_SERVE_LOG_TO_STDERR": "0",
 }
