@@ -12,8 +12,10 @@ each tenant runs its own closed loop with its own API key at once, and the repor
 tenant's latency percentiles, errors by status and 429s apart, then all together. The core it
 drives (`sdpa_client.loadgen`: presets, payloads, the run,
 the sender) serves benchmarks too, so that every system is measured with the same generator.
-The progress bar needs `rich`, --histogram needs `matplotlib`, and uvloop is used when
-installed; none of them is required.
+The progress bar needs `rich`, --histogram needs `matplotlib` (the `plot` extra:
+pip install 'sdpa-client[plot]'), and uvloop is used when installed; none of them is required.
+Its URL (--url, default http://127.0.0.1:8000) is printed first; when nothing can be connected
+to there, the run gives up within seconds and exits 1.
 """
 
 from __future__ import annotations
@@ -56,6 +58,8 @@ from sdpa_client.loadgen.sender import HttpSender
 __all__ = ["DEFAULT_DURATION_S", "TenantSpec", "build_parser", "main"]
 
 DEFAULT_DURATION_S = 10.0
+# Where `sdpa-service serve` listens by default (SDPA_HOST, SDPA_PORT).
+DEFAULT_URL = "http://127.0.0.1:8000"
 
 
 def _warmup_arg(text: str) -> tuple[int, float]:
@@ -159,7 +163,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--duration 30. The report (and --json's \"tenants\") gives each tenant's latency "
         "percentiles, errors by status and 429s apart, then all of them together.",
     )
-    parser.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL")
+    parser.add_argument(
+        "--url",
+        default=DEFAULT_URL,
+        help=f"server base URL (default {DEFAULT_URL}, where `sdpa-service serve` listens); "
+        "when nothing answers there, the run gives up within seconds and exits 1",
+    )
     parser.add_argument(
         "--path",
         help="endpoint (default /v1/attention; with --protocol v2, /v2/models/attention/infer)",
@@ -230,7 +239,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-progress", action="store_true", help="no live progress bar")
     parser.add_argument("--json", dest="json_path", help="write the report as JSON (- = stdout)")
     parser.add_argument("--csv", dest="csv_path", type=Path, help="write per-request records")
-    parser.add_argument("--histogram", type=Path, help="write a latency histogram PNG")
+    parser.add_argument(
+        "--histogram",
+        type=Path,
+        help="write a latency histogram PNG (log latency axis); needs matplotlib: "
+        "pip install 'sdpa-client[plot]'",
+    )
     return parser
 
 
@@ -364,7 +378,8 @@ def main(
 
     Returns:
         The exit status: 1 when requests were sent and none succeeded (in a multi-tenant run:
-        for some tenant), else 0.
+        for some tenant), or when nothing could be connected to at --url (the run gives up
+        after LoadPlan.connect_give_up_s), else 0.
     """
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -397,6 +412,8 @@ def main(
         for spec in specs
     ]
     multi: MultiTenantReport | None = None
+    # Said first, on stderr (stdout may be --json -): which server this run loads.
+    print(f"sdpa-loadtest: target {args.url.rstrip('/')}", file=sys.stderr)
     with _event_loop_runner() as runner:
         if tenants:
             requests = None if args.requests is None else args.requests * len(tenants)
@@ -407,6 +424,14 @@ def main(
         else:
             report = runner.run(_run_cli(args, payload, plan, transport))
 
+    if report.gave_up is not None:
+        print(
+            f"sdpa-loadtest: cannot connect to {args.url}: every request of the first "
+            f"{plan.connect_give_up_s:g} s failed to connect ({report.gave_up}); is the server "
+            "running, and is --url right?",
+            file=sys.stderr,
+        )
+        return 1
     used = {t.payload.name: t.payload for t in tenants} or {payload.name: payload}
     if len(used) == 1:
         [payload] = used.values()

@@ -28,27 +28,58 @@ def require_matplotlib() -> Any:
         matplotlib = importlib.import_module("matplotlib")
     except ImportError as exc:
         raise SystemExit(
-            "sdpa-loadtest: --histogram needs matplotlib: pip install matplotlib"
+            "sdpa-loadtest: --histogram needs matplotlib, which sdpa-client does not require: "
+            "pip install 'sdpa-client[plot]' (or pip install matplotlib)"
         ) from exc
     matplotlib.use("Agg")
     return importlib.import_module("matplotlib.pyplot")
 
 
-def write_histogram(report: LoadReport, path: Path, *, title: str) -> None:
+def latency_bin_edges(latencies_ms: Sequence[float], bins: int) -> list[float]:
+    """`bins` + 1 edges spaced evenly in log(latency), from the smallest latency to the largest.
+
+    Latencies are skewed: most near the median, a long tail to the right. Linear bins spanning
+    the tail squeeze the bulk into the first few; on a log axis each bin is the same factor
+    wide, so the bulk and the tail both show.
+    """
+    positive = [x for x in latencies_ms if x > 0 and math.isfinite(x)]
+    if not positive or bins < 1:
+        return []
+    low, high = min(positive), max(positive)
+    if high <= low:  # one value (or all equal): a bin of +-5% around it
+        low, high = low / 1.05, high * 1.05
+    ratio = (high / low) ** (1.0 / bins)
+    edges = [low * ratio**i for i in range(bins + 1)]
+    edges[-1] = high  # exact, whatever the rounding of the powers
+    return edges
+
+
+def histogram_figure(report: LoadReport, *, title: str) -> Any:
+    """The latency histogram of the successful requests as a matplotlib Figure: log-spaced
+    bins on a log latency axis, and the p50/p90/p99 lines."""
     plt = require_matplotlib()
     latencies = [r.latency_s * 1000 for r in report.records if r.error is None]
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    if latencies:
-        ax.hist(latencies, bins=min(100, max(10, len(latencies) // 20)), color="#4477aa")
+    edges = latency_bin_edges(latencies, min(100, max(10, len(latencies) // 20)))
+    if edges:
+        ax.hist(latencies, bins=edges, color="#4477aa")
+        ax.set_xscale("log")
         lat = report.latency
         for label, value, style in (("p50", lat.p50_ms, "-"), ("p90", lat.p90_ms, "--"),
                                     ("p99", lat.p99_ms, ":")):  # fmt: skip
             ax.axvline(value, color="#cc3311", linestyle=style, label=f"{label} {value:.2f} ms")
         ax.legend()
-    ax.set_xlabel("latency (ms), successful requests")
+    ax.set_xlabel("latency (ms, log scale), successful requests")
     ax.set_ylabel("requests")
     ax.set_title(title)
     fig.tight_layout()
+    return fig
+
+
+def write_histogram(report: LoadReport, path: Path, *, title: str) -> None:
+    """Write `histogram_figure` as a PNG at `path`."""
+    plt = require_matplotlib()
+    fig = histogram_figure(report, title=title)
     fig.savefig(path, dpi=110)
     plt.close(fig)
 

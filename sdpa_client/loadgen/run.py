@@ -25,10 +25,16 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequenc
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal
 
+import httpx
 import numpy as np
 
 # Above this share of one core, the report warns that the generator may be the bottleneck.
 GENERATOR_BUSY_PERCENT = 85.0
+# Failures that mean nothing listens at the URL (refused, no route, DNS, connect timeout), as
+# opposed to a server that answered or a connection lost mid-request.
+CONNECT_FAILURES: tuple[type[BaseException], ...] = (
+    httpx.ConnectError, httpx.ConnectTimeout, ConnectionRefusedError,
+)  # fmt: skip
 
 Sender = Callable[[], Awaitable[int]]
 """Sends one request and returns its HTTP status; raises on transport failure."""
@@ -46,6 +52,10 @@ class LoadPlan:
     requests: int | None = None
     timeout_s: float = 60.0
     seed: int = 0
+    # A run (or tenant) whose every request failed to connect for this long, with no answer
+    # at all, gives up: a closed port would otherwise be hammered for the whole duration and
+    # reported as 100% errors with no latencies. One answer of any status keeps it going.
+    connect_give_up_s: float = 2.0
 
     def __post_init__(self) -> None:
         if self.duration_s is None and self.requests is None:
@@ -119,6 +129,9 @@ class LoadReport:
     client_cpu_s: float
     client_cpu_percent: float
     records: tuple[RequestRecord, ...] = field(repr=False)
+    # Set when the run stopped early because nothing could be connected to (LoadPlan's
+    # connect_give_up_s): the kinds of failure it met, e.g. "ConnectError".
+    gave_up: str | None = None
 
     @property
     def generator_busy(self) -> bool:
@@ -242,6 +255,8 @@ class _Tally:
     failed: int = 0
     dropped: int = 0
     in_flight: int = 0
+    answered: int = 0  # requests that got an HTTP answer, of any status
+    gave_up: str | None = None  # the connect failures' kinds, once it gave up
 
 
 @dataclass(frozen=True, slots=True)
@@ -261,17 +276,22 @@ def _error_kind(exc: BaseException) -> str:
     return type(exc).__name__
 
 
-async def _one(send: Sender, tally: _Tally, timeout_s: float) -> None:
+async def _one(send: Sender, tally: _Tally, plan: LoadPlan) -> None:
     tally.in_flight += 1
     start = time.perf_counter()
     status = 0
     error: str | None
     try:
-        async with asyncio.timeout(timeout_s):
+        async with asyncio.timeout(plan.timeout_s):
             status = await send()
         error = None if 200 <= status < 300 else str(status)
+        tally.answered += 1
     except Exception as exc:  # the generator must outlive any failure of one request
         error = _error_kind(exc)
+        unreachable = isinstance(exc, CONNECT_FAILURES)
+        if unreachable and not tally.answered and start - tally.started >= plan.connect_give_up_s:
+            kinds = {r.error for r in tally.records if r.error is not None} | {error}
+            tally.gave_up = ", ".join(sorted(kinds))
     end = time.perf_counter()
     tally.in_flight -= 1
     tally.records.append(
@@ -288,11 +308,11 @@ async def _closed_loop(send: Sender, plan: LoadPlan, tally: _Tally, stop_at: flo
 
     async def worker() -> None:
         nonlocal issued
-        while time.perf_counter() < stop_at:
+        while time.perf_counter() < stop_at and tally.gave_up is None:
             if plan.requests is not None and issued >= plan.requests:
                 return
             issued += 1
-            await _one(send, tally, plan.timeout_s)
+            await _one(send, tally, plan)
 
     await asyncio.gather(*(worker() for _ in range(plan.concurrency)))
 
@@ -305,7 +325,7 @@ async def _open_loop(send: Sender, plan: LoadPlan, tally: _Tally, stop_at: float
     next_at = time.perf_counter()
     while plan.requests is None or arrivals < plan.requests:
         next_at += rng.expovariate(plan.rate)
-        if next_at >= stop_at:
+        if next_at >= stop_at or tally.gave_up is not None:
             break
         delay = next_at - time.perf_counter()
         if delay > 0:
@@ -314,7 +334,7 @@ async def _open_loop(send: Sender, plan: LoadPlan, tally: _Tally, stop_at: float
         if tally.in_flight >= plan.max_in_flight:
             tally.dropped += 1
             continue
-        task = asyncio.create_task(_one(send, tally, plan.timeout_s))
+        task = asyncio.create_task(_one(send, tally, plan))
         tasks.add(task)
         task.add_done_callback(tasks.discard)
         # _one counts itself in flight only once it runs; yield so the bound above sees it.
@@ -364,6 +384,7 @@ def _load_report(
     dropped: int,
     elapsed_s: float,
     cpu_s: float,
+    gave_up: str | None = None,
 ) -> LoadReport:
     errors, ok_latencies = _outcomes(records)
     return LoadReport(
@@ -380,6 +401,7 @@ def _load_report(
         client_cpu_s=cpu_s,
         client_cpu_percent=100.0 * cpu_s / elapsed_s if elapsed_s > 0 else 0.0,
         records=tuple(records),
+        gave_up=gave_up,
     )
 
 
@@ -399,6 +421,7 @@ async def run_load(
     return _load_report(
         mode=plan.mode, concurrency=_concurrency(plan), rate=plan.rate, records=tally.records,
         dropped=tally.dropped, elapsed_s=elapsed, cpu_s=time.process_time() - cpu0,
+        gave_up=tally.gave_up,
     )  # fmt: skip
 
 
@@ -444,6 +467,8 @@ async def run_tenants(
         dropped=sum(t.dropped for t in tallies),
         elapsed_s=elapsed,
         cpu_s=cpu,
+        # Nothing could be reached only when no tenant reached anything.
+        gave_up=tallies[0].gave_up if all(t.gave_up for t in tallies) else None,
     )
     return MultiTenantReport(overall=overall, tenants=tenants)
 
