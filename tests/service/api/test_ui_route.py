@@ -36,6 +36,10 @@ def test_root_serves_the_explorer_page(client: TestClient) -> None:
     [
         ("app.js", "text/javascript; charset=utf-8"),
         ("npy.js", "text/javascript; charset=utf-8"),
+        ("capture.js", "text/javascript; charset=utf-8"),
+        ("run.js", "text/javascript; charset=utf-8"),
+        # The capture the page opens on: a zip of .npy files, read by capture.js.
+        ("capture/minilm-sentence.npz", "application/zip"),
         ("style.css", "text/css; charset=utf-8"),
         ("favicon.svg", "image/svg+xml"),
     ],
@@ -65,6 +69,14 @@ def test_every_reference_is_local_and_served(client: TestClient) -> None:
             url = ref if ref.startswith("/") else f"/static/{ref.removeprefix('./')}"
             seen.add(url)
     assert {"/static/app.js", "/static/style.css", "/static/tensor.js"} <= seen
+    # Every module of the page is imported by some other (none is left behind by the split).
+    modules = {f"/static/{path.name}" for path in STATIC_DIR.glob("*.js")}
+    assert modules <= seen, modules - seen
+    # The default capture, named in capture.js as a URL rather than an import.
+    capture_js = (STATIC_DIR / "capture.js").read_text(encoding="utf-8")
+    default = re.search(r'DEFAULT_CAPTURE_URL = "([^"]+)"', capture_js)
+    assert default is not None
+    seen.add(default.group(1))
     for url in sorted(seen):
         assert client.get(url).status_code == 200, url
 
@@ -100,6 +112,12 @@ def test_resolve_static_refuses_escapes_and_unknown_suffixes(tmp_path: Path) -> 
     assert resolve_static("link.js", root=root) is None  # symlink out of the root
     assert resolve_static("", root=root) is None
     assert resolve_static("missing.html", root=root) is None
+    # Nested folders are served (the capture lives in static/capture/); their README is not.
+    (root / "capture").mkdir()
+    (root / "capture" / "x.npz").write_bytes(b"PK")
+    (root / "capture" / "README.md").write_text("notes", encoding="utf-8")
+    assert resolve_static("capture/x.npz", root=root) == (root / "capture" / "x.npz").resolve()
+    assert resolve_static("capture/README.md", root=root) is None
 
 
 def test_create_app_serves_the_page_and_keeps_it_out_of_openapi() -> None:
@@ -114,6 +132,10 @@ def test_create_app_serves_the_page_and_keeps_it_out_of_openapi() -> None:
     response = TestClient(app).get("/static/style.css")
     assert response.status_code == 200
     assert response.headers["content-type"] == "text/css; charset=utf-8"
+    capture = TestClient(app).get("/static/capture/minilm-sentence.npz")
+    assert capture.status_code == 200
+    assert capture.headers["content-type"] == "application/zip"
+    assert capture.content[:2] == b"PK"
     page = TestClient(app).get("/")
     assert page.status_code == 200
     assert '<canvas id="heatmap"' in page.text
