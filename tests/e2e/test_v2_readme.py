@@ -1,5 +1,6 @@
-"""The README's tritonclient example runs as written against a real server (only its address
-changed to the test server's), and prints what the README implies."""
+"""The docs' tritonclient example (docs/api/v2-rest.md, moved there from the README) runs as
+written against a real server (only its address changed to the test server's), and prints what
+the page implies."""
 
 from __future__ import annotations
 
@@ -15,14 +16,15 @@ from tests.support.live_server import REPO_ROOT, LiveServer, live_server
 pytest.importorskip("tritonclient.http")
 pytestmark = pytest.mark.xdist_group("v2-readme")
 
+DOCS_PAGE = REPO_ROOT / "docs" / "api" / "v2-rest.md"
 README_ADDRESS = "127.0.0.1:8000"
 
 
 def readme_tritonclient_example() -> str:
-    text = (REPO_ROOT / "README.md").read_text(encoding="utf-8")
+    text = DOCS_PAGE.read_text(encoding="utf-8")
     blocks = re.findall(r"```python\n(.*?)```", text, flags=re.DOTALL)
     examples = [b for b in blocks if "import tritonclient.http" in b]
-    assert len(examples) == 1, "the README has one tritonclient example"
+    assert len(examples) == 1, "the v2 REST page has one tritonclient example"
     assert README_ADDRESS in examples[0]
     return examples[0]
 
