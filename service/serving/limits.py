@@ -7,6 +7,9 @@ Each refusal is a 422 naming the field, the limit and how to stay under it.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
+from dataclasses import replace
 from typing import Final, Literal
 
 from sdpa_core import PER_HEAD_FIELDS, PER_ROW_FIELDS, InputSpec
@@ -26,6 +29,31 @@ def over_limit(loc: Loc, msg: str, *, kind: str = "limit") -> InvalidRequest:
     return InvalidRequest(msg, errors=[FieldError(loc=loc, msg=msg, type=kind)])
 
 
+def largest_fitting(fits: Callable[[int], bool], guess: int) -> int:
+    """The largest n >= 0 for which `fits(n)` holds (`fits` true up to some n, false after),
+    from a guess that integer division or float rounding left a step or two off: each refusal
+    names the largest size that the same check accepts, checked by that check itself."""
+    n = max(guess, 0)
+    while n > 0 and not fits(n):
+        n -= 1
+    while fits(n + 1):
+        n += 1
+    return n
+
+
+def _pair_hint(max_product: int, n_q: int, q_name: str, kv_name: str) -> str:
+    """The largest sizes whose product fits `max_product`: the keys at this query count, and
+    the largest square (queries = keys)."""
+    at_this_q = max_product // n_q
+    square = math.isqrt(max_product)
+    hint = f"the largest that fits: {kv_name} = {at_this_q} at {q_name} = {n_q}"
+    if at_this_q == 0:
+        hint = f"no {kv_name} fits at {q_name} = {n_q}"
+    if square:
+        hint += f", or {q_name} = {kv_name} = {square}"
+    return hint
+
+
 def check_priority(priority: int | None, *, settings: Settings, loc: Loc) -> int | None:
     """The request's priority as sent, within SDPA_PRIORITY_LEVELS (a 422 naming `loc` past
     it); 0 means the default, as absent does."""
@@ -42,35 +70,43 @@ def check_priority(priority: int | None, *, settings: Settings, loc: Loc) -> int
 
 def check_attention_limits(spec: InputSpec, *, return_weights: bool, settings: Settings) -> None:
     """The output, and the weights when asked for, must fit the element limits."""
-    rows = spec.batch * spec.heads * spec.n_q
+    heads = spec.batch * spec.heads
+    rows = heads * spec.n_q
     out_elements = rows * spec.d_v
     if out_elements > settings.max_elements:
+        largest = settings.max_elements // (heads * spec.d_v)
         raise over_limit(
             ("body", "v"),
             f"the output [..., H, N_q, D_v] would hold {out_elements} elements, above the limit "
             f"of {settings.max_elements} per tensor (SDPA_MAX_ELEMENTS); send fewer sequences, "
-            "heads or queries per request",
+            f"heads or queries per request (the largest that fits: N_q = {largest} at "
+            f"B·H = {heads}, D_v = {spec.d_v})",
         )
     weights = rows * spec.n_kv
     if return_weights and weights > settings.max_weights_elements:
+        hint = _pair_hint(settings.max_weights_elements // heads, spec.n_q, "N_q", "N_kv")
         raise over_limit(
             ("body", "return_weights"),
             f"the attention weights [..., H, N_q, N_kv] would hold {weights} elements, above "
             f"SDPA_MAX_WEIGHTS_ELEMENTS = {settings.max_weights_elements}. Ask for diagnostics "
             'without weights instead (return_weights: false, diagnostics: "summary" or "full"): '
-            "they are computed in O(N) memory. Or send fewer queries or keys per request.",
+            "they are computed in O(N) memory. Or send fewer queries or keys per request "
+            f"({hint}, at B·H = {heads}).",
         )
 
 
 def check_analysis_limits(spec: InputSpec, *, where: Loc, settings: Settings) -> None:
     """The analysis materializes the [..., H, N_q, N_kv] scores: they must fit the weights limit."""
-    scores = spec.batch * spec.heads * spec.n_q * spec.n_kv
+    heads = spec.batch * spec.heads
+    scores = heads * spec.n_q * spec.n_kv
     if scores > settings.max_weights_elements:
+        hint = _pair_hint(settings.max_weights_elements // heads, spec.n_q, "N_q", "N_kv")
         raise over_limit(
             where,
             f"the analysis holds the [..., H, N_q, N_kv] scores: {scores} elements, above "
             f"SDPA_MAX_WEIGHTS_ELEMENTS = {settings.max_weights_elements}; use fewer queries or "
-            "keys (a few hundred of each estimate the statistics well)",
+            f"keys (a few hundred of each estimate the statistics well; {hint}, at "
+            f"B·H = {heads})",
         )
 
 
@@ -79,17 +115,26 @@ def check_synthetic_limits(syn: Synthetic, settings: Settings) -> None:
     for name, n in (("n_q", syn.n_q), ("n_k", syn.n_k)):
         elements = syn.heads * n * syn.d_k
         if elements > settings.max_elements:
+            largest = settings.max_elements // (syn.heads * syn.d_k)
+            hint = (
+                f"the largest that fits: {name} = {largest}"
+                if largest
+                else f"no {name} fits: use fewer heads or a smaller d_k"
+            )
             raise over_limit(
                 ("body", "synthetic", name),
                 f"heads x {name} x d_k = {elements} elements exceed the limit of "
-                f"{settings.max_elements} per tensor (SDPA_MAX_ELEMENTS)",
+                f"{settings.max_elements} per tensor (SDPA_MAX_ELEMENTS); {hint} at "
+                f"heads = {syn.heads}, d_k = {syn.d_k}",
             )
     scores = syn.heads * syn.n_q * syn.n_k
     if scores > settings.max_weights_elements:
+        hint = _pair_hint(settings.max_weights_elements // syn.heads, syn.n_q, "n_q", "n_k")
         raise over_limit(
             ("body", "synthetic"),
             f"heads x n_q x n_k = {scores} scores exceed the limit of "
-            f"{settings.max_weights_elements} (SDPA_MAX_WEIGHTS_ELEMENTS)",
+            f"{settings.max_weights_elements} (SDPA_MAX_WEIGHTS_ELEMENTS); {hint} at "
+            f"heads = {syn.heads}",
         )
 
 
@@ -122,9 +167,32 @@ def check_work(
         loc,
         f"this request would cost about {work:.3g} FLOPs of work ({path} path, about "
         f"{seconds:.3g} s of device time), above SDPA_MAX_REQUEST_FLOPS = {limit:.3g} (about "
-        f"{limit_s:.3g} s). {how}",
+        f"{limit_s:.3g} s). {how} {_work_hint(shape, path, cost=cost, limit=limit)}.",
         kind="work_limit",
     )
+
+
+def _work_hint(shape: WorkShape, path: str, *, cost: CostModel, limit: float) -> str:
+    """The largest N_kv at this request's N_q (and the largest N_q = N_kv) whose work fits the
+    limit, its other dimensions (batch, heads, head dims, strategies) unchanged: the work grows
+    with the score count B·H·N_q·N_kv."""
+
+    def fits(n_q: int, n_kv: int) -> bool:
+        return cost.work(replace(shape, n_q=n_q, n_kv=n_kv), path) <= limit
+
+    per_score = cost.work(replace(shape, batch=1, heads=1, n_q=1, n_kv=1), path)
+    heads = shape.batch * shape.heads
+    scores = int(limit / per_score) // heads if per_score > 0 else 0
+    at_this_q = largest_fitting(lambda n: fits(shape.n_q, n), scores // shape.n_q)
+    square = largest_fitting(lambda n: fits(n, n), math.isqrt(scores))
+    hint = (
+        f"The largest that fits: N_kv = {at_this_q} at N_q = {shape.n_q}"
+        if at_this_q
+        else f"No N_kv fits at N_q = {shape.n_q}"
+    )
+    if square:
+        hint += f", or N_q = N_kv = {square}"
+    return hint + f", at B·H = {heads}"
 
 
 def attention_work_hint(path: str) -> str:
