@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 # Pinning it here stops pip from resolving a bare range to a multi-GB build it must download.
 TORCH ?= torch==2.13.0
 
-.PHONY: venv serve test unit lint typecheck bench-core clean image fuzz proto
+.PHONY: venv serve test unit lint typecheck bench-core clean image fuzz proto docs
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -50,6 +50,11 @@ unit: venv
 FUZZ_SECONDS ?= 30
 fuzz: venv
 	$(BIN)/python -m fuzz.run --seconds $(FUZZ_SECONDS)
+
+# The docs site (mkdocs.yml, docs/; the material theme, in the dev extra), built into build/site/.
+# --strict: a broken link, anchor or include, or a page left out of the nav, fails it (CI runs it).
+docs: venv
+	$(BIN)/mkdocs build --strict
 
 # The gRPC door's generated protobuf code, from service/wire/grpc/grpc_predict_v2.proto
 # (scripts/generate-proto.sh: pinned grpcio-tools in a throwaway venv; --check compares).
