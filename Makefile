@@ -61,7 +61,7 @@ docs: venv
 proto:
 	PYTHON="$(PY)" scripts/generate-proto.sh
 
-# The container image (README: Operations): docker, podman or buildah, whichever works here.
+# The container image (docs/operations/container.md): docker, podman or buildah, whichever works here.
 #   make image                                   # localhost/sdpa-service:latest, CPU torch
 #   make image IMAGE=registry.example/sdpa-service:0.1.0 TORCH_WHEELS=/opt/wheels
 # TORCH_WHEELS: install torch from a directory of wheels (mirror / air-gapped); TORCH_VARIANT,
