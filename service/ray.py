@@ -21,15 +21,18 @@ request a dead replica dropped is always safe to send again; nobody but the clie
 notice. Ray Serve 2.60 retries a request only while it is being placed: its router
 (ray/serve/_private/router.py, route_and_send_request) tries another replica when the chosen
 one rejects the request or dies before accepting it, but an accepted request whose replica dies
-fails with ActorDiedError, and the proxy answers it 500 (get_http_response_status; reported
-upstream as ray-project/ray#47219; Ray's fault-tolerance guide leaves end-to-end retries to the
-client: docs.ray.io serve/production-guide/fault-tolerance). The HTTP proxy cannot replay a
-body either: the replica pulls it from the proxy as it reads. A handle call carries the whole
+fails with ActorDiedError, and the proxy answers it 500 (http_util.get_http_response_status;
+the 500s of ray-project/ray#47219). Ray's own advice is retries by the client (Anyscale's
+production best practices; docs.ray.io serve/production-guide/fault-tolerance covers replica
+replacement only), and a client cannot tell that 500 from a bug's. The HTTP proxy cannot replay
+a body either: the replica pulls it from the proxy as it reads. A handle call carries the whole
 request as its argument, so the ingress can send it again; that needs the request read whole
 (the body limit bounds it) and costs an actor call per request (bench/ray.py measures it).
-Ray 2.60's other road, its HAProxy ingress (RAY_SERVE_ENABLE_HA_PROXY), retries only
-connection failures by default, and retries after a response started only for bodies that fit
-its buffer (RAY_SERVE_HAPROXY_RETRY_ON): no help for a replica killed mid-request.
+Ray 2.60's other road, HAProxy in front of replicas that serve HTTP themselves
+(RAY_SERVE_ENABLE_HA_PROXY with direct ingress), retries connection failures only by default
+(RAY_SERVE_HAPROXY_RETRY_ON=conn-failure), and HAProxy replays a request it already sent only
+when it holds it whole in one buffer (RAY_SERVE_HAPROXY_TUNE_BUFSIZE, 16 KiB): a replica killed
+mid-request would still cost larger requests their answer.
 
 Readiness and liveness (check_health). Ray health-checks a replica once as the last step of
 starting it, and treats a failure there as a failed start; a replica takes traffic only once
