@@ -38,6 +38,7 @@ from service.runtime.device import keep_intra_op_threads, resolve_device
 from service.runtime.engine import Engine
 from service.runtime.policy import job_work
 from service.serving.health import HealthMonitor
+from service.serving.inflight import InflightBytes
 from service.serving.state import AppState, Batcher
 from service.settings import Settings
 from service.tracing import Tracing
@@ -212,11 +213,13 @@ def create_app(
         lifespan=_lifespan(engine, device_threads=torch.get_num_threads() if own_process else None),
         static_url=DOCS_ASSETS,
     )
+    max_inflight_bytes = settings.max_inflight_bytes or default_inflight_bytes()
     state = AppState(
         settings=settings,
         metrics=metrics,
         auth_enabled=bool(api_keys),
-        max_inflight_bytes=settings.max_inflight_bytes or default_inflight_bytes(),
+        max_inflight_bytes=max_inflight_bytes,
+        inflight=InflightBytes(max_inflight_bytes),
         # None unless OTEL_TRACES_EXPORTER turns tracing on: then nothing below traces.
         tracing=Tracing.from_settings(settings),
     )
@@ -236,6 +239,7 @@ def create_app(
         max_bytes=state.max_inflight_bytes,
         max_body_bytes=settings.max_body_bytes,
         metrics=metrics,
+        ledger=state.inflight,
     )
     app.add_middleware(
         ContentEncodingMiddleware, max_body_bytes=settings.max_body_bytes, metrics=metrics

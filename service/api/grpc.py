@@ -59,6 +59,7 @@ from service.errors import (
 )
 from service.serving import pipeline
 from service.serving.frame import admitted, bind_call
+from service.serving.inflight import Holding
 from service.serving.pipeline import Call, Phases, Served
 from service.serving.prepare_grpc import GrpcInferDoor
 from service.serving.state import AppState
@@ -380,18 +381,25 @@ class InferenceServicer:
             not_serving = _not_serving(state)
             if not_serving is not None:
                 raise not_serving
-            async with admitted(state) as queued:
-                call = bind_call(
-                    state,
-                    tenant=record.tenant,
-                    request_id=record.request_id,
-                    # The whole message arrived before the call began: no read phase.
-                    started=record.started,
-                    received=record.started,
-                    queued=queued,
-                )
-                call = _within(call, context.time_remaining(), started=record.started)
-                served: Served[bytes] = await pipeline.run(GrpcInferDoor(raw), call)
+            # The message counts against SDPA_MAX_INFLIGHT_BYTES with the HTTP door's
+            # requests, then its answer too (reserved before compute), until it is answered.
+            holding = Holding(state.inflight, len(raw), metrics=state.metrics)
+            try:
+                async with admitted(state) as queued:
+                    call = bind_call(
+                        state,
+                        tenant=record.tenant,
+                        request_id=record.request_id,
+                        # The whole message arrived before the call began: no read phase.
+                        started=record.started,
+                        received=record.started,
+                        queued=queued,
+                        reserve_answer=holding.reserve_answer,
+                    )
+                    call = _within(call, context.time_remaining(), started=record.started)
+                    served: Served[bytes] = await pipeline.run(GrpcInferDoor(raw), call)
+            finally:
+                holding.release()
             record.phases = served.phases
             return served.answer
 

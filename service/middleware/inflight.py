@@ -49,6 +49,7 @@ from service.metrics import Metrics
 from service.middleware.body_limit import declared_length
 from service.middleware.connections import unsent_bytes
 from service.routes import RESERVE_ANSWER, UNMETERED_PATHS, is_v2_path
+from service.serving.inflight import InflightBytes
 from service.serving.offload import INLINE_MAX_BYTES
 from service.wire.codec import occurrences
 from service.wire.lengths import parse_length
@@ -156,12 +157,24 @@ class InflightBytesMiddleware:
         max_bytes: int,
         max_body_bytes: int,
         metrics: Metrics | None = None,
+        ledger: InflightBytes | None = None,
     ) -> None:
+        """`ledger`: the application's (AppState.inflight), shared with the gRPC door; None:
+        one of its own (a middleware alone, in a test)."""
         self.app = app
         self.max_bytes = max_bytes
         self.max_body_bytes = max_body_bytes  # SDPA_MAX_BODY_BYTES: no body reads past it
         self.metrics = metrics
-        self.held = 0  # bytes all requests in flight hold now
+        self.ledger = ledger if ledger is not None else InflightBytes(max_bytes)
+
+    @property
+    def held(self) -> int:
+        """Bytes all requests in flight hold now, every door's."""
+        return self.ledger.held
+
+    @held.setter
+    def held(self, value: int) -> None:
+        self.ledger.held = value
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in UNMETERED_PATHS:

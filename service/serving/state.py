@@ -19,6 +19,7 @@ from service.runtime.engine import Engine
 from service.runtime.jobs import Outcome, PreparedJob
 from service.runtime.policy import CostModel
 from service.serving.health import HealthMonitor
+from service.serving.inflight import InflightBytes
 from service.settings import Settings
 
 if TYPE_CHECKING:
@@ -37,6 +38,8 @@ class AppState:
     metrics: Metrics
     auth_enabled: bool
     max_inflight_bytes: int  # SDPA_MAX_INFLIGHT_BYTES, or its default for this process
+    # What the requests in flight hold against it, every door together (service.serving.inflight).
+    inflight: InflightBytes
     # OpenTelemetry (service.tracing), None when OTEL_TRACES_EXPORTER leaves it off.
     tracing: Tracing | None = None
     # Set by the lifespan: None until it starts.
