@@ -1,9 +1,9 @@
 """Tracing (issue 27): what OpenTelemetry traces cost small-payload throughput. A benchmark, never
 a test.
 
-    .venv/bin/python bench/tracing.py                                  # ~3 minutes on 2 cores
+    .venv/bin/python bench/tracing.py                                  # ~4 minutes on 2 cores
     git worktree add /tmp/before-tracing 690d9ca                       # the commit before tracing
-    .venv/bin/python bench/tracing.py --before /tmp/before-tracing     # ~4 minutes: + "old"
+    .venv/bin/python bench/tracing.py --before /tmp/before-tracing     # ~5 minutes: + "old"
 
 Servers (`python -m service.cli serve`, CPU, every SDPA_* setting its default but
 SDPA_COMPILE_KERNELS=false, the gRPC door off), all up at once and idle but for the one measured:
@@ -29,7 +29,10 @@ size and the real Phases record in the request's state, then a 200), against the
 alone, over --inprocess-requests requests, the best of 7 alternated repeats (process CPU time:
 the batch processor's thread encoding the spans with the otlp exporter's encoder included; the
 HTTP POST of each 512 spans left out). Its share of the off server's CPU per request bounds
-what tracing can take from throughput when the server's CPU is the limit.
+what tracing can take from throughput when the server's CPU is the limit. And last, off and on
+are loaded at the same time (--together-rounds pairs, each sdpa-loadtest c=16 as above): the
+machine's other load then falls on both within the same seconds, and on/off of a pair is what
+tracing costs when the two compete for the same cores.
 
 Targets (issue 27): tracing on costs <= 5% of small-payload throughput (on/off of the medians
 >= 0.95); off costs nothing measurable (off/old within the spread of the rounds).
@@ -261,8 +264,44 @@ def measure(
     return runs
 
 
+def side_by_side(
+    off: BenchServer, on: BenchServer, *, seconds: float, rounds: int, tmp: Path
+) -> list[dict[str, float]]:
+    """Both loads at once, `rounds` times: whatever else the machine runs meanwhile falls on
+    both alike, within the same seconds, and on/off of each pair is their share of it."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    pairs: list[dict[str, float]] = []
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        for round_ in range(rounds):
+            load_before = round(os.getloadavg()[0], 2)
+            futures = {
+                side: pool.submit(
+                    load,
+                    server.url,
+                    seconds=seconds,
+                    concurrency=16,
+                    protocol="v1",
+                    out=tmp / f"together-{side}-{round_}.json",
+                )
+                for side, server in (("off", off), ("on", on))
+            }
+            rps = {side: future.result()["throughput"] for side, future in futures.items()}
+            pair = {**rps, "on_over_off": rps["on"] / rps["off"], "load_before": load_before}
+            pairs.append(pair)
+            print(
+                f"together {round_}: off {rps['off']:.0f}, on {rps['on']:.0f} req/s, on/off "
+                f"{pair['on_over_off']:.3f}, load before {load_before}",
+                flush=True,
+            )
+    return pairs
+
+
 def summary(
-    runs: dict[str, list[dict[str, float]]], spans: int, in_process: dict[str, float]
+    runs: dict[str, list[dict[str, float]]],
+    spans_per_request: float,
+    in_process: dict[str, float],
+    together: list[dict[str, float]],
 ) -> dict[str, Any]:
     def median(side: str, key: str) -> float:
         return statistics.median(r[key] for r in runs[side])
@@ -283,11 +322,15 @@ def summary(
     paired = [on["throughput"] / off["throughput"] for on, off in pairs]
     out["on_over_off_by_round"] = paired
     out["on_over_off_paired_median"] = statistics.median(paired)
+    if together:
+        out["on_over_off_together_median"] = statistics.median(
+            pair["on_over_off"] for pair in together
+        )
     out["target_met"] = out["on_over_off"] >= TARGET_ON_OVER_OFF
     out["tracing_cpu_us_in_process"] = in_process["tracing"]
     out["tracing_share_of_off_cpu"] = in_process["tracing"] / cpu["off"]
-    # Every request the on server answered, warm-ups included, against every span received.
-    out["spans_per_traced_request"] = spans / sum(r["requests"] for r in runs["on"])
+    # Every span received, against every request the on server answered.
+    out["spans_per_traced_request"] = spans_per_request
     if "old" in runs:
         out["off_over_old"] = rps["off"] / rps["old"]
         out["off_cpu_extra_us"] = cpu["off"] - cpu["old"]
@@ -330,6 +373,16 @@ def markdown(report: dict[str, Any]) -> str:
         + ", ".join(f"{r:.2f}" for r in s["on_over_off_by_round"])
         + f" (median {s['on_over_off_paired_median']:.3f}).",
     ]
+    if report["together"]:
+        lines.append(
+            "- off and on loaded at the same time (each c=16), on/off: "
+            + ", ".join(f"{pair['on_over_off']:.2f}" for pair in report["together"])
+            + f" (median {s['on_over_off_together_median']:.3f}; req/s off "
+            + ", ".join(f"{pair['off']:.0f}" for pair in report["together"])
+            + ", on "
+            + ", ".join(f"{pair['on']:.0f}" for pair in report["together"])
+            + ")."
+        )
     lines.append(
         f"- tracing's own CPU per request, in process: {s['tracing_cpu_us_in_process']:.0f} µs "
         f"({report['in_process_us']['without']:.0f} µs for the bare app, "
@@ -350,6 +403,9 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=10.0, help="each measured run")
     parser.add_argument("--rounds", type=int, default=4, help="runs of each side")
     parser.add_argument("--inprocess-requests", type=int, default=3000)
+    parser.add_argument(
+        "--together-rounds", type=int, default=4, help="runs of off and on at the same time"
+    )
     args = parser.parse_args()
     for name in [n for n in os.environ if n.startswith("OTEL_")]:
         del os.environ[name]  # the servers get only what is set below
@@ -374,9 +430,14 @@ def main() -> int:
                 live_server(SERVER_ENV, tmp_path=Path(tmp), tree=args.before.resolve())
             )
         runs = measure(servers, receiver, seconds=args.seconds, rounds=args.rounds, tmp=Path(tmp))
+        together = side_by_side(
+            servers["off"], servers["on"], seconds=args.seconds, rounds=args.together_rounds,
+            tmp=Path(tmp),
+        )  # fmt: skip
         # The last spans leave on the batch processor's schedule (every 5 s by default).
         time.sleep(EXPORT_DELAY_S + 1.0)
         received = receiver.counts()
+        traced_requests = answered(servers["on"])  # since it started, warm-ups included
     report = {
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python "
@@ -388,7 +449,9 @@ def main() -> int:
         "receiver": received,
         "runs": runs,
         "in_process_us": in_process,
-        "summary": summary(runs, received["spans"], in_process),
+        "together": together,
+        "traced_requests": traced_requests,
+        "summary": summary(runs, received["spans"] / traced_requests, in_process, together),
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "tracing.json").write_text(json.dumps(report, indent=1) + "\n")
