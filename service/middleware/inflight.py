@@ -49,7 +49,7 @@ from service.metrics import Metrics
 from service.middleware.body_limit import declared_length
 from service.middleware.connections import unsent_bytes
 from service.routes import RESERVE_ANSWER, UNMETERED_PATHS, is_v2_path
-from service.serving.inflight import InflightBytes
+from service.serving.inflight import InflightBytes, memory_busy
 from service.serving.offload import INLINE_MAX_BYTES
 from service.wire.codec import occurrences
 from service.wire.lengths import parse_length
@@ -233,11 +233,7 @@ class InflightBytesMiddleware:
 
     def busy(self, in_flight: int) -> MemoryBusy:
         self.count_refusal()
-        return MemoryBusy(
-            f"requests in flight hold {in_flight} bytes of bodies, their parsing and answers, "
-            f"above SDPA_MAX_INFLIGHT_BYTES = {self.max_bytes}; retry shortly",
-            retry_after_s=1,
-        )
+        return memory_busy(in_flight, self.max_bytes)
 
     def answer_too_big(self, nbytes: int) -> InvalidRequest:
         self.count_refusal()

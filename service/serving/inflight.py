@@ -18,6 +18,15 @@ from service.metrics import Metrics
 MB: Final = 1e6
 
 
+def memory_busy(in_flight: int, max_bytes: int) -> MemoryBusy:
+    """503: the requests in flight, every door's, would hold more than the limit."""
+    return MemoryBusy(
+        f"requests in flight hold {in_flight} bytes of bodies, their parsing and answers, "
+        f"above SDPA_MAX_INFLIGHT_BYTES = {max_bytes}; retry shortly",
+        retry_after_s=1,
+    )
+
+
 class InflightBytes:
     """What all requests in flight hold now (`held`), and the limit."""
 
@@ -67,11 +76,7 @@ class Holding:
 
     def _busy(self, in_flight: int) -> MemoryBusy:
         self._refused()
-        return MemoryBusy(
-            f"requests in flight hold {in_flight} bytes of bodies and answers, above "
-            f"SDPA_MAX_INFLIGHT_BYTES = {self.ledger.max_bytes}; retry shortly",
-            retry_after_s=1,
-        )
+        return memory_busy(in_flight, self.ledger.max_bytes)
 
     def _too_big(self, nbytes: int) -> InvalidRequest:
         self._refused()
