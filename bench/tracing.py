@@ -1,9 +1,9 @@
 """Tracing (issue 27): what OpenTelemetry traces cost small-payload throughput. A benchmark, never
 a test.
 
-    .venv/bin/python bench/tracing.py                                  # ~4 minutes on 2 cores
-    git worktree add /tmp/before-tracing 690d9ca                       # the commit before tracing
-    .venv/bin/python bench/tracing.py --before /tmp/before-tracing     # ~5 minutes: + "old"
+    .venv/bin/python bench/tracing.py                                  # ~5 minutes on 2 cores
+    mkdir /tmp/before-tracing && git archive 690d9ca | tar -x -C /tmp/before-tracing  # 690d9ca:
+    .venv/bin/python bench/tracing.py --before /tmp/before-tracing     # before tracing; ~7 minutes
 
 Servers (`python -m service.cli serve`, CPU, every SDPA_* setting its default but
 SDPA_COMPILE_KERNELS=false, the gRPC door off), all up at once and idle but for the one measured:
@@ -32,7 +32,10 @@ HTTP POST of each 512 spans left out). Its share of the off server's CPU per req
 what tracing can take from throughput when the server's CPU is the limit. And last, off and on
 are loaded at the same time (--together-rounds pairs, each sdpa-loadtest c=16 as above): the
 machine's other load then falls on both within the same seconds, and on/off of a pair is what
-tracing costs when the two compete for the same cores.
+tracing costs when the two compete for the same cores. Finally each server, in turn, under an
+open loop of --rate small requests per second (100: far below what the machine serves), for
+--seconds, --rate-rounds times: the server's CPU per request without the contention of a
+saturating load, on against off.
 
 Targets (issue 27): tracing on costs <= 5% of small-payload throughput (on/off of the medians
 >= 0.95); off costs nothing measurable (off/old within the spread of the rounds).
@@ -47,6 +50,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -68,6 +72,7 @@ from bench.ab_throughput import load  # noqa: E402
 from bench.support import BenchServer, live_server  # noqa: E402
 
 RESULTS = REPO_ROOT / "bench" / "results"
+LOADTEST = str(Path(sys.executable).with_name("sdpa-loadtest"))
 ROUTE = 'route="/v1/attention"'
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 TARGET_ON_OVER_OFF = 0.95
@@ -264,6 +269,36 @@ def measure(
     return runs
 
 
+def at_rate(
+    servers: dict[str, BenchServer], *, rate: float, seconds: float, rounds: int, tmp: Path
+) -> dict[str, list[float]]:
+    """Each server in turn under an open loop of `rate` small requests per second, well below
+    what the machine can serve: its CPU per request, without the contention of a saturating
+    load (which inflates every figure of the closed loop)."""
+    cpu_us: dict[str, list[float]] = {side: [] for side in servers}
+    sides = list(servers)
+    for round_ in range(rounds):
+        shift = round_ % len(sides)
+        for side in sides[shift:] + sides[:shift]:
+            server = servers[side]
+            out = tmp / f"rate-{side}-{round_}.json"
+            command = [
+                LOADTEST, "--url", server.url, "--preset", "small", "--rate", f"{rate:g}",
+                "--duration", f"{seconds:g}", "--warmup", "1s", "--no-progress", "--json",
+                str(out),
+            ]  # fmt: skip
+            cpu0, done0 = cpu_s(server), answered(server)
+            subprocess.run(command, capture_output=True, check=True, timeout=seconds + 120)
+            cpu1, done1 = cpu_s(server), answered(server)
+            cpu_us[side].append((cpu1 - cpu0) / max(done1 - done0, 1.0) * 1e6)
+            print(
+                f"rate {rate:g}/s round {round_} {side:>3}: server CPU "
+                f"{cpu_us[side][-1]:.0f} µs/request",
+                flush=True,
+            )
+    return cpu_us
+
+
 def side_by_side(
     off: BenchServer, on: BenchServer, *, seconds: float, rounds: int, tmp: Path
 ) -> list[dict[str, float]]:
@@ -302,6 +337,7 @@ def summary(
     spans_per_request: float,
     in_process: dict[str, float],
     together: list[dict[str, float]],
+    rated: dict[str, list[float]],
 ) -> dict[str, Any]:
     def median(side: str, key: str) -> float:
         return statistics.median(r[key] for r in runs[side])
@@ -322,6 +358,11 @@ def summary(
     paired = [on["throughput"] / off["throughput"] for on, off in pairs]
     out["on_over_off_by_round"] = paired
     out["on_over_off_paired_median"] = statistics.median(paired)
+    if rated and all(rated.values()):
+        at_rate = {side: statistics.median(values) for side, values in rated.items()}
+        out["at_rate_cpu_us"] = at_rate
+        out["at_rate_tracing_us"] = at_rate["on"] - at_rate["off"]
+        out["at_rate_tracing_share"] = out["at_rate_tracing_us"] / at_rate["off"]
     if together:
         out["on_over_off_together_median"] = statistics.median(
             pair["on_over_off"] for pair in together
@@ -373,6 +414,19 @@ def markdown(report: dict[str, Any]) -> str:
         + ", ".join(f"{r:.2f}" for r in s["on_over_off_by_round"])
         + f" (median {s['on_over_off_paired_median']:.3f}).",
     ]
+    if "at_rate_cpu_us" in s:
+        at_rate = s["at_rate_cpu_us"]
+        lines.append(
+            f"- open loop at {report['rate']:g} req/s, server CPU per request (median): "
+            + ", ".join(f"{side} {us:.0f} µs" for side, us in at_rate.items())
+            + f"; tracing {s['at_rate_tracing_us']:.0f} µs, "
+            f"{100 * s['at_rate_tracing_share']:.1f}% of off's (runs: "
+            + "; ".join(
+                f"{side} " + ", ".join(f"{us:.0f}" for us in values)
+                for side, values in report["at_rate_cpu_us"].items()
+            )
+            + ")."
+        )
     if report["together"]:
         lines.append(
             "- off and on loaded at the same time (each c=16), on/off: "
@@ -406,6 +460,8 @@ def main() -> int:
     parser.add_argument(
         "--together-rounds", type=int, default=4, help="runs of off and on at the same time"
     )
+    parser.add_argument("--rate", type=float, default=100.0, help="the open loop's req/s")
+    parser.add_argument("--rate-rounds", type=int, default=3, help="open-loop runs of each side")
     args = parser.parse_args()
     for name in [n for n in os.environ if n.startswith("OTEL_")]:
         del os.environ[name]  # the servers get only what is set below
@@ -430,6 +486,9 @@ def main() -> int:
                 live_server(SERVER_ENV, tmp_path=Path(tmp), tree=args.before.resolve())
             )
         runs = measure(servers, receiver, seconds=args.seconds, rounds=args.rounds, tmp=Path(tmp))
+        rated = at_rate(
+            servers, rate=args.rate, seconds=args.seconds, rounds=args.rate_rounds, tmp=Path(tmp)
+        )
         together = side_by_side(
             servers["off"], servers["on"], seconds=args.seconds, rounds=args.together_rounds,
             tmp=Path(tmp),
@@ -450,8 +509,10 @@ def main() -> int:
         "runs": runs,
         "in_process_us": in_process,
         "together": together,
+        "rate": args.rate,
+        "at_rate_cpu_us": rated,
         "traced_requests": traced_requests,
-        "summary": summary(runs, received["spans"] / traced_requests, in_process, together),
+        "summary": summary(runs, received["spans"] / traced_requests, in_process, together, rated),
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "tracing.json").write_text(json.dumps(report, indent=1) + "\n")
