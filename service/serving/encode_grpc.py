@@ -32,16 +32,8 @@ def output_bytes(outcome: AttentionOutcome, prepared: PreparedInfer) -> int:
 def _parameters(
     result: AttentionResult, *, summary: bool, meta: dict[str, Any]
 ) -> dict[str, bool | int | float | str]:
-    params = infer_parameters(result, summary=summary, meta=meta)
-    finite_only = [key for key, value in params.items() if value is None]
-    if finite_only:
-        # JSON's null for a non-finite statistic: a double carries the value itself.
-        if result.diagnostics is None:  # only summary statistics are ever None: our bug
-            raise RuntimeError(f"response parameters {finite_only} are None without diagnostics")
-        raw = result.diagnostics.summary.as_dict()
-        for key in finite_only:
-            params[key] = float(raw[key])
-    return params
+    # A protobuf double carries a non-finite statistic itself, where JSON writes null.
+    return infer_parameters(result, summary=summary, meta=meta, finite_only=False)
 
 
 def encode_grpc_infer(

@@ -68,15 +68,16 @@ def json_output_numbers(outcome: AttentionOutcome, prepared: PreparedInfer) -> i
 
 
 def infer_parameters(
-    result: AttentionResult, *, summary: bool, meta: dict[str, Any]
+    result: AttentionResult, *, summary: bool, meta: dict[str, Any], finite_only: bool = True
 ) -> dict[str, Any]:
-    """The response's parameters: meta fields, and the summary statistics when asked for."""
+    """The response's parameters: meta fields, and the summary statistics when asked for
+    (`finite_only`: non-finite ones as None, for JSON; see service.serving.meta)."""
     params: dict[str, Any] = {"path": result.path}
     if result.backend is not None:
         params["backend"] = result.backend
     params.update(meta)
     if summary and result.diagnostics is not None:
-        params.update(summary_numbers(result.diagnostics))
+        params.update(summary_numbers(result.diagnostics, finite_only=finite_only))
     return params
 
 

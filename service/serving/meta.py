@@ -33,10 +33,15 @@ def response_meta(
     }
 
 
-def summary_numbers(diagnostics: Diagnostics) -> dict[str, int | float | None]:
-    """The summary statistics by their v1 names: counts as int, the rest float (None when not
-    finite)."""
+def summary_numbers(
+    diagnostics: Diagnostics, *, finite_only: bool = True
+) -> dict[str, int | float | None]:
+    """The summary statistics by their v1 names: counts as int, the rest float. With
+    `finite_only` (JSON, which has no infinity) a non-finite one is None; without it (a
+    protobuf double carries it) it stays as it is."""
     return {
-        name: value if isinstance(value, int) else finite_or_none(float(value))
+        name: value
+        if isinstance(value, int)
+        else (finite_or_none(float(value)) if finite_only else float(value))
         for name, value in diagnostics.summary.as_dict().items()
     }
