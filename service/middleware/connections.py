@@ -72,6 +72,10 @@ what the parser may have:
   request waiting behind another does not grow either. A pipelined request refused at its
   head (431, 408, an upgrade with a body, unparsable) while answers before it are pending is
   answered after them, in order (RFC 9112 section 9.3.2), and nothing more is read meanwhile.
+  Any refusal on a connection that answered before lingers as an early answer does: the
+  answers may still sit in the kernel's send queue, and a close with the client's bytes unread
+  resets the connection and drops them. A head under way when an answer completes is bounded
+  by its deadline, not uvicorn's keep-alive timer (which closed it mid-head).
 - send timeout (SDPA_SEND_TIMEOUT_S, default 60 s): when the client stops reading and the write
   buffer passes its high-water mark, a timer starts; it stops when the client reads again. When
   it fires, the connection is aborted and the pending response freed.
@@ -604,14 +608,16 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
                 "(SDPA_MAX_CONNECTIONS): it was closed to admit another; send a request's "
                 "headers at once"
             )
-            self._close_with(problem_bytes(408, "Request Timeout", detail))
+            self._close_with(problem_bytes(408, "Request Timeout", detail), at_once=True)
         else:
             detail = (
                 f"this connection was idle for {held_for:.1f} s while the server held its "
                 f"maximum of {self.max_connections} connections (SDPA_MAX_CONNECTIONS): it was "
                 "closed to admit another; retry on a new connection"
             )
-            self._close_with(problem_bytes(503, "Service Unavailable", detail, retry_after_s=1))
+            self._close_with(
+                problem_bytes(503, "Service Unavailable", detail, retry_after_s=1), at_once=True
+            )
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_read_timer()
@@ -1029,6 +1035,12 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
+        if self._head_since is not None:
+            # The next request's head started while this answer was pending, and uvicorn,
+            # which sees no request parsed, armed its keep-alive timer: the head's deadline
+            # bounds the wait instead (that timer closed it mid-head, resetting the answers
+            # still in the kernel's send queue).
+            self._unset_keepalive_if_required()
         if self._unanswered:
             self._unanswered.popleft()
         self._answered_any = True
@@ -1086,12 +1098,19 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         if self.metrics is not None:
             self.metrics.reads_paused_total.inc()
 
-    def _close_with(self, response: bytes) -> None:
+    def _close_with(self, response: bytes, *, at_once: bool = False) -> None:
+        """Refuse the request under way with `response`, then end the connection: after the
+        answers pending before it, and lingering if answers were written on it (they may still
+        sit in the kernel's send queue, which a close with the client's bytes unread resets).
+        `at_once` (the cap's eviction, a shutdown) closes as soon as it is written."""
         self._cancel_head_timer()
         self._cancel_read_timer()
         self._held = bytearray()
         if self._unanswered:
             self._after_answers(lambda: self._write_and_linger(response))
+            return
+        if self._answered_any and not at_once:
+            self._write_and_linger(response)
             return
         self._write_and_close(response)
 
@@ -1100,10 +1119,10 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._close()
 
     def _write_and_linger(self, response: bytes) -> None:
-        """A refusal deferred behind the answers before it: those may still sit in the kernel's
-        send queue, and what the client pipelined after the refused head is unread; closed at
-        once, the kernel resets the connection and drops them (the answers it waited for were
-        lost). Written, then the connection lingers as after an early answer."""
+        """A refusal after answers: those may still sit in the kernel's send queue, and what
+        the client pipelined after the refused head is unread; closed at once, the kernel
+        resets the connection and drops them (the answers it waited for were lost). Written,
+        then the connection lingers as after an early answer."""
         self.transport.write(response)
         self._linger()
 
@@ -1306,7 +1325,9 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             return  # a request came: answered, then closed
         if self._head_since is not None:
             detail = "the server is shutting down; send the request again (elsewhere)"
-            self._close_with(problem_bytes(503, "Service Unavailable", detail, retry_after_s=1))
+            self._close_with(
+                problem_bytes(503, "Service Unavailable", detail, retry_after_s=1), at_once=True
+            )
             return
         self._close()
 

@@ -1281,6 +1281,51 @@ def test_headers_trickled_steadily_get_408_at_the_deadline_from_their_first_byte
     run(scenario)
 
 
+def test_a_refusal_after_answers_lingers_so_the_answers_in_flight_are_not_reset() -> None:
+    """Answers written on a connection may still sit in the kernel's send queue (a client that
+    pipelines and reads later). Closing at once after a later refusal, with the client's bytes
+    unread, resets the connection and they were lost (CI: 693 of about 12,000 answers read).
+    So the refusal is written, the sending side closed, and the connection lingers."""
+
+    async def scenario(loop: asyncio.AbstractEventLoop) -> None:
+        app = HeldApp()
+        protocol, transport = connect(lingering(guarded(read_timeout_s=0.2)), app, loop)
+        protocol.data_received(GET % 1 + b"GET /2 HTTP/1.1\r\nHo")
+        await turns()
+        app.release_all()
+        await asyncio.sleep(0.25)  # /2's head deadline
+        assert transport.responses() == [b"HTTP/1.1 200 OK", b"HTTP/1.1 408 Request Timeout"]
+        assert transport.eof_written
+        assert not transport.closed  # what the client still sends is read and dropped
+        protocol.data_received(b"st: t\r\n\r\n" + GET % 3)
+        await asyncio.sleep(0.1)
+        assert transport.closed
+        assert [path for path, _, _ in app.requests] == ["/1"]
+
+    run(scenario)
+
+
+def test_a_head_started_behind_a_pending_answer_is_bounded_by_its_deadline_not_keep_alive() -> None:
+    """A head that starts while an answer is pending, then stalls: the answer completes and
+    uvicorn, which sees no request parsed, arms its keep-alive timer. It closed the connection
+    mid-head, with no answer to the head (and its close reset the answers still in the
+    kernel's send queue). Now the head's deadline bounds it, and answers it 408."""
+
+    async def scenario(loop: asyncio.AbstractEventLoop) -> None:
+        app = HeldApp()
+        protocol, transport = connect(lingering(guarded(read_timeout_s=0.3)), app, loop)
+        protocol.timeout_keep_alive = 0.05
+        protocol.data_received(GET % 1 + b"GET /2 HTTP/1.1\r\nHo")
+        await turns()
+        app.release_all()
+        await asyncio.sleep(0.2)  # four keep-alive timeouts; the head's deadline not yet
+        assert not transport.closed
+        await asyncio.sleep(0.15)
+        assert transport.responses() == [b"HTTP/1.1 200 OK", b"HTTP/1.1 408 Request Timeout"]
+
+    run(scenario)
+
+
 def test_at_the_cap_the_connection_doing_least_is_closed_and_the_newcomer_admitted() -> None:
     async def scenario(loop: asyncio.AbstractEventLoop) -> None:
         protocol_class = guarded(max_connections=3)
