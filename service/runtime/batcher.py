@@ -523,7 +523,8 @@ class DynamicBatcher(Generic[T, R]):
         except Exception:
             logger.exception("idle work failed on the device thread")
 
-    async def _execute(self, batch: list[Item[T, R]]) -> None:
+    async def _execute(self, batch: list[Item[T, R]]) -> float:
+        """Run one batch on the device and answer its items; -> the device seconds it took."""
         loop = asyncio.get_running_loop()
         items = [pending.item for pending in batch]  # batch is self._in_flight (_take_batch)
         if self._metrics is not None:
@@ -534,7 +535,7 @@ class DynamicBatcher(Generic[T, R]):
         # answers every item at once: each item's awaiting task wakes one loop step after the
         # device finished. (run_in_executor would first wake this worker, which would then wake
         # the items: two more steps per batch, a measurable share of a small request's latency.)
-        device_done: asyncio.Future[None] = loop.create_future()
+        device_done: asyncio.Future[float] = loop.create_future()
         started = self._clock()
 
         def on_device() -> tuple[Sequence[R | BaseException], float]:
@@ -567,7 +568,7 @@ class DynamicBatcher(Generic[T, R]):
         self._pace.start_running(sum(pending.work for pending in batch))
         self._device.submit(on_device).add_done_callback(hand_back)
         try:
-            await device_done
+            seconds = await device_done
         except asyncio.CancelledError:
             # drain() timed out while this batch was on the device: its items get ShuttingDown
             # now; _answer_batch, should it still come, finds them answered.
@@ -578,13 +579,14 @@ class DynamicBatcher(Generic[T, R]):
             self._in_flight = []
             raise
         self._in_flight = []
+        return seconds
 
     def _answer_batch(
         self,
         batch: list[Item[T, R]],
         results: Sequence[R | BaseException],
         seconds: float,
-        device_done: asyncio.Future[None],
+        device_done: asyncio.Future[float],
     ) -> None:
         """On the loop, once the device finished a batch: answer its items, free the worker."""
         try:
@@ -598,7 +600,7 @@ class DynamicBatcher(Generic[T, R]):
                 device_done.set_exception(exc)
             return
         if not device_done.done():
-            device_done.set_result(None)
+            device_done.set_result(seconds)
 
     # -- long items ------------------------------------------------------------------------
 
@@ -724,12 +726,17 @@ class DynamicBatcher(Generic[T, R]):
 
     async def _run_short_batches(self) -> None:
         """The short batches that run before the next tile: up to one slice of their
-        estimated work, so a stream of them leaves the long items at least half the device;
-        those of another tenant than the next tile's, by the tenants' shares instead (while
-        their tenant's virtual time is not past the tile's tenant's), unless sharing would
-        cost a long item its deadline (service.runtime.turns)."""
+        estimated work and of the device's measured time, so a stream of them leaves the long
+        items at least half the device; those of another tenant than the next tile's, by the
+        tenants' shares instead (while their tenant's virtual time is not past the tile's
+        tenant's), unless sharing would cost a long item its deadline (service.runtime.turns).
+
+        The measured bound: small batches' fixed costs are what the cost model counts worst
+        (a soak's small requests took many times their estimate), and a slice of their
+        estimated work ran for seconds between two tiles: long requests starved to 504."""
         slice_s = self._slice_s or 0.0
         budget = slice_s
+        spent_s = 0.0
         rival: Tenant | None = None
         if self._queue.tenant_count() > 1 and self._turns.sharing_is_safe():
             rival = self._turns.next_tile_tenant()
@@ -740,12 +747,12 @@ class DynamicBatcher(Generic[T, R]):
                 batch = self._take_batch(slice_s)
             else:
                 # (a tolerance: summed floats may leave a crumb of the slice, not worth a batch)
-                if budget <= 1e-6 * slice_s:
+                if budget <= 1e-6 * slice_s or spent_s >= slice_s:
                     return
                 batch = self._take_batch(budget)
                 budget -= sum(p.work for p in batch)
             if batch:  # (empty when every item of its group had passed its deadline)
-                await self._execute(batch)
+                spent_s += await self._execute(batch)
 
     def _long_step(self, long: Long[T, R]) -> tuple[bool, float]:
         """One tile of a long item, on the device thread (its run starts at the first).

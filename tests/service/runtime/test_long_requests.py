@@ -172,6 +172,47 @@ def test_short_batches_between_tiles_are_bounded_by_one_slice() -> None:
     assert all(count <= 10 for count in runs), device.log
 
 
+def test_short_batches_between_tiles_stop_after_one_slice_of_measured_time() -> None:
+    """Short items the model under-counts (a hundredth of a slice estimated, half a slice
+    measured): a slice of their estimated work was a hundred of them, fifty slices of device
+    time between two tiles (a soak's long requests starved to 504 so). The device time spent
+    bounds them too: about two before each tile."""
+
+    class SlowShorts(Device):
+        def run_batch(self, items: Sequence[str]) -> list[str | BaseException]:
+            time.sleep(TILE_S / 2)
+            return super().run_batch(items)
+
+    def under_counted(item: str) -> float:
+        return work_of(item) if item.startswith("L") else 0.01 * SLICE_S
+
+    device = SlowShorts()
+
+    async def main() -> None:
+        b = DynamicBatcher(
+            device.run_batch, group_key=lambda item: item[0], max_batch_size=1,
+            max_batch_delay_s=0.0, max_queue=64, work_seconds=under_counted, slice_s=SLICE_S,
+            start_long=device.start_long,
+        )  # fmt: skip
+        await b.start()
+        long = submit(b, "Lbig:12")
+        await until(lambda: device.tiles_of("Lbig") >= 1)
+        shorts = [submit(b, f"a{i}") for i in range(20)]
+        await asyncio.gather(long, *shorts)
+        await b.drain(5)
+
+    run(main())
+    between: list[int] = [0]
+    for entry in device.log:
+        if entry.startswith("tile:"):
+            between.append(0)
+        else:
+            between[-1] += 1
+    runs = [count for count in between if count]
+    assert sum(runs) == 20
+    assert max(runs) <= 3, device.log
+
+
 def test_a_long_item_is_abandoned_at_its_deadline() -> None:
     """Deadline 0.2 s, 100 tiles of 20 ms: DeadlineExceeded at the deadline, saying how far
     it got; no tile runs after the next boundary; counted as abandoned."""
