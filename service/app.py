@@ -36,6 +36,7 @@ from service.routes import OPEN_PATHS
 from service.runtime.batcher import DynamicBatcher
 from service.runtime.device import keep_intra_op_threads, resolve_device
 from service.runtime.engine import Engine
+from service.runtime.heap import TRIM_EVERY_S, heap_trimmer, trim_heap_every
 from service.runtime.policy import job_work
 from service.serving.health import HealthMonitor
 from service.serving.inflight import InflightBytes
@@ -101,7 +102,8 @@ def _lifespan(engine: Engine | None, *, device_threads: int | None) -> Any:
     """The lifespan: start the batcher (with `engine`, or one built for the settings' device),
     warm up beside serving, drain on the way out. device_threads: the app is the process's (as
     `serve` runs it), so on the CPU it gives torch's intra-op threads, this many, to the device
-    thread alone (a process-wide setting)."""
+    thread alone (a process-wide setting), and the heap's free pages go back to the OS
+    periodically (service.runtime.heap)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -163,6 +165,10 @@ def _lifespan(engine: Engine | None, *, device_threads: int | None) -> Any:
             await _give_intra_op_threads_to_the_device_thread(batcher, device_threads)
         # Warm-up runs beside serving, so liveness answers at once and readiness tells the truth.
         warm_up = asyncio.create_task(_warm_up(state, running, batcher))
+        trim = heap_trimmer() if device_threads is not None else None
+        trimming = (
+            None if trim is None else asyncio.create_task(trim_heap_every(TRIM_EVERY_S, trim))
+        )
         try:
             yield
         finally:
@@ -170,9 +176,11 @@ def _lifespan(engine: Engine | None, *, device_threads: int | None) -> Any:
             await batcher.drain(settings.drain_timeout_s)
             state.stopping.set()
             health.drop_pending()
-            warm_up.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await warm_up
+            for task in (warm_up, trimming):
+                if task is not None:
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
             if state.tracing is not None:
                 # The spans not exported yet, flushed in bounded time (off the loop: the
                 # exporter's HTTP call blocks).
@@ -193,9 +201,10 @@ def create_app(
         settings: None reads them from the environment (SDPA_*), here and nowhere else.
         engine: the engine to run jobs on; None builds one for settings.device when the
             lifespan starts. Tests pass their own (a CPU engine with a small batch budget).
-        own_process: the process is the app's (`serve`): on the CPU its lifespan gives
-            torch's intra-op threads to the device thread alone, a process-wide setting that
-            an app inside another program (a test) must not change.
+        own_process: the process is the app's (`serve`, a Ray replica): on the CPU its
+            lifespan gives torch's intra-op threads to the device thread alone, and it returns
+            the heap's free pages to the OS periodically, process-wide things that an app
+            inside another program (a test) must not do.
 
     Returns:
         The FastAPI application; its lifespan starts the batcher and warms up the device.
