@@ -1289,16 +1289,17 @@ def test_a_refusal_after_answers_lingers_so_the_answers_in_flight_are_not_reset(
 
     async def scenario(loop: asyncio.AbstractEventLoop) -> None:
         app = HeldApp()
-        protocol, transport = connect(lingering(guarded(read_timeout_s=0.2)), app, loop)
+        protocol_class = type("Lingering", (guarded(read_timeout_s=0.2),), {"linger_s": 1.0})
+        protocol, transport = connect(protocol_class, app, loop)
         protocol.data_received(GET % 1 + b"GET /2 HTTP/1.1\r\nHo")
         await turns()
         app.release_all()
-        await asyncio.sleep(0.25)  # /2's head deadline
+        await asyncio.sleep(0.3)  # /2's head deadline
         assert transport.responses() == [b"HTTP/1.1 200 OK", b"HTTP/1.1 408 Request Timeout"]
         assert transport.eof_written
         assert not transport.closed  # what the client still sends is read and dropped
         protocol.data_received(b"st: t\r\n\r\n" + GET % 3)
-        await asyncio.sleep(0.1)
+        await asyncio.sleep(1.0)
         assert transport.closed
         assert [path for path, _, _ in app.requests] == ["/1"]
 
