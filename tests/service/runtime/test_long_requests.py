@@ -111,6 +111,29 @@ def abandoned(metrics: Metrics, reason: str) -> float:
     return 0.0 if value is None else value
 
 
+async def twenty_shorts_behind_a_long_item(
+    b: DynamicBatcher[str, str], device: Device, *, slices: int
+) -> None:
+    """A long item of `slices` slices, then twenty short items once its first tile ran."""
+    await b.start()
+    long = submit(b, f"Lbig:{slices}")
+    await until(lambda: device.tiles_of("Lbig") >= 1)
+    shorts = [submit(b, f"a{i}") for i in range(20)]
+    await asyncio.gather(long, *shorts)
+    await b.drain(5)
+
+
+def short_items_between_tiles(log: list[str]) -> list[int]:
+    """How many short items ran between two tiles, for each stretch that had any."""
+    between = [0]
+    for entry in log:
+        if entry.startswith("tile:"):
+            between.append(0)
+        else:
+            between[-1] += len(entry.split(","))
+    return [count for count in between if count]
+
+
 def test_a_long_item_runs_in_tiles_and_short_ones_run_between_them() -> None:
     """A long item of 30 slices gets 30 tiles; a short item that arrives while it runs waits
     for one tile at most, then the long item goes on and gives its one answer."""
@@ -147,27 +170,11 @@ def test_short_batches_between_tiles_are_bounded_by_one_slice() -> None:
     device."""
     device = Device()
 
-    async def main() -> None:
-        b = make(device)
-        await b.start()
-        long = submit(b, "Lbig:5")
-        await until(lambda: device.tiles_of("Lbig") >= 1)
-        shorts = [submit(b, f"a{i}") for i in range(20)]
-        await asyncio.gather(long, *shorts)
-        await b.drain(5)
-
-    run(main())
-    batches = [entry for entry in device.log if entry.startswith("batch:")]
-    assert sum(len(entry.split(",")) for entry in batches) == 20
+    run(twenty_shorts_behind_a_long_item(make(device), device, slices=5))
+    runs = short_items_between_tiles(device.log)
+    assert sum(runs) == 20
     # Between two tiles, one slice of short work: ten tenths (the batch that would pass the
     # slice by an ulp of summed floats goes after the next tile).
-    between: list[int] = [0]
-    for entry in device.log:
-        if entry.startswith("tile:"):
-            between.append(0)
-        else:
-            between[-1] += len(entry.split(","))
-    runs = [count for count in between if count]
     assert len(runs) == 2, device.log
     assert all(count <= 10 for count in runs), device.log
 
@@ -188,27 +195,13 @@ def test_short_batches_between_tiles_stop_after_one_slice_of_measured_time() -> 
 
     device = SlowShorts()
 
-    async def main() -> None:
-        b = DynamicBatcher(
-            device.run_batch, group_key=lambda item: item[0], max_batch_size=1,
-            max_batch_delay_s=0.0, max_queue=64, work_seconds=under_counted, slice_s=SLICE_S,
-            start_long=device.start_long,
-        )  # fmt: skip
-        await b.start()
-        long = submit(b, "Lbig:12")
-        await until(lambda: device.tiles_of("Lbig") >= 1)
-        shorts = [submit(b, f"a{i}") for i in range(20)]
-        await asyncio.gather(long, *shorts)
-        await b.drain(5)
-
-    run(main())
-    between: list[int] = [0]
-    for entry in device.log:
-        if entry.startswith("tile:"):
-            between.append(0)
-        else:
-            between[-1] += 1
-    runs = [count for count in between if count]
+    b = DynamicBatcher(
+        device.run_batch, group_key=lambda item: item[0], max_batch_size=1,
+        max_batch_delay_s=0.0, max_queue=64, work_seconds=under_counted, slice_s=SLICE_S,
+        start_long=device.start_long,
+    )  # fmt: skip
+    run(twenty_shorts_behind_a_long_item(b, device, slices=12))
+    runs = short_items_between_tiles(device.log)
     assert sum(runs) == 20
     assert max(runs) <= 3, device.log
 
