@@ -8,8 +8,8 @@ thread), leave free pages between live chunks; malloc gives back only the top of
 its own. malloc_trim(0) also returns every whole free page inside (madvise MADV_DONTNEED).
 Measured on that soak: 13 to 33 ms a call, the RSS slope from 12 to 4 MiB a minute over five
 minutes, throughput unchanged. (A fixed mmap threshold, MALLOC_MMAP_THRESHOLD_=131072, kept
-RSS lower still but served 40% fewer requests: every large tensor became an mmap and page
-faults.)
+RSS lower still, but the one five-minute run of it served about 40% fewer requests: every
+large buffer an mmap of its own, and its pages faulted in anew.)
 
 Outside glibc (musl, macOS) there is no malloc_trim: heap_trimmer() is None and nothing runs.
 """
