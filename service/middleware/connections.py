@@ -406,7 +406,8 @@ class _Evictable:
     def __init__(self) -> None:
         # OrderedDict, not dict: a dict's first key is found past the holes its deleted keys
         # left at the front (linear in them until it is resized); an OrderedDict's is linked.
-        # Answered before their body was read, lingering until the client has read the answer.
+        # Answered before their body was read, or refused after answers, lingering until the
+        # client has read the answer.
         self.answered: collections.OrderedDict[GuardedHttpToolsProtocol, None] = (
             collections.OrderedDict()
         )
@@ -454,10 +455,11 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     max_pipelined_requests: ClassVar[int] = 8
     min_body_rate: ClassVar[int] = 32 * 1024
     shutdown_idle_grace_s: ClassVar[float] = 0.5
-    # After an answer given before its request's body was read: how long the rest of the body
-    # is read and dropped, the answer written and the sending side closed, before the
-    # connection closes (closing at once, with the client's bytes unread, would reset the
-    # connection, and a client still sending could lose the answer).
+    # After an answer given before its request's body was read, or a refusal on a connection
+    # that answered before: how long what the client still sends is read and dropped, the
+    # answer written and the sending side closed, before the connection closes (closing at
+    # once, with the client's bytes unread, would reset the connection, and a client still
+    # sending could lose the answer, or the answers before it still in the kernel's queue).
     linger_s: ClassVar[float] = 2.0
     metrics: ClassVar[Metrics | None] = None
 
@@ -1062,7 +1064,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def _linger(self) -> None:
         """The app answered a request before its body was read (an early 413, 401 or 503, a
-        refused trailer section): the rest of that body is never parsed, and no request after
+        refused trailer section), or a request was refused on a connection that answered
+        before (_close_with): the rest of that body is never parsed, and no request after
         it. The answer is written and the sending side closed (the client reads the answer and
         an end of stream); what the client still sends is read and dropped, for linger_s at
         most, and the connection closes (RFC 9112 section 9.6). Reading on instead, as uvicorn
@@ -1102,14 +1105,14 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         """Refuse the request under way with `response`, then end the connection: after the
         answers pending before it, and lingering if answers were written on it (they may still
         sit in the kernel's send queue, which a close with the client's bytes unread resets).
-        `at_once` (the cap's eviction, a shutdown) closes as soon as it is written."""
+        `at_once` (the cap's eviction) and a shutdown close as soon as it is written."""
         self._cancel_head_timer()
         self._cancel_read_timer()
         self._held = bytearray()
         if self._unanswered:
             self._after_answers(lambda: self._write_and_linger(response))
             return
-        if self._answered_any and not at_once:
+        if self._answered_any and not (at_once or self._shutting_down):
             self._write_and_linger(response)
             return
         self._write_and_close(response)
@@ -1323,6 +1326,9 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     def _close_if_no_request(self) -> None:
         if self.transport.is_closing() or self._unanswered or self._in_body:
             return  # a request came: answered, then closed
+        if self._lingering:  # refused during the grace, its sending side closed: end it now
+            self._close()
+            return
         if self._head_since is not None:
             detail = "the server is shutting down; send the request again (elsewhere)"
             self._close_with(

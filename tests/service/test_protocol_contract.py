@@ -1306,6 +1306,32 @@ def test_a_refusal_after_answers_lingers_so_the_answers_in_flight_are_not_reset(
     run(scenario)
 
 
+def test_a_refusal_during_shutdown_closes_at_once_without_a_second_answer() -> None:
+    """A head under way at shutdown, refused inside the grace (431), on a connection that
+    answered before: it closes at once, not lingering. Lingering, it had closed its sending
+    side, and the grace's end then wrote a 503 after it (uvloop raises on that: a review)."""
+
+    async def scenario(loop: asyncio.AbstractEventLoop) -> None:
+        app = HeldApp()
+        protocol_class = type("Graceful", (guarded(),), {"shutdown_idle_grace_s": 0.1})
+        protocol, transport = connect(protocol_class, app, loop)
+        protocol.data_received(GET % 1)
+        await turns()
+        app.release_all()
+        await turns()
+        protocol.data_received(b"GET /2 HTTP/1.1\r\nX: ")
+        protocol.shutdown()
+        protocol.data_received(b"a" * 2000)  # past max_header_bytes (1024)
+        await asyncio.sleep(0.2)  # the grace ends
+        assert transport.responses() == [
+            b"HTTP/1.1 200 OK",
+            b"HTTP/1.1 431 Request Header Fields Too Large",
+        ]
+        assert transport.closed
+
+    run(scenario)
+
+
 def test_a_head_started_behind_a_pending_answer_is_bounded_by_its_deadline_not_keep_alive() -> None:
     """A head that starts while an answer is pending, then stalls: the answer completes and
     uvicorn, which sees no request parsed, arms its keep-alive timer. It closed the connection
