@@ -618,7 +618,9 @@ class DynamicBatcher(Generic[T, R]):
         if self._metrics is not None:
             self._metrics.batch_size.observe(1)
             self._metrics.queue_wait_seconds.observe(pending.queue_s)
-        self._turns.longs[pending.seq] = Long(pending)
+        assert self._slice_s is not None  # long items exist only with a slice
+        planned = self._pace.plan_tiles(pending.work, self._slice_s)
+        self._turns.longs[pending.seq] = Long(pending, planned)
         self._queue.tenant(pending.tenant).running += 1
 
     def _end_long(self, long: Long[T, R]) -> None:
@@ -687,7 +689,7 @@ class DynamicBatcher(Generic[T, R]):
         # step so far, or a planned tile's before the first step.
         run, work = long.run, long.pending.work
         if run is None or run.tiles_done == 0:
-            tile_work = work / max(1, long.pending.tiles)
+            tile_work = work / max(1, long.planned_tiles)
         else:
             tile_work = work * long.share_done() / run.tiles_done
         tile_work = min(tile_work, long.left_work)
@@ -751,8 +753,11 @@ class DynamicBatcher(Generic[T, R]):
                     return
                 batch = self._take_batch(budget)
                 budget -= sum(p.work for p in batch)
-            if batch:  # (empty when every item of its group had passed its deadline)
-                spent_s += await self._execute(batch)
+                if batch:  # (empty when every item of its group had passed its deadline)
+                    spent_s += await self._execute(batch)
+                continue
+            if batch:
+                await self._execute(batch)
 
     def _long_step(self, long: Long[T, R]) -> tuple[bool, float]:
         """One tile of a long item, on the device thread (its run starts at the first).
@@ -761,7 +766,7 @@ class DynamicBatcher(Generic[T, R]):
         started = self._clock()
         if long.run is None:
             assert self._start_long is not None
-            long.run = self._start_long(long.pending.item, long.pending.tiles)
+            long.run = self._start_long(long.pending.item, long.planned_tiles)
         assert self._slice_s is not None  # long items exist only with a slice
         return long.run.step(self._slice_s), self._clock() - started
 

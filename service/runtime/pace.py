@@ -31,7 +31,8 @@ MAX_RETRY_AFTER_S = 60.0
 # slice, so the pace soon rests on measurements.)
 THROUGHPUT_PRIOR_S = 0.25
 THROUGHPUT_HALF_LIFE_S = 30.0
-# How far the measured pace may move a long item's tiles from the model's count (tiles_for).
+# How far the measured pace may move a long item's planned tiles from the model's count
+# (plan_tiles; how many slices it counts as, for joining and admission, is not bounded).
 # Unbounded, it fed back: under a soak's load small batches' fixed costs made the pace read
 # 50x slow, long items were planned in 50x more tiles, tiles that small are mostly fixed cost
 # too, and the pace read slower still (80 tiles, then 4,256, each request ending 504). On a
@@ -72,15 +73,20 @@ class Pace:
     def tiles_for(self, work: float, slice_s: float | None) -> int:
         """0 for a short item; else about how many slices it takes: its estimated work in
         device seconds at the measured pace (a model that under-counts this device's time
-        would otherwise give tiles longer than a slice). Whether it is long goes by the pace;
-        how many tiles, by the pace's correction of the model bounded by
-        MAX_TILING_CORRECTION either way."""
+        would otherwise give tiles longer than a slice)."""
         if slice_s is None:
             return 0
-        per_work = self.seconds_per_work()
-        if work * per_work <= slice_s:
+        seconds = work * self.seconds_per_work()
+        if seconds <= slice_s:
             return 0
-        correction = min(MAX_TILING_CORRECTION, max(1.0 / MAX_TILING_CORRECTION, per_work))
+        return math.ceil(seconds / slice_s)
+
+    def plan_tiles(self, work: float, slice_s: float) -> int:
+        """How many tiles a long item's run is planned in (start_long): its slices at the
+        measured pace, that pace's correction of the model bounded by MAX_TILING_CORRECTION
+        either way; at least 1."""
+        correction = self.seconds_per_work()
+        correction = min(MAX_TILING_CORRECTION, max(1.0 / MAX_TILING_CORRECTION, correction))
         return max(1, math.ceil(work * correction / slice_s))
 
     def start_running(self, work: float) -> None:

@@ -5,7 +5,9 @@ Long requests run in slices
 ---------------------------
 With ``slice_s`` and ``start_long``, an item whose estimated work exceeds one slice (at the
 measured pace, below) is *long*: it runs alone, as a resumable run of about that many tiles
-(``start_long(item, tiles)``, called on the device thread; each ``step()`` computes one tile).
+(``start_long(item, tiles)``, called on the device thread; each ``step()`` computes one tile),
+the pace's correction of the cost model bounded to 4x either way for the plan
+(service.runtime.pace.plan_tiles: unbounded, small tiles' fixed costs fed back into the pace).
 Up to MAX_RUNNING_LONG long items run at once and share the device tile by tile, the queued
 one with the earliest deadline joining when one finishes (one of at most FEW_SLICES slices
 joins at once, up to twice as many running). Each tile goes to the running item with the
@@ -17,8 +19,10 @@ is not stuck behind one of hundreds. Before each tile the worker
   the worker) or their client left (cancelled), freeing what they held;
 - starts every queued long item that may join;
 - runs the short batches waiting (the oldest short item's group first), up to one slice of
-  their estimated work, so a short request waits about one tile behind long ones and a
-  stream of short ones still leaves the long ones at least half the device.
+  their estimated work and of their measured device time, so a short request waits about one
+  tile behind long ones and a stream of short ones still leaves the long ones at least half
+  the device (the measured bound: small batches' fixed costs, which the model under-counts,
+  made a slice of their estimated work seconds of device time).
 
 Short batches are cut at one slice of estimated work too (their first item always goes).
 sdpa_abandoned_total{reason} counts the runs dropped, and sdpa_compute_seconds (one
@@ -180,12 +184,15 @@ class Long(Generic[T, R]):
     """A long item taken off the queue: its run (started at its first tile) and its estimated
     work not yet done, beyond the tile on the device."""
 
-    __slots__ = ("left_work", "pending", "run")
+    __slots__ = ("left_work", "pending", "planned_tiles", "run")
 
-    def __init__(self, pending: Item[T, R]) -> None:
+    def __init__(self, pending: Item[T, R], planned_tiles: int | None = None) -> None:
         self.pending = pending
         self.run: Resumable[R] | None = None
         self.left_work = pending.work
+        # The tiles its run is planned in (Pace.plan_tiles); its slices, pending.tiles, count
+        # for joining and admission.
+        self.planned_tiles = pending.tiles if planned_tiles is None else planned_tiles
 
     def share_done(self) -> float:
         """The run's share_done, trusted within [0, 1] only (NaN reads as nothing done)."""
@@ -194,7 +201,7 @@ class Long(Generic[T, R]):
 
     def progress(self) -> str:
         done = 0 if self.run is None else self.run.tiles_done
-        total = self.pending.tiles if self.run is None else self.run.tiles_total
+        total = self.planned_tiles if self.run is None else self.run.tiles_total
         return f"{done} of {total} tiles done"
 
 

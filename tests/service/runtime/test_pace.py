@@ -1,4 +1,5 @@
-"""service.runtime.pace on its own: how many tiles a long item gets as the measured pace moves."""
+"""service.runtime.pace on its own: how many slices a long item counts as, and how many tiles its
+run is planned in, as the measured pace moves."""
 
 from __future__ import annotations
 
@@ -26,26 +27,33 @@ def test_an_item_within_a_slice_at_the_measured_pace_is_short() -> None:
     assert Pace(clock=lambda: 0.0).tiles_for(10.0, None) == 0  # no slicing at all
 
 
-@pytest.mark.parametrize("per_work", [0.5, 1.0, 3.0])
-def test_within_the_bound_the_tiles_follow_the_measured_pace(per_work: float) -> None:
-    pace, work = pace_at(per_work), 1.0  # 20 slices by the model
+def test_its_slices_follow_the_measured_pace_unbounded() -> None:
+    """Joining and admission count slices at the measured pace, however far it is from the
+    model (FEW_SLICES: a 50-slice item must not pass for one of few)."""
+    pace, work = pace_at(50.0), 0.1  # 2 slices by the model, 100 at the pace
     assert pace.tiles_for(work, SLICE_S) == math.ceil(work * pace.seconds_per_work() / SLICE_S)
+
+
+@pytest.mark.parametrize("per_work", [0.5, 1.0, 3.0])
+def test_within_the_bound_the_plan_follows_the_measured_pace(per_work: float) -> None:
+    pace, work = pace_at(per_work), 1.0  # 20 slices by the model
+    assert pace.plan_tiles(work, SLICE_S) == pace.tiles_for(work, SLICE_S)
 
 
 def test_a_pace_far_slower_than_the_model_plans_at_most_the_bound_more_tiles() -> None:
     """The soak's feedback: a pace read 50x slow planned 50x the tiles, which, mostly fixed
-    cost, made the pace read slower still. The count stops at MAX_TILING_CORRECTION x the
-    model's; the item is still long (by the pace, 0.1 s of work takes 5 s)."""
+    cost, made the pace read slower still. The plan stops at MAX_TILING_CORRECTION x the
+    model's tiles."""
     work = 0.1  # 2 slices by the model
-    assert pace_at(50.0).tiles_for(work, SLICE_S) == math.ceil(
+    assert pace_at(50.0).plan_tiles(work, SLICE_S) == math.ceil(
         work * MAX_TILING_CORRECTION / SLICE_S
     )
-    assert pace_at(500.0).tiles_for(work, SLICE_S) == 8
-    assert pace_at(50.0).tiles_for(0.002, SLICE_S) == 1  # long by the pace, a tile by the model
+    assert pace_at(500.0).plan_tiles(work, SLICE_S) == 8
+    assert pace_at(50.0).plan_tiles(0.002, SLICE_S) == 1  # a tile by the model: one, not none
 
 
 def test_a_pace_far_faster_than_the_model_plans_at_least_the_bound_of_the_tiles() -> None:
     work = 10.0  # 200 slices by the model; at 1/40 of it, 5
-    assert pace_at(1 / 40).tiles_for(work, SLICE_S) == math.ceil(
+    assert pace_at(1 / 40).plan_tiles(work, SLICE_S) == math.ceil(
         work / MAX_TILING_CORRECTION / SLICE_S
     )
