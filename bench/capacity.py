@@ -16,8 +16,10 @@ service.runtime.policy) at FlashAttention-3's published forward throughput, 740 
 (Shah et al. 2024, H100 SXM5, head dim 64-128, about 75% of the 989 TFLOP/s dense peak), plus
 the per-call floor the fused path showed on an H200 (bench/results/gpu.md: 0.2 ms at
 [1, 8, 1024, 64] with the NaN/Inf checks, whatever the size below it), shared by a batch of
---gpu-batch requests. A replica is one event loop: its host side uses about one core for HTTP
-and encoding, so its throughput is min(1 / host time, batch / device time per batch).
+--gpu-batch requests. A replica is one event loop, its serial host work, so its throughput is
+min(1 / the loop's CPU per request, batch / device time per batch). That host time leaves out
+what runs beside the loop (large bodies decoded on worker threads) and the loop's waits for the
+GIL: with cores to spare, an upper bound of the host's rate, not a promise.
 
 Replicas for a rate: ceil(rate / (replica throughput x --headroom)), headroom 0.7 by default
 (a replica run at 70% of its closed-loop maximum keeps its queue, and so its latency, short).

@@ -23,8 +23,9 @@ from collections.abc import Awaitable, Callable
 
 logger = logging.getLogger(__name__)
 
-# Often enough that fragmentation never builds up for long; each call is tens of ms on a
-# worker thread, beside (not in) the event loop and the device thread.
+# Often enough that fragmentation never builds up for long. Each call is tens of ms on a
+# worker thread; it holds each arena's lock while it trims that arena, so an allocation in it
+# (the event loop's, the device thread's) may wait that long, once every TRIM_EVERY_S.
 TRIM_EVERY_S = 15.0
 
 
