@@ -49,7 +49,7 @@ from service.metrics import Metrics
 from service.middleware.body_limit import declared_length
 from service.middleware.connections import unsent_bytes
 from service.routes import RESERVE_ANSWER, UNMETERED_PATHS, is_v2_path
-from service.serving.inflight import InflightBytes, memory_busy
+from service.serving.inflight import InflightBytes, memory_busy, too_big_alone
 from service.serving.offload import INLINE_MAX_BYTES
 from service.wire.codec import occurrences
 from service.wire.lengths import parse_length
@@ -237,14 +237,12 @@ class InflightBytesMiddleware:
 
     def answer_too_big(self, nbytes: int) -> InvalidRequest:
         self.count_refusal()
-        msg = (
-            f"this request alone would hold about {nbytes / MB:.3g} MB at its peak (its body, "
-            f"inputs, results and encoded answer), above SDPA_MAX_INFLIGHT_BYTES = "
-            f"{self.max_bytes / MB:.3g} MB for all requests together; ask for base64, no "
-            'weights, diagnostics other than "full", or fewer queries per request'
-        )
-        return InvalidRequest(
-            msg, errors=[FieldError(loc=("body",), msg=msg, type="inflight_limit")]
+        return too_big_alone(
+            nbytes,
+            self.max_bytes,
+            holds="its body, inputs, results and encoded answer",
+            advice='ask for base64, no weights, diagnostics other than "full", or fewer queries '
+            "per request",
         )
 
     def parse_too_big(self, body: int, parse: int) -> InvalidRequest:

@@ -27,6 +27,17 @@ def memory_busy(in_flight: int, max_bytes: int) -> MemoryBusy:
     )
 
 
+def too_big_alone(nbytes: int, max_bytes: int, *, holds: str, advice: str) -> InvalidRequest:
+    """400: one request would hold more than the limit by itself, whatever else is in flight.
+    `holds`: what its peak is made of, at this door; `advice`: how to send it under the limit."""
+    msg = (
+        f"this request alone would hold about {nbytes / MB:.3g} MB at its peak ({holds}), "
+        f"above SDPA_MAX_INFLIGHT_BYTES = {max_bytes / MB:.3g} MB for all requests together; "
+        f"{advice}"
+    )
+    return InvalidRequest(msg, errors=[FieldError(loc=("body",), msg=msg, type="inflight_limit")])
+
+
 class InflightBytes:
     """What all requests in flight hold now (`held`), and the limit."""
 
@@ -80,12 +91,9 @@ class Holding:
 
     def _too_big(self, nbytes: int) -> InvalidRequest:
         self._refused()
-        msg = (
-            f"this request alone would hold about {nbytes / MB:.3g} MB at its peak (its "
-            f"message, results and encoded answer), above SDPA_MAX_INFLIGHT_BYTES = "
-            f"{self.ledger.max_bytes / MB:.3g} MB for all requests together; send fewer "
-            "queries per request, or no weights"
-        )
-        return InvalidRequest(
-            msg, errors=[FieldError(loc=("body",), msg=msg, type="inflight_limit")]
+        return too_big_alone(
+            nbytes,
+            self.ledger.max_bytes,
+            holds="its message, results and encoded answer",
+            advice="send fewer queries per request, or no weights",
         )
