@@ -10,6 +10,7 @@ from typing import Any
 
 import httpx
 from fastapi.testclient import TestClient
+from prometheus_client.parser import text_string_to_metric_families
 
 from service.app import create_app
 from service.runtime.engine import Engine
@@ -94,3 +95,14 @@ def app_transport(app_client: TestClient) -> httpx.MockTransport:
         return httpx.Response(answer.status_code, headers=headers, content=answer.content)
 
     return httpx.MockTransport(handle)
+
+
+def requests_total(metrics_text: str) -> dict[tuple[str, str], float]:
+    """sdpa_requests_total by (route, status), from a /metrics page's text."""
+    return {
+        (sample.labels["route"], sample.labels["status"]): sample.value
+        for family in text_string_to_metric_families(metrics_text)
+        if family.name == "sdpa_requests"
+        for sample in family.samples
+        if sample.name == "sdpa_requests_total"
+    }

@@ -18,7 +18,7 @@ from service.app import create_app
 from service.errors import QueueFull
 from service.runtime.engine import Engine
 from service.settings import Settings
-from tests.support.app import in_process_client, small_settings
+from tests.support.app import in_process_client, requests_total, small_settings
 
 
 def _boom() -> None:
@@ -81,17 +81,6 @@ def test_auth_runs_before_the_body_limit(client: TestClient) -> None:
     assert client.get("/healthz").status_code == 200  # open path
 
 
-def _requests_total(client: TestClient) -> dict[tuple[str, str], float]:
-    families = text_string_to_metric_families(client.get("/metrics", headers=KEY).text)
-    return {
-        (sample.labels["route"], sample.labels["status"]): sample.value
-        for family in families
-        if family.name == "sdpa_requests"
-        for sample in family.samples
-        if sample.name == "sdpa_requests_total"
-    }
-
-
 def test_refusals_before_routing_are_labelled_with_their_route(client: TestClient) -> None:
     # Every operation of the OpenAPI document that needs a key, refused for the lack of one
     # (the route never runs), is counted under its own template, not "unmatched".
@@ -104,14 +93,14 @@ def test_refusals_before_routing_are_labelled_with_their_route(client: TestClien
     ]
     assert ("/v1/attention", "post") in operations
     assert ("/v2/models/attention/infer", "post") in operations
-    before = _requests_total(client)
+    before = requests_total(client.get("/metrics", headers=KEY).text)
     for path, method in operations:
         assert client.request(method, path).status_code == 401, path
     big = b"{" + b" " * 4096 + b"}"
     json = {"content-type": "application/json"}
     assert client.post("/v1/analyze", content=big, headers={**json, **KEY}).status_code == 413
     assert client.post("/v1/attention", content=b"x", headers=KEY).status_code == 415
-    after = _requests_total(client)
+    after = requests_total(client.get("/metrics", headers=KEY).text)
     grown = {label: after[label] - before.get(label, 0.0) for label in after}
     for path, _ in operations:
         assert grown[(path, "401")] >= 1, path

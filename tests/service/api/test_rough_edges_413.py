@@ -14,7 +14,6 @@ from collections.abc import Iterator
 import httpx
 import numpy as np
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from service.middleware.body_limit import (
     ADVICE_V1_BASE64,
@@ -23,7 +22,7 @@ from service.middleware.body_limit import (
     ADVICE_V2_BINARY,
     ADVICE_V2_JSON,
 )
-from tests.support.app import API_SERVER_ENV
+from tests.support.app import API_SERVER_ENV, requests_total
 
 LIMIT = int(API_SERVER_ENV["SDPA_MAX_BODY_BYTES"])
 JSON = {"content-type": "application/json"}
@@ -98,17 +97,6 @@ def test_a_v2_binary_body_is_told_to_split(client: httpx.Client) -> None:
     assert "binary data (" not in detail  # not told to switch to what it sent
 
 
-def _requests_total(client: httpx.Client) -> dict[tuple[str, str], float]:
-    families = text_string_to_metric_families(client.get("/metrics").text)
-    return {
-        (sample.labels["route"], sample.labels["status"]): sample.value
-        for family in families
-        if family.name == "sdpa_requests"
-        for sample in family.samples
-        if sample.name == "sdpa_requests_total"
-    }
-
-
 def test_every_kind_of_413_is_counted_and_logged_under_its_route(
     client: httpx.Client, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -121,11 +109,11 @@ def test_every_kind_of_413_is_counted_and_logged_under_its_route(
         ("/v2/models/attention/infer", big, binary),
         ("/v2/models/attention/versions/1/infer", _chunks(big), JSON),
     ]
-    before = _requests_total(client)
+    before = requests_total(client.get("/metrics").text)
     with caplog.at_level(logging.INFO, logger="sdpa.access"):
         for path, content, headers in sent:
             assert client.post(path, content=content, headers=headers).status_code == 413, path
-    after = _requests_total(client)
+    after = requests_total(client.get("/metrics").text)
     routes = [
         r.json_fields["route"]  # type: ignore[attr-defined]
         for r in caplog.records

@@ -11,22 +11,11 @@ import numpy as np
 import pytest
 
 from service.errors import InvalidRequest
-from service.runtime.policy import CostModel, PathCost
 from service.serving.prepare import prepare_analyze, prepare_attention
+from tests.service.serving.test_prepare import COST  # its device: 100 GFLOP/s fused
 from tests.support.app import small_settings
 
 SETTINGS = small_settings()  # SDPA_MAX_ELEMENTS = SDPA_MAX_WEIGHTS_ELEMENTS = 65536
-# A device that does 100 GFLOP/s on the fused path, ten times less per FLOP with weights or
-# diagnostics, a hundred times less in the analysis (as tests/service/serving/test_prepare.py).
-COST = CostModel(
-    {
-        "fused": PathCost(1e-11, 32),
-        "dense": PathCost(1e-10, 32),
-        "chunked": PathCost(1e-10, 32),
-        "analyze": PathCost(1e-9, 32),
-    },
-    calibrated=True,
-)
 
 
 def synthetic(n_q: int, n_k: int, d_k: int) -> bytes:
