@@ -110,6 +110,14 @@ class Metrics:
             ["reason"],
             registry=reg,
         )
+        self.broken_admissions_total = Counter(
+            "sdpa_broken_admissions_total",
+            "Requests admitted that then ended 504 (their deadline passed while queued or "
+            "while they ran), by tenant: promises the runtime broke (DESIGN.md, Admission "
+            "keeps its word).",
+            ["tenant"],
+            registry=reg,
+        )
         self.reads_paused_total = Counter(
             "sdpa_connection_reads_paused_total",
             "Times the server stopped reading a connection because SDPA_MAX_PIPELINED_REQUESTS "

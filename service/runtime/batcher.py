@@ -204,6 +204,8 @@ class DynamicBatcher(Generic[T, R]):
         self._queue: WorkQueue[T, R] = WorkQueue(
             weights=tenant_weights, on_change=self._queue_changed
         )
+        for name in self._tenant_names:  # known from the start: the long shares count them
+            self._queue.tenant(name)
         self._pace = Pace(clock)
         self._device = DeviceThread()
         self._turns: LongTurns[T, R] = LongTurns(self._queue, self._pace, clock)
@@ -338,6 +340,8 @@ class DynamicBatcher(Generic[T, R]):
         )  # fmt: skip
         if pending.tiles and (refusal := self._turns.refusal(pending, now)) is not None:
             self._reject("deadline_unreachable")
+            if refusal.by_share:  # its tenant's own long work holds its share: a 429
+                raise TenantQueueFull(refusal.detail, retry_after_s=refusal.retry_after_s)
             raise DeadlineUnreachable(refusal.detail, retry_after_s=refusal.retry_after_s)
         self._queue.enqueue(pending)
         # The deadline bounds the queue wait and a long item's compute: a timer fails the item
@@ -372,15 +376,21 @@ class DynamicBatcher(Generic[T, R]):
         if pending.state is State.QUEUED:
             self._queue.remove(pending)
             self._reject("deadline")
-            self._queue.answer(pending, _queued_too_long())
+            self._break(pending, _queued_too_long())
         elif pending.state is State.TAKEN and pending.seq in self._turns.longs:
             progress = self._turns.longs[pending.seq].progress()
-            self._queue.answer(
+            self._break(
                 pending,
                 DeadlineExceeded(
                     f"the request's deadline passed while it ran ({progress}); it was abandoned"
                 ),
             )
+
+    def _break(self, pending: Item[T, R], error: DeadlineExceeded) -> None:
+        """Answer an admitted item 504: a promise broken, counted by tenant
+        (sdpa_broken_admissions_total; not when nobody was listening)."""
+        if self._queue.answer(pending, error) and self._metrics is not None:
+            self._metrics.broken_admissions_total.labels(tenant=pending.tenant).inc()
 
     def _tenant_refusal(self, tenant: str) -> str | None:
         """Why `tenant` may not queue one more item (429), or None: it holds its share of the
@@ -454,7 +464,7 @@ class DynamicBatcher(Generic[T, R]):
             if pending.deadline <= now:
                 self._queue.remove(pending)
                 self._reject("deadline")
-                self._queue.answer(pending, _queued_too_long())
+                self._break(pending, _queued_too_long())
                 continue
             self._queue.take(pending, now)
             batch.append(pending)
@@ -591,6 +601,7 @@ class DynamicBatcher(Generic[T, R]):
         """On the loop, once the device finished a batch: answer its items, free the worker."""
         try:
             self._note_throughput(self._pace.stop_running(), seconds)
+            self._turns.stream.note_short(seconds)
             for pending, result in zip(batch, results, strict=True):
                 # (one answered already, ShuttingDown after a drain timeout, is not again)
                 self._queue.answer(pending, result, batch_size=len(batch))
@@ -610,7 +621,7 @@ class DynamicBatcher(Generic[T, R]):
         if pending.deadline <= now:
             self._queue.remove(pending)
             self._reject("deadline")
-            self._queue.answer(pending, _queued_too_long())
+            self._break(pending, _queued_too_long())
             return
         self._queue.take(pending, now)
         # The pace may have moved while it waited: its tiles are counted at this one.
@@ -680,7 +691,7 @@ class DynamicBatcher(Generic[T, R]):
         # let an item that cannot finish, alone for a turn, take a tile from one that can).
         while (queued := self._turns.next_long()) is not None:
             self._begin_long(queued)
-        await self._run_short_batches()
+        short_s = await self._run_short_batches()
         long = self._turns.whose_turn()
         if long is None or self._left_alone(long):
             return
@@ -718,6 +729,7 @@ class DynamicBatcher(Generic[T, R]):
         done = left_before - long.left_work
         self._queue.charge(self._queue.tenant(long.pending.tenant), done)
         self._note_throughput(done, seconds)
+        self._turns.stream.note_turn(short_s, seconds)
         if not finished:
             return  # its next turn looks at its deadline and client first
         outcome = long.run.outcome()
@@ -726,38 +738,46 @@ class DynamicBatcher(Generic[T, R]):
             # (not one answered just after its deadline's 504, or whose client left)
             self._queue.answer(long.pending, outcome)
 
-    async def _run_short_batches(self) -> None:
+    async def _run_short_batches(self) -> float:
         """The short batches that run before the next tile: up to one slice of their
         estimated work and of the device's measured time, so a stream of them leaves the long
         items at least half the device; those of another tenant than the next tile's, by the
         tenants' shares instead (while their tenant's virtual time is not past the tile's
-        tenant's), unless sharing would cost a long item its deadline (service.runtime.turns).
+        tenant's), up to the measured time the tile's tenant's share leaves the others: its
+        weight's slice, times the other known tenants' weights over its own. -> the device
+        seconds they took.
 
-        The measured bound: small batches' fixed costs are what the cost model counts worst
+        The measured bounds: small batches' fixed costs are what the cost model counts worst
         (a soak's small requests took many times their estimate), and a slice of their
         estimated work ran for seconds between two tiles: long requests starved to 504."""
         slice_s = self._slice_s or 0.0
         budget = slice_s
-        spent_s = 0.0
+        spent_s = rival_s = 0.0
         rival: Tenant | None = None
-        if self._queue.tenant_count() > 1 and self._turns.sharing_is_safe():
+        rival_most = 0.0
+        if self._queue.tenant_count() > 1:
             rival = self._turns.next_tile_tenant()
+            if rival is not None:
+                others = max(0.0, self._queue.total_weight() - rival.weight)
+                rival_most = slice_s * others / rival.weight
         while (first := self._queue.next_short(peek=True)) is not None:
             if rival is not None and first.tenant != rival.name:
                 if self._queue.tenant(first.tenant).vtime > rival.vtime:
-                    return  # the tile's tenant is owed the device
+                    return spent_s + rival_s  # the tile's tenant is owed the device
+                if rival_s >= rival_most:
+                    return spent_s + rival_s
                 batch = self._take_batch(slice_s)
-            else:
-                # (a tolerance: summed floats may leave a crumb of the slice, not worth a batch)
-                if budget <= 1e-6 * slice_s or spent_s >= slice_s:
-                    return
-                batch = self._take_batch(budget)
-                budget -= sum(p.work for p in batch)
-                if batch:  # (empty when every item of its group had passed its deadline)
-                    spent_s += await self._execute(batch)
+                if batch:
+                    rival_s += await self._execute(batch)
                 continue
-            if batch:
-                await self._execute(batch)
+            # (a tolerance: summed floats may leave a crumb of the slice, not worth a batch)
+            if budget <= 1e-6 * slice_s or spent_s >= slice_s:
+                return spent_s + rival_s
+            batch = self._take_batch(budget)
+            budget -= sum(p.work for p in batch)
+            if batch:  # (empty when every item of its group had passed its deadline)
+                spent_s += await self._execute(batch)
+        return spent_s + rival_s
 
     def _long_step(self, long: Long[T, R]) -> tuple[bool, float]:
         """One tile of a long item, on the device thread (its run starts at the first).

@@ -13,6 +13,18 @@ off by a constant factor is corrected.
 Retry-After (a full queue, a drain) is that backlog in whole seconds, within [1, 60]; a tenant
 over its share of the queue is told its own backlog at its fair share of the device; a long item
 refused by its deadline has its own (service.runtime.turns).
+
+The short stream
+----------------
+Long items share the device with the short work that keeps arriving, not only with the short
+work queued now: a closed loop of small requests took about half the device from the long ones
+in the soak, and projections that counted only the queue admitted long requests that then ended
+504. ``ShortStream`` measures that share on the clock: the device seconds of short batches per
+second of the clock (decayed sums, half-life SHORT_STREAM_HALF_LIFE_S), bounded by what the
+worker lets short batches take between two tiles (half the device by its rule; more where the
+batches overran it, measured as their device seconds over theirs and the tiles'), and by
+MAX_SHORT_SHARE. The projections count a
+long item's work at the device left to long work (``long_fraction``).
 """
 
 from __future__ import annotations
@@ -38,6 +50,20 @@ THROUGHPUT_HALF_LIFE_S = 30.0
 # too, and the pace read slower still (80 tiles, then 4,256, each request ending 504). On a
 # CPU a step stops at its slice whatever the plan, so fewer, larger tiles cost nothing there.
 MAX_TILING_CORRECTION = 4.0
+
+
+# The short stream's share of the device (module docstring): measurements older than this many
+# seconds of the clock weigh half; before any, the stream counts as one second without short
+# work (so one early batch does not read as a flood).
+SHORT_STREAM_HALF_LIFE_S = 10.0
+SHORT_STREAM_PRIOR_S = 1.0
+# The worker runs up to one slice of short batches of measured time between two tiles of its
+# own tenant: short work takes about half the device beside long work, the prior here; its
+# measure moves it, with the throughput's half-life of device time.
+BETWEEN_TILES_PRIOR = 0.5
+# Whatever the measures say, the projections leave long work at least this share of the device
+# (a projection at a vanishing share would refuse every long request for a momentary flood).
+MAX_SHORT_SHARE = 0.9
 
 
 def retry_after(seconds: float) -> float:
@@ -107,3 +133,62 @@ class Pace:
     def backlog_seconds(self, work: float) -> float:
         """Seconds until `work` (estimated) and the batch on the device are done."""
         return work * self.seconds_per_work() + self.in_flight_s(self._clock())
+
+
+class ShortStream:
+    """The share of the device that short work keeps taking (module docstring: The short
+    stream), measured on `clock`."""
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self._clock = clock
+        self._since = clock()
+        # Short batches' device seconds and the clock's seconds, decayed sums.
+        self._busy_s = 0.0
+        self._span_s = SHORT_STREAM_PRIOR_S
+        # Device seconds of short batches run between two tiles, and of the tiles: decayed.
+        self._between_s = BETWEEN_TILES_PRIOR * THROUGHPUT_PRIOR_S
+        self._tiles_s = (1.0 - BETWEEN_TILES_PRIOR) * THROUGHPUT_PRIOR_S
+
+    def _decay_to(self, now: float) -> None:
+        elapsed = now - self._since
+        if elapsed <= 0.0:
+            return
+        keep = 0.5 ** (elapsed / SHORT_STREAM_HALF_LIFE_S)
+        # The clock's seconds, each weighing as the decay says by now: its integral.
+        self._span_s = self._span_s * keep + SHORT_STREAM_HALF_LIFE_S / math.log(2) * (1 - keep)
+        self._busy_s *= keep
+        self._since = now
+
+    def note_short(self, seconds: float) -> None:
+        """A short batch took `seconds` of device time (it ended now)."""
+        self._decay_to(self._clock())
+        self._busy_s += max(0.0, seconds)
+
+    def note_turn(self, short_s: float, tile_s: float) -> None:
+        """Between two tiles short batches took `short_s`, then the tile `tile_s`."""
+        seconds = short_s + tile_s
+        if seconds <= 0.0:
+            return
+        keep = 0.5 ** (seconds / THROUGHPUT_HALF_LIFE_S)
+        self._between_s = self._between_s * keep + short_s
+        self._tiles_s = self._tiles_s * keep + tile_s
+
+    def rate(self) -> float:
+        """Short batches' device seconds per second of the clock, lately."""
+        self._decay_to(self._clock())
+        return self._busy_s / self._span_s
+
+    def between_tiles(self) -> float:
+        """The share of the device short batches took between tiles, lately."""
+        return self._between_s / (self._between_s + self._tiles_s)
+
+    def share(self) -> float:
+        """The share of the device the projections count the short stream as taking from long
+        work: its rate, at most what the worker lets it take between tiles (half the device
+        by its rule, more where batches overran it: the larger), at most MAX_SHORT_SHARE."""
+        bound = max(BETWEEN_TILES_PRIOR, self.between_tiles())
+        return min(self.rate(), bound, MAX_SHORT_SHARE)
+
+    def long_fraction(self) -> float:
+        """The share of the device left to long work."""
+        return 1.0 - self.share()

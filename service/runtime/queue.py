@@ -23,11 +23,14 @@ keys). Waiting work is served across tenants in proportion to their weights, mea
 estimated device seconds (the cost model), not in requests: start-time fair queueing. Each
 tenant has a virtual time, the device seconds it was served divided by its weight; the next
 batch is formed for the tenant with waiting short work whose virtual time is least (the one
-with the oldest item on ties), and every item taken is charged to its own tenant. A tenant that
-had nothing waiting starts again from the virtual time of the last tenant chosen, never from
-its own past: idleness banks no credit, so a tenant that was quiet an hour cannot then hold
-the device for an hour. So one tenant's flood delays another tenant's request by the batch on
-the device and the other tenants' fair shares, not by the flood.
+with the oldest item on ties), and every item taken is charged to its own tenant. A tenant
+that had no short work waiting starts again from the virtual time of the last tenant chosen,
+never from its own past, and so does one whose long item starts: idleness banks no credit, so
+a tenant that was quiet an hour cannot then hold the device for an hour. Its virtual time
+follows the work it is served, not whether it has something waiting: a long request parked
+with an hour to go (queued, or running without tiles) keeps no place in the past for a burst
+of short ones to spend later. So one tenant's flood delays another tenant's request by the
+batch on the device and the other tenants' fair shares, not by the flood.
 
 Within one tenant, ``priority`` orders its own waiting items (Triton's convention: 1 the
 highest level, larger values lower), the oldest first within a level; it never puts one
@@ -125,7 +128,10 @@ class Tenant:
     """One tenant's place in the queue: its weight, its virtual time (device seconds served
     over its weight), and what it has waiting and running."""
 
-    __slots__ = ("levels", "name", "queued", "queued_work", "running", "vtime", "weight")
+    __slots__ = (
+        "few_heap", "latest_long_deadline", "levels", "long_heap", "long_work", "longs", "name",
+        "queued", "queued_work", "running", "vtime", "weight",
+    )  # fmt: skip
 
     def __init__(self, name: str, weight: float) -> None:
         self.name = name
@@ -136,6 +142,16 @@ class Tenant:
         self.running = 0  # long items running
         # The short items queued, per priority level, oldest first.
         self.levels: dict[int, OrderedDict[int, Item[Any, Any]]] = {}
+        # Its queued long items (how many, their work) by deadline, the order they join in: all
+        # of them and those of few slices, heaps of Entry whose items that left the queue are
+        # skipped when they surface (and swept out once they outnumber the queued ones).
+        self.longs = 0
+        self.long_work = 0.0
+        self.long_heap: list[Entry] = []
+        self.few_heap: list[Entry] = []
+        # No queued long item of its has a later deadline (the latest enqueued since it last
+        # had none queued: an item that left may have had it).
+        self.latest_long_deadline = -math.inf
 
     @property
     def backlogged(self) -> bool:
@@ -172,16 +188,8 @@ class WorkQueue(Generic[T, R]):
         # starts again.
         self._virtual_now = 0.0
         self.work = 0.0  # the sum of the queued items' work
-        self.longs = 0  # how many queued items are long, and their work
+        self.longs = 0  # how many queued items are long, and their work (each tenant's: Tenant)
         self.long_work = 0.0
-        # The queued long items by deadline (the order they join in), all of them and those of
-        # few slices: heaps of Entry, whose items that left the queue are skipped when they
-        # surface (and swept out once they outnumber the queued ones).
-        self.long_heap: list[Entry] = []
-        self.few_heap: list[Entry] = []
-        # No queued long item's deadline is later (the latest enqueued since the queue of long
-        # items was last empty: an item that left may have had it).
-        self.latest_long_deadline = -math.inf
 
     def __len__(self) -> int:
         return len(self._items)
@@ -201,6 +209,10 @@ class WorkQueue(Generic[T, R]):
             tenant = self._tenants[name] = Tenant(name, self._weights.get(name, 1.0))
         return tenant
 
+    def total_weight(self) -> float:
+        """The weights of every tenant known (configured, or seen), summed."""
+        return sum(t.weight for t in self._tenants.values())
+
     def tenants(self) -> list[Tenant]:
         return list(self._tenants.values())
 
@@ -209,9 +221,11 @@ class WorkQueue(Generic[T, R]):
         return sum(1 for t in self._tenants.values() if t.backlogged)
 
     def activate(self, tenant: Tenant) -> None:
-        """A tenant with nothing waiting or running gets work: it starts from the virtual time
-        of the last tenant chosen (module docstring)."""
-        if not tenant.backlogged:
+        """A tenant with no short work waiting gets work, or a long item of its starts: it
+        starts from the virtual time of the last tenant chosen, if that is later than its own
+        (module docstring: its virtual time follows the work it is served, and a request
+        parked while others were served banks nothing)."""
+        if not tenant.levels:
             tenant.vtime = max(tenant.vtime, self._virtual_now)
 
     def charge(self, tenant: Tenant, work: float) -> None:
@@ -260,12 +274,14 @@ class WorkQueue(Generic[T, R]):
         if item.tiles:
             self.longs += 1
             self.long_work += item.work
-            self.latest_long_deadline = max(self.latest_long_deadline, item.deadline)
+            tenant.longs += 1
+            tenant.long_work += item.work
+            tenant.latest_long_deadline = max(tenant.latest_long_deadline, item.deadline)
             entry = (item.deadline, item.seq, item)
-            heapq.heappush(self.long_heap, entry)
+            heapq.heappush(tenant.long_heap, entry)
             if item.tiles <= FEW_SLICES:
-                heapq.heappush(self.few_heap, entry)
-            self._sweep_long_heaps()
+                heapq.heappush(tenant.few_heap, entry)
+            self._sweep_long_heaps(tenant)
         else:
             tenant.levels.setdefault(item.priority, OrderedDict())[item.seq] = item
             self._shorts += 1
@@ -282,8 +298,11 @@ class WorkQueue(Generic[T, R]):
         pays its estimated work now, a long item's tile by tile."""
         item.state = State.TAKEN
         item.queue_s = now - item.enqueued
-        if not item.tiles:
-            self.charge(self.tenant(item.tenant), item.work)
+        tenant = self.tenant(item.tenant)
+        if item.tiles:
+            self.activate(tenant)  # (it waited for a place: nothing banked meanwhile)
+        else:
+            self.charge(tenant, item.work)
         self._unlink(item)
 
     def _unlink(self, item: Item[T, R]) -> None:
@@ -295,14 +314,16 @@ class WorkQueue(Generic[T, R]):
         self.work = self.work - item.work if self._items else 0.0
         if item.tiles:
             self.longs -= 1
-            if self.longs:
-                self.long_work -= item.work
-                self._sweep_long_heaps()
+            self.long_work = self.long_work - item.work if self.longs else 0.0
+            tenant.longs -= 1
+            if tenant.longs:
+                tenant.long_work -= item.work
+                self._sweep_long_heaps(tenant)
             else:
-                self.long_work = 0.0
-                self.latest_long_deadline = -math.inf
-                self.long_heap.clear()
-                self.few_heap.clear()
+                tenant.long_work = 0.0
+                tenant.latest_long_deadline = -math.inf
+                tenant.long_heap.clear()
+                tenant.few_heap.clear()
         else:
             level = tenant.levels[item.priority]
             del level[item.seq]
@@ -315,12 +336,14 @@ class WorkQueue(Generic[T, R]):
             del self._groups[item.key]
         self._on_change(False)
 
-    def _sweep_long_heaps(self) -> None:
+    @staticmethod
+    def _sweep_long_heaps(tenant: Tenant) -> None:
         """Drop the entries of items no longer queued once they outnumber the queued ones:
-        each heap stays within twice the long items queued (amortized O(1) an item)."""
-        most = 2 * self.longs + 64
-        if len(self.long_heap) > most or len(self.few_heap) > most:
-            for heap in (self.long_heap, self.few_heap):
+        each heap stays within twice the tenant's long items queued (amortized O(1) an
+        item)."""
+        most = 2 * tenant.longs + 64
+        if len(tenant.long_heap) > most or len(tenant.few_heap) > most:
+            for heap in (tenant.long_heap, tenant.few_heap):
                 heap[:] = [entry for entry in heap if entry[2].state is State.QUEUED]
                 heapq.heapify(heap)
 

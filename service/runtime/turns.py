@@ -125,7 +125,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Generic, NamedTuple, Protocol, TypeVar
 
-from service.runtime.pace import MAX_RETRY_AFTER_S, Pace
+from service.runtime.pace import MAX_RETRY_AFTER_S, Pace, ShortStream
 from service.runtime.queue import FEW_SLICES, Entry, Item, State, Tenant, WorkQueue
 
 T = TypeVar("T")
@@ -303,8 +303,10 @@ class Turns:
         *,
         by_deadline: bool,
         most: float = math.inf,
+        places: int = MAX_RUNNING_LONG,
     ) -> None:
         self.now = start
+        self._places = places  # the long places (MAX_RUNNING_LONG, or a tenant's of them)
         self._by_deadline = by_deadline
         self._left: dict[int, float] = {}  # the items that may have the device: work left
         self._deadline: dict[int, float] = {}
@@ -413,8 +415,8 @@ class Turns:
         waiting = self._waiting
         if waiting is None:
             return
-        while (places := len(self._left) + len(self._holding)) < 2 * MAX_RUNNING_LONG:
-            share = waiting.take(few_only=places >= MAX_RUNNING_LONG)
+        while (places := len(self._left) + len(self._holding)) < 2 * self._places:
+            share = waiting.take(few_only=places >= self._places)
             if share is None:
                 return
             if self.examined >= self._most:
@@ -436,39 +438,87 @@ class Turns:
 class Refusal:
     detail: str
     retry_after_s: float
+    # Refused for its tenant's own long work at the tenant's share (a 429), not the service's.
+    by_share: bool = False
 
 
 class LongTurns(Generic[T, R]):
     """The long items running (in the order they started) and the rules of their turns
     (module docstring), over the queue's long items and the measured pace."""
 
-    def __init__(self, queue: WorkQueue[T, R], pace: Pace, clock: Callable[[], float]) -> None:
+    def __init__(
+        self, queue: WorkQueue[T, R], pace: Pace, clock: Callable[[], float],
+        stream: ShortStream | None = None,
+    ) -> None:  # fmt: skip
         self._queue = queue
         self._pace = pace
         self._clock = clock
+        self.stream = ShortStream(clock) if stream is None else stream
         self.longs: OrderedDict[int, Long[T, R]] = OrderedDict()
+
+    # -- the tenants' shares ---------------------------------------------------------------
+
+    def long_share(self, tenant: Tenant) -> float:
+        """The share of the long work's device a tenant's long items are projected at: its
+        weight over every known tenant's (the configured ones, and any other seen), as if all
+        of them were busy: what the tenants' shares leave it whoever comes later (module
+        docstring: Tenants)."""
+        return tenant.weight / max(tenant.weight, self._queue.total_weight())
+
+    def places(self, tenant: Tenant) -> int:
+        """The long places of a tenant: MAX_RUNNING_LONG by its long share, at least one
+        (twice as many for items of few slices)."""
+        return max(1, round(MAX_RUNNING_LONG * self.long_share(tenant)))
+
+    def per_work(self, tenant: Tenant) -> float:
+        """Seconds of the clock per estimated second of a tenant's long work: at the measured
+        pace, on the device the short stream leaves (service.runtime.pace: ShortStream), at
+        the tenant's long share."""
+        fraction = self.stream.long_fraction() * self.long_share(tenant)
+        return self._pace.seconds_per_work() / fraction
+
+    def _running_of(self, name: str) -> int:
+        return self._queue.tenant(name).running
 
     def next_long(self) -> Item[T, R] | None:
         """The queued long item that starts next, the earliest deadline first (the oldest on
-        ties): any while fewer than MAX_RUNNING_LONG run, else one of at most FEW_SLICES
-        slices while fewer than twice as many run (None when none may)."""
-        if not self._queue.longs or len(self.longs) >= 2 * MAX_RUNNING_LONG:
+        ties) among the tenants with a place free: any of a tenant's while fewer than its
+        places (``places``) of its run, else one of at most FEW_SLICES slices while fewer than
+        twice as many do (None when none may)."""
+        if not self._queue.longs:
             return None
-        if len(self.longs) < MAX_RUNNING_LONG:
-            return self._queue.first_queued(self._queue.long_heap)
-        return self._queue.first_queued(self._queue.few_heap)
+        chosen: Item[T, R] | None = None
+        for tenant in self._queue.tenants():
+            if not tenant.longs:
+                continue
+            places = self.places(tenant)
+            if tenant.running >= 2 * places:
+                continue
+            heap = tenant.long_heap if tenant.running < places else tenant.few_heap
+            first = self._queue.first_queued(heap)
+            if first is not None and (
+                chosen is None or (first.deadline, first.seq) < (chosen.deadline, chosen.seq)
+            ):
+                chosen = first
+        return chosen
 
-    def running_shares(self, now: float) -> dict[int, Share]:
-        """The running long items still waited for, by seq, as a projection starts from
-        them (beyond the tile on the device, which the projection's start counts: a tile is
-        never interrupted)."""
-        per_work = self._pace.seconds_per_work()
+    def running_shares(self, now: float, tenant: Tenant | None = None) -> dict[int, Share]:
+        """The running long items still waited for (of `tenant`, or of every tenant), by seq,
+        as a projection starts from them (beyond the tile on the device, which the
+        projection's start counts: a tile is never interrupted), their work at their tenant's
+        per_work."""
+        per_work: dict[str, float] = {}
         shares = {}
         for long in self.longs.values():
             pending = long.pending
+            if tenant is not None and pending.tenant != tenant.name:
+                continue
             if pending.state is not State.TAKEN or pending.future.cancelled():
                 continue  # dropped at its next turn
-            left = long.left_work * per_work
+            rate = per_work.get(pending.tenant)
+            if rate is None:
+                rate = per_work[pending.tenant] = self.per_work(self._queue.tenant(pending.tenant))
+            left = long.left_work * rate
             shares[pending.seq] = Share(pending.seq, left, pending.deadline - now)
         return shares
 
@@ -480,22 +530,28 @@ class LongTurns(Generic[T, R]):
         The refusal's Retry-After is the first whole second at which the same request would
         be admitted as the projection goes on without it, or a second at which it would be
         (an upper bound of the first), or when the admitted long work is done; at most
-        MAX_RETRY_AFTER_S."""
-        per_work = self._pace.seconds_per_work()
-        left, timeout = pending.work * per_work, pending.deadline - now
-        if left > timeout:
-            # It cannot finish in time even alone, yet the estimate may be wrong: it runs, and
-            # is abandoned at its deadline, getting tiles only while no item that can finish
-            # runs, so it costs nobody their deadline.
+        MAX_RETRY_AFTER_S.
+
+        All of it among the long items of the item's own tenant, at its tenant's long share
+        and places, on the device the short stream leaves (per_work): another tenant's long
+        items never hold its places nor its share."""
+        tenant = self._queue.tenant(pending.tenant)
+        if pending.work * self._pace.seconds_per_work() > pending.deadline - now:
+            # It cannot finish in time even alone on an idle device, yet the estimate may be
+            # wrong: it runs, and is abandoned at its deadline, getting tiles only while no
+            # item that can finish runs, so it costs nobody their deadline.
             return None
-        running = list(self.running_shares(now).values())
+        per_work = self.per_work(tenant)
+        places = self.places(tenant)
+        left, timeout = pending.work * per_work, pending.deadline - now
+        running = list(self.running_shares(now, tenant).values())
         # Before the next tile: the rest of the batch or tile on the device (a tile is never
         # interrupted), then the short work queued.
         short_work = max(0.0, self._queue.work - self._queue.long_work)
-        start = self._pace.in_flight_s(now) + short_work * per_work
+        start = self._pace.in_flight_s(now) + short_work * self._pace.seconds_per_work()
         admitted_s = start + sum(share.left for share in running)
-        admitted_s += self._queue.long_work * per_work
-        first_queued = self._queue.first_queued(self._queue.long_heap)
+        admitted_s += tenant.long_work * per_work
+        first_queued = self._queue.first_queued(tenant.long_heap)
         first_deadline = min(
             timeout,
             min((share.deadline for share in running), default=math.inf),
@@ -512,21 +568,23 @@ class LongTurns(Generic[T, R]):
         # wait for.) The common case again: requests with the default deadline, in order.
         latest = max(
             max((share.deadline for share in running), default=-math.inf),
-            self._queue.latest_long_deadline - now,
+            tenant.latest_long_deadline - now,
         )
         few = pending.tiles <= FEW_SLICES
-        if admitted_s + left <= timeout and timeout >= latest and not (few and self._queue.longs):
+        if admitted_s + left <= timeout and timeout >= latest and not (few and tenant.longs):
             return None
 
         baseline: Turns | None = None
 
         def project(at: float | None, most: float, *, by_deadline: bool = True) -> Turns:
             """The projection with this item arriving `at` seconds from now (None: without)."""
-            waiting = self.waiting(now, per_work)
+            waiting = self.waiting(now, per_work, tenant)
             arrival: Entry = (pending.deadline + (at or 0.0), pending.seq, pending)
             if at is not None and at <= start:
                 waiting.add(arrival)  # queued beside the others, it joins in its turn
-            turns = Turns(start, running, waiting, by_deadline=by_deadline, most=most)
+            turns = Turns(
+                start, running, waiting, by_deadline=by_deadline, most=most, places=places
+            )
             if at is not None and at > start:
                 turns.run(until=at)
                 turns.now = max(turns.now, at)  # (an idle device waits for it)
@@ -568,6 +626,11 @@ class LongTurns(Generic[T, R]):
                 f"more than {_PROJECTED_LONGS} long requests with deadlines at stake are ahead "
                 "of this one: whether it would finish by its deadline was not worked out"
             )
+        elif baseline is None and not (running or tenant.longs):
+            detail = (
+                "it would not finish by its deadline on the share of the device that long "
+                "requests of its tenant are counted at (it could alone on an idle device)"
+            )
         elif baseline is None:
             detail = (
                 "the long requests admitted before this one would not let it finish by its "
@@ -575,6 +638,12 @@ class LongTurns(Generic[T, R]):
             )
         else:
             detail = "it would make a long request admitted before it miss its deadline"
+        short_share = self.stream.share()
+        detail += (
+            f" (projected at {self.long_share(tenant) * (1 - short_share):.2g} of the device: "
+            f"its tenant's share of the long work {self.long_share(tenant):.2g}, less the "
+            f"short requests' measured {short_share:.2g})"
+        )
         # Retry-After. As things stand, the fast paths above admit it once the admitted work
         # is done (it fits alone), or, of more than few slices, once its deadline is the
         # latest with time for the admitted work left (last in line): from `ready` seconds.
@@ -611,80 +680,56 @@ class LongTurns(Generic[T, R]):
         while low < high:
             middle = (low + high) // 2
             low, high = (low, middle) if probe(middle) else (middle + 1, high)
+        # Its tenant's own long work at its share refused it, where tenants share (a 429:
+        # the tenant is past its share), else the service's (503).
+        by_share = self.long_share(tenant) < 1.0 and bool(running or tenant.longs)
+        if by_share:
+            detail += (
+                f" at tenant {tenant.name!r}'s share of the long work ({places} places, "
+                f"{self.long_share(tenant):.2g} of the device)"
+            )
         return Refusal(
-            f"{detail}; retry later, or with a longer timeout", retry_after_s=float(high)
-        )
+            f"{detail}; retry later, or with a longer timeout", retry_after_s=float(high),
+            by_share=by_share,
+        )  # fmt: skip
 
     def whose_turn(self) -> Long[T, R] | None:
         """The running long item that gets the next tile (module docstring: Deadlines of long
-        items): of those that can still finish by their deadline alone (of all, when none
-        can), the one with the least work left, unless that order would make an admitted item
-        that could finish alone, running or queued, miss its deadline (or its projection gave
-        up): then the earliest deadline. The oldest first on ties. With items of several
-        tenants running, only the items of the tenant served next are candidates."""
+        items, Tenants): of the tenant served next (the least virtual time among those with
+        running items still waited for), of its items that can still finish by their deadline
+        (of all, when none can), the one with the least work left, unless that order would
+        make an admitted item of that tenant that could finish, running or queued, miss its
+        deadline (or its projection gave up): then the earliest deadline. The oldest first on
+        ties."""
         longs = list(self.longs.values())
         if len(longs) < 2:
             return next(iter(longs), None)
         now = self._clock()
-        shares = self.running_shares(now)
-        if not shares:
+        tenant = self.next_tile_tenant()
+        if tenant is None:
             return longs[0]  # nobody waits for them: dropped at this turn
-        shares = self._of_tenant_served_next(shares)
+        self._queue.choose([tenant], lambda t: 0)  # (where returning tenants start)
+        shares = self.running_shares(now, tenant)
         can_finish = [share for share in shares.values() if share.left <= share.deadline]
         chosen = min(can_finish or shares.values(), key=lambda share: (share.left, share.seq))
-        if can_finish and (len(can_finish) > 1 or self._queue.longs):
+        if can_finish and (len(can_finish) > 1 or tenant.longs):
             # The queued items count too: that order frees places at other times than the
             # admission's projection has them (a small item with a late deadline first, and
             # a queued item's place came too late for it).
             turns = Turns(
-                0.0, shares.values(), self.waiting(now, self._pace.seconds_per_work()),
-                by_deadline=False, most=_PROJECTED_LONGS,
+                0.0, shares.values(), self.waiting(now, self.per_work(tenant), tenant),
+                by_deadline=False, most=_PROJECTED_LONGS, places=self.places(tenant),
             )  # fmt: skip
             turns.run()
             if turns.exhausted or turns.missed - turns.hopeless:
+                # (earliest deadline first meets every deadline that any order could)
                 chosen = min(can_finish, key=lambda share: (share.deadline, share.seq))
         return self.longs[chosen.seq]
 
-    def _of_tenant_served_next(self, shares: dict[int, Share]) -> dict[int, Share]:
-        """The shares of the running items of the tenant whose turn it is (the least virtual
-        time, the one whose item started first on ties): all of them with one tenant, or when
-        sharing the device by tenants would put a deadline at stake (sharing_is_safe)."""
-        tenant_of = {seq: self.longs[seq].pending.tenant for seq in shares}
-        names = set(tenant_of.values())
-        if len(names) < 2 or not self.sharing_is_safe(shares):
-            return shares
-        chosen = self._queue.choose(
-            [self._queue.tenant(name) for name in names],
-            lambda t: min(seq for seq, name in tenant_of.items() if name == t.name),
-        )
-        return {seq: share for seq, share in shares.items() if tenant_of[seq] == chosen.name}
-
-    def sharing_is_safe(self, shares: dict[int, Share] | None = None) -> bool:
-        """Whether every running long item that can finish by its deadline alone still would
-        with the device shared by tenants: each tenant's items one after another (the least
-        work left first), at the tenant's fair share of the device now. The admission's
-        projections assume the order of the rules above, not the tenants' shares; where the
-        shares would cost an admitted item its deadline, those rules decide instead."""
-        if shares is None:
-            shares = self.running_shares(self._clock())
-        by_tenant: dict[str, list[Share]] = {}
-        for seq, share in shares.items():
-            by_tenant.setdefault(self.longs[seq].pending.tenant, []).append(share)
-        weight = self._queue.backlogged_weight()
-        for name, items in by_tenant.items():
-            fraction = self._queue.share_of(self._queue.tenant(name), weight)
-            elapsed = 0.0
-            for share in sorted(items, key=lambda share: (share.left, share.seq)):
-                if share.left > share.deadline:
-                    continue  # it cannot finish even alone: never at stake
-                elapsed += share.left / fraction
-                if elapsed > share.deadline:
-                    return False
-        return True
-
     def next_tile_tenant(self) -> Tenant | None:
-        """The tenant whose running long item would get a tile by the tenants' shares (the
-        least virtual time; None without running items still waited for)."""
+        """The tenant whose running long item gets the next tile by the tenants' shares (the
+        least virtual time, the one whose item started first on ties; None without running
+        items still waited for)."""
         names: dict[str, int] = {}
         for seq, long in self.longs.items():
             pending = long.pending
@@ -695,9 +740,9 @@ class LongTurns(Generic[T, R]):
         tenants = [self._queue.tenant(name) for name in names]
         return self._queue.least(tenants, lambda t: names[t.name])
 
-    def waiting(self, now: float, per_work: float) -> Waiting:
-        """The queued long items, for a projection from `now`."""
+    def waiting(self, now: float, per_work: float, tenant: Tenant) -> Waiting:
+        """A tenant's queued long items, for a projection from `now`."""
         return Waiting(
-            self._queue.long_heap, self._queue.few_heap, origin=now, per_work=per_work,
-            work=self._queue.long_work, count=self._queue.longs,
+            tenant.long_heap, tenant.few_heap, origin=now, per_work=per_work,
+            work=tenant.long_work, count=tenant.longs,
         )  # fmt: skip

@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 
 import pytest
 
-from service.errors import DeadlineExceeded, QueueFull, TenantQueueFull
+from service.errors import DeadlineExceeded, DeadlineUnreachable, QueueFull, TenantQueueFull
 from service.metrics import Metrics
 from service.runtime.batcher import BatchResult, DynamicBatcher
 from service.runtime.queue import Item, State, WorkQueue
@@ -456,33 +456,43 @@ def test_short_batches_of_another_tenant_share_the_device_with_a_tile_by_weight(
     assert sum(len(e.split(",")) for e in log if e != "LA") == 200
 
 
-def test_shares_give_way_where_they_would_cost_a_long_item_its_deadline() -> None:
-    """B's long item (40 tiles, far deadline) and A's (20 tiles: 1 s of work, 1.2 s to go) run
-    together. Shared by tenants, A's would take 2 s and miss; so the rules without tenants
-    decide (the least work left first) until sharing is safe again: after 16 of A's tiles
-    (0.2 s of work left, at half the device 0.4 s, and 0.4 s to go), the tenants share, and
-    A's still ends by its deadline. A review found A's admitted and then abandoned (504, 13 of
-    20 tiles done)."""
+def test_a_tight_deadline_buys_no_more_than_the_tenants_share() -> None:
+    """B's long item (40 tiles, far deadline) runs; A's of 20 tiles (1 s of work) is admitted
+    at A's share of the long work, half the device with two tenants known: with 1.2 s to go
+    (2 s at half the device) it is refused at once, 503 with a Retry-After; with 2.2 s to go it
+    is admitted, the tiles alternate by the tenants' shares (neither tenant 2 tiles ahead), and
+    A's ends by its deadline. Before (issue 38), the shares gave way to A's deadline: A's tiles
+    ran alone (16 in a row), and a tenant keeping tight deadlines held the other tenant's
+    requests at bay (its shorts 1.0 s, where the bound is about one slice)."""
 
-    async def main() -> tuple[list[BatchResult[str] | BaseException], list[str]]:
+    async def main(seconds: float) -> tuple[list[BatchResult[str] | BaseException], list[str]]:
         clock = FakeClock()
         device = TiledDevice(clock)
         b = tiled_batcher(device, clock)
         await b.start()
         tasks = [
             asyncio.create_task(b.submit("LB:40", deadline=clock.now + 3600, tenant="B")),
-            asyncio.create_task(b.submit("LA:20", deadline=clock.now + 1.2, tenant="A")),
+            asyncio.create_task(b.submit("LA:20", deadline=clock.now + seconds, tenant="A")),
         ]
         results = await asyncio.gather(*tasks, return_exceptions=True)
         await b.drain(5)
         return results, device.log
 
-    results, log = run(main())
+    results, log = run(main(1.2))
+    assert getattr(results[0], "value", None) == "LB"
+    assert isinstance(results[1], DeadlineUnreachable), results[1]
+    assert results[1].status == 503
+    assert 1.0 <= results[1].retry_after_s <= 60.0
+    assert "share" in str(results[1])
+    assert log == ["LB"] * 40
+
+    results, log = run(main(2.2))
     assert [getattr(r, "value", r) for r in results] == ["LB", "LA"]
-    assert log[:16] == ["LA"] * 16
-    last_of_a = max(i for i, entry in enumerate(log) if entry == "LA")
+    # Shared by the tenants' virtual times: neither gets more than a tile ahead of the other.
+    assert all(abs(log[:k].count("LA") - log[:k].count("LB")) <= 2 for k in range(41)), log
     assert log.count("LA") == 20
-    assert (last_of_a + 1) * SLICE <= 1.2 + 1e-9  # each tile is one slice of the clock
+    last_of_a = max(i for i, entry in enumerate(log) if entry == "LA")
+    assert (last_of_a + 1) * SLICE <= 2.2 + 1e-9  # each tile is one slice of the clock
 
 
 def test_every_configured_tenant_finds_room_in_the_queue() -> None:
