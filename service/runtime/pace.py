@@ -56,7 +56,11 @@ MAX_TILING_CORRECTION = 4.0
 # seconds of the clock weigh half; before any, the stream counts as one second without short
 # work (so one early batch does not read as a flood).
 SHORT_STREAM_HALF_LIFE_S = 10.0
-SHORT_STREAM_PRIOR_S = 1.0
+SHORT_STREAM_PRIOR_S = 0.25
+# A stream's next seconds bring more or less than its measured rate (a Poisson stream of 15
+# small requests a second varies by a tenth over 6 s, and the measure lags a change): the
+# projections count it at this multiple of its rate, within the bounds below.
+SHORT_STREAM_MARGIN = 1.5
 # The worker runs up to one slice of short batches of measured time between two tiles of its
 # own tenant: short work takes about half the device beside long work, the prior here; its
 # measure moves it, with the throughput's half-life of device time.
@@ -184,10 +188,11 @@ class ShortStream:
 
     def share(self) -> float:
         """The share of the device the projections count the short stream as taking from long
-        work: its rate, at most what the worker lets it take between tiles (half the device
+        work: its rate with a margin (SHORT_STREAM_MARGIN), at most what the worker lets it
+        take between tiles (half the device
         by its rule, more where batches overran it: the larger), at most MAX_SHORT_SHARE."""
         bound = max(BETWEEN_TILES_PRIOR, self.between_tiles())
-        return min(self.rate(), bound, MAX_SHORT_SHARE)
+        return min(SHORT_STREAM_MARGIN * self.rate(), bound, MAX_SHORT_SHARE)
 
     def long_fraction(self) -> float:
         """The share of the device left to long work."""

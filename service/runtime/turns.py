@@ -215,6 +215,10 @@ class Share(NamedTuple):
     left: float
     deadline: float
     few: bool = False
+    # Its work left alone on the device, at the measured pace (`left` is at its tenant's
+    # share of what the short stream leaves): whether it can still finish at all. (-1: as
+    # `left`.)
+    alone: float = -1.0
 
 
 class Waiting:
@@ -224,7 +228,9 @@ class Waiting:
     worker skips them. Work in device seconds at per_work, deadlines in seconds from origin.
     """
 
-    __slots__ = ("_count", "_every", "_few", "_joined", "left_s", "origin", "per_work")
+    __slots__ = (
+        "_count", "_every", "_few", "_joined", "alone_per_work", "left_s", "origin", "per_work"
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -235,10 +241,12 @@ class Waiting:
         per_work: float,
         work: float,
         count: int,
+        alone_per_work: float | None = None,
     ) -> None:
         self._every, self._few = list(every), list(few)  # heaps still: copies of heaps
         self._joined: set[int] = set()
         self.origin, self.per_work = origin, per_work
+        self.alone_per_work = per_work if alone_per_work is None else alone_per_work
         self._count = count  # items not taken yet, and their work in device seconds
         self.left_s = work * per_work
 
@@ -271,7 +279,8 @@ class Waiting:
         self._count -= 1
         # (summed floats drift: once none is left, exactly nothing is)
         self.left_s = max(0.0, self.left_s - left) if self._count > 0 else 0.0
-        return Share(seq, left, deadline - self.origin, pending.tiles <= FEW_SLICES)
+        few = pending.tiles <= FEW_SLICES
+        return Share(seq, left, deadline - self.origin, few, pending.work * self.alone_per_work)
 
 
 class Turns:
@@ -399,10 +408,14 @@ class Turns:
             else:
                 self.missed.add(share.seq)
             return
-        if share.left > share.deadline - self.now:
+        # One that cannot finish even alone on the device (at the measured pace) holds its
+        # place and never runs, as the worker has it (LongTurns.whose_turn); one that could
+        # runs, at its share, and may miss.
+        alone = share.left if share.alone < 0 else share.alone
+        if alone > share.deadline - self.now:
             heapq.heappush(self._holding, share.deadline)
             self.missed.add(share.seq)
-            if share.left > share.deadline:
+            if alone > share.deadline:
                 self.hopeless.add(share.seq)
             return
         self._left[share.seq] = share.left
@@ -426,7 +439,7 @@ class Turns:
             # (or none, past it): a push and a pop, a fraction of what an item at stake costs.
             # Counted as a whole item, a flood of such cheap hopeless requests made every
             # projection give up, and every long request behind them was refused.
-            at_stake = share.left <= share.deadline - self.now
+            at_stake = (share.left if share.alone < 0 else share.alone) <= share.deadline - self.now
             self.examined += 1 if at_stake else _HOLDER_SHARE
             if share.deadline > self.now:
                 self._start(share)
@@ -519,7 +532,8 @@ class LongTurns(Generic[T, R]):
             if rate is None:
                 rate = per_work[pending.tenant] = self.per_work(self._queue.tenant(pending.tenant))
             left = long.left_work * rate
-            shares[pending.seq] = Share(pending.seq, left, pending.deadline - now)
+            alone = long.left_work * self._pace.seconds_per_work()
+            shares[pending.seq] = Share(pending.seq, left, pending.deadline - now, False, alone)
         return shares
 
     def refusal(self, pending: Item[T, R], now: float) -> Refusal | None:
@@ -710,9 +724,17 @@ class LongTurns(Generic[T, R]):
             return longs[0]  # nobody waits for them: dropped at this turn
         self._queue.choose([tenant], lambda t: 0)  # (where returning tenants start)
         shares = self.running_shares(now, tenant)
-        can_finish = [share for share in shares.values() if share.left <= share.deadline]
+        # Those that could still finish alone on the device (at the measured pace): the short
+        # stream may have taken more than its projected share for a while, and such an item
+        # is then the one to save (earliest deadline first, below), not one to give up on.
+        can_finish = [share for share in shares.values() if share.alone <= share.deadline]
         chosen = min(can_finish or shares.values(), key=lambda share: (share.left, share.seq))
-        if can_finish and (len(can_finish) > 1 or tenant.longs):
+        behind = [share for share in can_finish if share.left > share.deadline]
+        if behind:
+            # One is behind its projection already: the earliest deadline first saves what
+            # any order could.
+            chosen = min(can_finish, key=lambda share: (share.deadline, share.seq))
+        elif can_finish and (len(can_finish) > 1 or tenant.longs):
             # The queued items count too: that order frees places at other times than the
             # admission's projection has them (a small item with a late deadline first, and
             # a queued item's place came too late for it).
@@ -745,4 +767,5 @@ class LongTurns(Generic[T, R]):
         return Waiting(
             tenant.long_heap, tenant.few_heap, origin=now, per_work=per_work,
             work=tenant.long_work, count=tenant.longs,
+            alone_per_work=self._pace.seconds_per_work(),
         )  # fmt: skip
