@@ -41,7 +41,7 @@ test: lint typecheck $(VENV)/.minilm
 # The fast tests (core, service in process, client), under a minute: no real server, no
 # subprocesses, no slow marks. `make test` stays the whole suite.
 unit: venv
-	$(BIN)/pytest -n 2 -q -m "not slow" tests/core tests/service tests/client
+	$(BIN)/pytest -n 2 --dist loadgroup -q -m "not slow" tests/core tests/service tests/client
 
 # Coverage-guided fuzzing (atheris) of the parsers that take bytes from anyone: the v1 body,
 # v2's binary framing, the gRPC door's messages (fuzz/). Each harness runs FUZZ_SECONDS from

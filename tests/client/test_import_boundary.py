@@ -22,6 +22,7 @@ DEPENDENCIES = {"numpy", "httpx"}
 OPTIONAL = {"rich"}
 
 
+@pytest.mark.slow  # a fresh interpreter
 @pytest.mark.parametrize("module", ["sdpa_client", "sdpa_client.loadtest", "sdpa_client.loadgen"])
 def test_a_fresh_interpreter_imports_it_without_the_server_stack(module: str) -> None:
     code = (
@@ -70,6 +71,7 @@ def test_the_tap_adds_torch_and_nothing_of_the_server(path: Path) -> None:
     assert imported_top_level_names(path) - allowed == set()
 
 
+@pytest.mark.slow  # a fresh interpreter
 def test_importing_the_tap_loads_torch_but_not_the_server_stack() -> None:
     code = (
         "import json, sys, sdpa_client.tap\n"

@@ -152,6 +152,7 @@ def test_the_tap_sends_the_context_of_the_forward_it_sampled(tracer: Tracer) -> 
     assert recorder.traceparents() == [traceparent_of(span), None]
 
 
+@pytest.mark.slow  # a fresh interpreter
 def test_without_opentelemetry_nothing_is_sent_and_nothing_fails() -> None:
     """A fresh interpreter where opentelemetry cannot be imported (as where it is not
     installed): the requests carry no trace context; and importing the client, or opening

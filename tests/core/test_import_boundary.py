@@ -7,9 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import sdpa_core
 
 
+@pytest.mark.slow  # a fresh interpreter
 def test_import_loads_no_web_stack() -> None:
     code = (
         "import json, sys; import sdpa_core; "

@@ -482,6 +482,7 @@ def test_fused_runs_large_masks_in_query_tiles(
     torch.testing.assert_close(tiled, whole.output, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.slow  # a fresh interpreter
 @pytest.mark.parametrize(
     ("heads", "d_v", "kernel"),
     [

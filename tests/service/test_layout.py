@@ -90,6 +90,7 @@ NOT_LOADED: dict[str, tuple[str, ...]] = {
 }
 
 
+@pytest.mark.slow  # a fresh interpreter
 @pytest.mark.parametrize("module", sorted(NOT_LOADED))
 def test_a_room_loads_no_framework_it_must_not_know(module: str) -> None:
     forbidden = NOT_LOADED[module]

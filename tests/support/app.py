@@ -13,7 +13,9 @@ from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from service.app import create_app
+from service.runtime.device import resolve_device
 from service.runtime.engine import Engine
+from service.runtime.policy import CostModel
 from service.settings import Settings
 
 # Small limits so that the limit cases (and schema-generated requests) stay cheap. The same
@@ -40,6 +42,27 @@ def small_settings(**overrides: object) -> Settings:
     return Settings(**values)  # type: ignore[arg-type]  # validated (and converted) by pydantic
 
 
+# The cost model each device measured, once per test process (ReadyEngine).
+_COST_MODELS: dict[str, CostModel] = {}
+
+
+class ReadyEngine(Engine):
+    """The engine the app would build, whose warm-up takes the cost model this process
+    already measured on the device (the first app's calibration, 48 timed calls): the model
+    is the real one, measured once rather than at every app's start."""
+
+    def calibrate(self) -> CostModel:
+        model = _COST_MODELS.get(str(self.device))
+        if model is None:
+            model = _COST_MODELS[str(self.device)] = super().calibrate()
+        return model
+
+
+def ready_engine(settings: Settings) -> Engine:
+    """The engine create_app(settings) would build, with the cost model ready."""
+    return ReadyEngine(resolve_device(settings.device))
+
+
 @contextmanager
 def in_process_client(
     settings: Settings,
@@ -48,8 +71,10 @@ def in_process_client(
     headers: Mapping[str, str] | None = None,
     ready_timeout_s: float = 60.0,
 ) -> Iterator[TestClient]:
-    """A client of create_app(settings, engine=engine), once its warm-up made it ready."""
-    app = create_app(settings, engine=engine)
+    """A client of create_app(settings, engine=engine), once its warm-up made it ready
+    (without `engine`, the engine the app would build, its cost model measured once per
+    process: ReadyEngine)."""
+    app = create_app(settings, engine=engine if engine is not None else ready_engine(settings))
     with TestClient(app, raise_server_exceptions=False, headers=dict(headers or {})) as client:
         deadline = time.monotonic() + ready_timeout_s
         while client.get("/readyz").status_code != 200:

@@ -63,6 +63,7 @@ needs_two_threads = pytest.mark.skipif(
 
 
 @needs_two_threads
+@pytest.mark.slow  # a fresh interpreter
 def test_an_app_that_owns_its_process_gives_the_threads_to_the_device_thread() -> None:
     counts = probe(own_process=True)
     assert counts["chosen"] >= 2
@@ -72,6 +73,7 @@ def test_an_app_that_owns_its_process_gives_the_threads_to_the_device_thread() -
 
 
 @needs_two_threads
+@pytest.mark.slow  # a fresh interpreter
 def test_an_app_inside_another_program_leaves_the_counts_alone() -> None:
     counts = probe(own_process=False)
     assert counts["device"] == counts["other"] == counts["chosen"] >= 2
