@@ -146,8 +146,9 @@ class ShortStream:
     def __init__(self, clock: Callable[[], float]) -> None:
         self._clock = clock
         self._since = clock()
-        # Short batches' device seconds and the clock's seconds, decayed sums.
+        # Short batches' device seconds (and their squares) and the clock's seconds, decayed.
         self._busy_s = 0.0
+        self._squares = 0.0
         self._span_s = SHORT_STREAM_PRIOR_S
         # Device seconds of short batches run between two tiles, and of the tiles: decayed.
         self._between_s = BETWEEN_TILES_PRIOR * THROUGHPUT_PRIOR_S
@@ -161,12 +162,15 @@ class ShortStream:
         # The clock's seconds, each weighing as the decay says by now: its integral.
         self._span_s = self._span_s * keep + SHORT_STREAM_HALF_LIFE_S / math.log(2) * (1 - keep)
         self._busy_s *= keep
+        self._squares *= keep
         self._since = now
 
     def note_short(self, seconds: float) -> None:
         """A short batch took `seconds` of device time (it ended now)."""
         self._decay_to(self._clock())
-        self._busy_s += max(0.0, seconds)
+        seconds = max(0.0, seconds)
+        self._busy_s += seconds
+        self._squares += seconds * seconds
 
     def note_turn(self, short_s: float, tile_s: float) -> None:
         """Between two tiles short batches took `short_s`, then the tile `tile_s`."""
@@ -182,17 +186,24 @@ class ShortStream:
         self._decay_to(self._clock())
         return self._busy_s / self._span_s
 
+    def rate_bound(self) -> float:
+        """The rate with room for what its measure cannot tell: SHORT_STREAM_MARGIN times
+        it, plus two standard deviations of a Poisson stream of such batches over the span
+        measured (wide while little is measured, narrowing as the span grows)."""
+        rate = self.rate()
+        return SHORT_STREAM_MARGIN * rate + 2.0 * math.sqrt(self._squares) / self._span_s
+
     def between_tiles(self) -> float:
         """The share of the device short batches took between tiles, lately."""
         return self._between_s / (self._between_s + self._tiles_s)
 
     def share(self) -> float:
         """The share of the device the projections count the short stream as taking from long
-        work: its rate with a margin (SHORT_STREAM_MARGIN), at most what the worker lets it
-        take between tiles (half the device
+        work: its rate with a margin (rate_bound), at most what the worker lets it take
+        between tiles (half the device
         by its rule, more where batches overran it: the larger), at most MAX_SHORT_SHARE."""
         bound = max(BETWEEN_TILES_PRIOR, self.between_tiles())
-        return min(SHORT_STREAM_MARGIN * self.rate(), bound, MAX_SHORT_SHARE)
+        return min(self.rate_bound(), bound, MAX_SHORT_SHARE)
 
     def long_fraction(self) -> float:
         """The share of the device left to long work."""

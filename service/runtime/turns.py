@@ -337,6 +337,8 @@ class Turns:
         self.finished: dict[int, float] = {}
         self.missed: set[int] = set()
         self.hopeless: set[int] = set()
+        # The deadline of every item taken in.
+        self.deadlines: dict[int, float] = {}
         for share in running:
             self.examined += 1
             self._start(share)
@@ -402,6 +404,7 @@ class Turns:
         return True
 
     def _start(self, share: Share) -> None:
+        self.deadlines[share.seq] = share.deadline
         if share.left <= 0.0:  # its last tile is the one on the device: done as it ends
             if share.deadline >= self.now:
                 self.finished[share.seq] = self.now
@@ -445,6 +448,7 @@ class Turns:
                 self._start(share)
             else:  # its deadline passed while it was queued (a 504, never computed)
                 self.missed.add(share.seq)
+                self.deadlines[share.seq] = share.deadline
 
 
 @dataclass(frozen=True, slots=True)
@@ -630,7 +634,16 @@ class LongTurns(Generic[T, R]):
                     baseline = project(None, _PROJECTED_LONGS)
             # Those it would miss miss without it too: it harms nobody. (Where the projection
             # without it gave up before one of them, that one counts as harmed.)
-            return turns.missed <= baseline.missed
+            if not turns.missed <= baseline.missed:
+                return False
+            # Those missed without it too that could still finish alone are behind their
+            # projection (the short stream took more than its share for a while): the worker
+            # serves them by earliest deadline, and an item due before one of them would take
+            # its time first. (Without this, one admitted item a hair behind let every later
+            # one of an earlier deadline in, and missed.)
+            due = timeout + at
+            behind = baseline.missed - baseline.hopeless
+            return all(baseline.deadlines.get(seq, math.inf) < due for seq in behind)
 
         verdict = fits(0.0, _PROJECTED_LONGS)
         if verdict:
