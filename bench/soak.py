@@ -10,7 +10,9 @@ Traffic, all at once on one server (each stream a closed loop of its own):
 
 Every SAMPLE_S seconds the server's RSS (VmRSS) and open descriptors (/proc/PID/fd) are
 sampled; after the warm-up, a least-squares line through the samples gives the slope per
-minute (a leak is a slope well above the noise). Results: bench/results/soak.{md,json}.
+minute (a leak is a slope well above the noise). At the end /metrics gives the broken
+admissions (504 after admission: sdpa_broken_admissions_total) and the long requests refused
+at admission for their deadline. Results: bench/results/soak.{md,json}.
 
     .venv/bin/python bench/soak.py                   # 10 minutes (the issue's soak)
     .venv/bin/python bench/soak.py --seconds 120     # a quick look
@@ -178,6 +180,7 @@ async def _soak(url: str, pid: int, seconds: float) -> dict[str, object]:
             print(f"{samples[-1][0]:6.0f} s  RSS {rss:8.1f} MiB  fds {fds:4d}", flush=True)
             await asyncio.sleep(min(SAMPLE_S, max(0.0, until - time.monotonic())))
         await asyncio.gather(*tasks)
+        promises = _promises((await client.get("/metrics")).text)
     rss, fds = await asyncio.to_thread(_sample, pid)
     samples.append((time.monotonic() - started, rss, fds))
     fitted = [s for s in samples if s[0] >= min(WARM_UP_S, seconds / 3)]
@@ -194,7 +197,20 @@ async def _soak(url: str, pid: int, seconds: float) -> dict[str, object]:
         "fd_range": [min(s[2] for s in fitted), max(s[2] for s in fitted)] if fitted else None,
         "outcomes": dict(sorted(tally.statuses.items())),
         "refusals": dict(refusals),
+        **promises,
     }
+
+
+def _promises(text: str) -> dict[str, float]:
+    """From /metrics: 504s after admission (sdpa_broken_admissions_total, every tenant) and
+    long requests refused at admission for their deadline."""
+    broken = refused = 0.0
+    for line in text.splitlines():
+        if line.startswith("sdpa_broken_admissions_total{"):
+            broken += float(line.rsplit(" ", 1)[1])
+        elif line.startswith('sdpa_rejected_total{reason="deadline_unreachable"}'):
+            refused += float(line.rsplit(" ", 1)[1])
+    return {"broken_admissions": broken, "refused_deadline_unreachable": refused}
 
 
 def _markdown(result: dict[str, object], command: str) -> str:
@@ -206,6 +222,9 @@ def _markdown(result: dict[str, object], command: str) -> str:
         f"- RSS slope after {result['fitted_from_s']} s: {result['rss_slope_mib_per_min']} MiB/min"
         f" (range {result['rss_range_mib']} MiB)",
         f"- descriptor slope: {result['fd_slope_per_min']} per minute (range {result['fd_range']})",
+        f"- broken admissions (504 after admission, sdpa_broken_admissions_total): "
+        f"{result['broken_admissions']:g}; long requests refused at admission for their "
+        f"deadline: {result['refused_deadline_unreachable']:g}",
         "",
         "| stream and outcome | count |",
         "|---|---:|",

@@ -332,3 +332,27 @@ def test_two_tenants_long_places_are_shared_by_weight() -> None:
     both = workload.log[first_b : first_b + 40]
     a_tiles = sum(entry.startswith("LA") for entry in both)
     assert 28 <= a_tiles <= 32, both
+
+
+def test_a_504_after_admission_is_counted_as_a_broken_admission_by_tenant() -> None:
+    """A's long request of 40 tiles with 1 s to go cannot finish even alone (2 s of work) but
+    is admitted (the estimate may be wrong) and abandoned at its deadline: a 504 after
+    admission, counted once for A in sdpa_broken_admissions_total; B's that finish, and a
+    refusal at admission, are not counted."""
+
+    async def main() -> tuple[Workload, Metrics]:
+        clock = FakeClock()
+        arrivals = [Arrival(0.0, "LA0:40", 1.0), Arrival(0.0, "LB0:4", 60.0)]
+        workload = Workload(clock, arrivals)
+        metrics = Metrics()
+        await workload.play(batcher_for(workload, {"A": 1.0, "B": 1.0}, metrics))
+        return workload, metrics
+
+    workload, metrics = run(main())
+    error = workload.tasks["LA0:40"].exception()
+    assert error is not None
+    assert getattr(error, "status", None) == 504
+    assert workload.tasks["LB0:4"].result().value == "LB0"
+    value = metrics.registry.get_sample_value
+    assert value("sdpa_broken_admissions_total", {"tenant": "A"}) == 1.0
+    assert value("sdpa_broken_admissions_total", {"tenant": "B"}) is None
