@@ -41,6 +41,7 @@ ALERTS = {
     "SdpaNonFiniteInputs",
     "SdpaQueueBacklog",
     "SdpaTenantBacklog",
+    "SdpaBrokenAdmissions",
     "SdpaP99LatencyHigh",
 }
 RECORDS = {"sdpa:attention_sink_rate:ratio15m"}
