@@ -104,16 +104,31 @@ join by deadline, and long items are admitted by deadline:
 Time (deadlines, the pace, the projections) comes from one ``clock``, time.monotonic unless
 another is given; the deadline timer runs on the event loop's clock, the same one by default.
 
-Tenants: with long items of several tenants running, the next tile goes to the tenant whose
-virtual time is least (service.runtime.queue: the same shares as the short batches), and among
-that tenant's items by the rules above; short batches of another tenant run before the tile
-while their tenant's virtual time is not past the tile's tenant's (the batcher). Unless sharing
-the device by tenants would cost a running item a deadline it can meet alone
-(``sharing_is_safe``): then the rules above decide, as the admission's projections assumed.
-Joining and admission stay by deadline across tenants, as the projections assume: one tenant's
-long items can hold every place, and a long request of another tenant is then refused by its
-deadline (503) when those would leave it no time (a known limit: the projections do not model
-the tenants' shares).
+Admission keeps its word (DESIGN.md): the projections count the short work that keeps
+arriving, not only the short work queued now. Long work is projected on the device the short
+stream leaves (service.runtime.pace.ShortStream: its measured share, with a margin, at most
+what the worker lets it take between two tiles); an item behind that projection that can still
+finish alone on the device is served by earliest deadline, in the worker and in the
+projections alike (``Share.alone``), and a new item due before it is refused (it would take its
+time first). On random workloads of short streams, analyses and long requests of several
+tenants (tests/service/runtime/test_admission.py), every item admitted finished by its
+deadline: a sweep of 200 workloads, 5,582 admitted and 1,893 refused, broke none, where
+projections of the queue alone broke a promise in most of them.
+
+Tenants: the long places and the projections are divided by tenant weight, as the short queue
+is. A tenant's long items hold at most its share of MAX_RUNNING_LONG places (``places``: its
+weight over every known tenant's, at least one; twice as many of few slices), and a long item
+is admitted by a projection of its own tenant's long items alone, at the tenant's share of the
+device the short stream leaves (``per_work``), as if every known tenant were busy: another
+tenant's long items never hold its places nor its share, and a tight deadline buys no more than
+the tenant's share (refused for its own tenant's long work, a 429; else 503). The next tile goes
+to the tenant whose virtual time is least (service.runtime.queue: the same shares as the short
+batches; tiles charge it), and among that tenant's items by the rules above; the short batches
+of another tenant run before the tile while their tenant's virtual time is not past the tile's
+tenant's, up to the measured time the tile tenant's share leaves them (the batcher). (Before,
+the shares gave way wherever they would cost a running item its deadline: a tenant keeping
+tight deadlines held another's short requests to 1.0 s and its long ones to 3 completions in
+57 s.)
 """
 
 from __future__ import annotations
