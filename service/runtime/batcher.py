@@ -729,6 +729,8 @@ class DynamicBatcher(Generic[T, R]):
         done = left_before - long.left_work
         self._queue.charge(self._queue.tenant(long.pending.tenant), done)
         self._note_throughput(done, seconds)
+        if not finished:  # (a last tile counts all the estimate left over: no pace of its own)
+            self._pace.note_tile(done, seconds)
         self._turns.stream.note_turn(short_s, seconds)
         if not finished:
             return  # its next turn looks at its deadline and client first

@@ -88,6 +88,11 @@ class Pace:
         # The batch or tile on the device: its estimated work, and since when.
         self.running_work = 0.0
         self.running_since = 0.0
+        # The tiles' pace (device seconds per estimated second) one by one: its decayed mean
+        # and mean square, weighted by device time (spread()).
+        self._tiles_s = 0.0
+        self._tile_pace = 0.0
+        self._tile_pace_sq = 0.0
 
     def note(self, work: float, seconds: float) -> None:
         """`work` estimated seconds took `seconds` of device time."""
@@ -95,6 +100,27 @@ class Pace:
         self.done_work = self.done_work * keep + work
         self.busy_s = self.busy_s * keep + seconds
         self.measured = True
+
+    def note_tile(self, work: float, seconds: float) -> None:
+        """A long item's tile: `work` estimated seconds took `seconds` (its pace's spread)."""
+        if work <= 0.0 or seconds <= 0.0:
+            return
+        pace = seconds / work
+        keep = 0.5 ** (seconds / THROUGHPUT_HALF_LIFE_S)
+        self._tiles_s = self._tiles_s * keep + seconds
+        self._tile_pace = self._tile_pace * keep + seconds * pace
+        self._tile_pace_sq = self._tile_pace_sq * keep + seconds * pace * pace
+
+    def spread(self) -> float:
+        """How far the tiles' pace strays from its mean, relative to it: two standard
+        deviations over the mean (0 where every tile kept the same pace; at most 1). On a
+        machine whose cores other work shares, a tile's pace swings by several times from one
+        second to the next, and a projection at the mean pace promised what it then missed."""
+        if self._tiles_s <= 0.0:
+            return 0.0
+        mean = self._tile_pace / self._tiles_s
+        variance = max(0.0, self._tile_pace_sq / self._tiles_s - mean * mean)
+        return min(1.0, 2.0 * math.sqrt(variance) / mean) if mean > 0.0 else 0.0
 
     def seconds_per_work(self) -> float:
         """Device seconds per estimated second, at the measured pace."""

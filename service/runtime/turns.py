@@ -504,10 +504,10 @@ class LongTurns(Generic[T, R]):
 
     def per_work(self, tenant: Tenant) -> float:
         """Seconds of the clock per estimated second of a tenant's long work: at the measured
-        pace, on the device the short stream leaves (service.runtime.pace: ShortStream), at
-        the tenant's long share."""
+        pace with room for its spread (Pace.spread), on the device the short stream leaves
+        (service.runtime.pace: ShortStream), at the tenant's long share."""
         fraction = self.stream.long_fraction() * self.long_share(tenant)
-        return self._pace.seconds_per_work() / fraction
+        return self._pace.seconds_per_work() * (1.0 + self._pace.spread()) / fraction
 
     def _running_of(self, name: str) -> int:
         return self._queue.tenant(name).running
