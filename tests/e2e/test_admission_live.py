@@ -82,6 +82,8 @@ async def _loop(
             tally[f"{name} {type(error).__name__}"] += 1
             continue
         tally[f"{name} {response.status_code}"] += 1
+        if response.status_code == 504:
+            print(name, response.json().get("detail"))
         if response.status_code in (429, 503):
             retry = float(response.headers.get("retry-after", "1"))
             await asyncio.sleep(min(5.0, retry, max(0.0, until - time.monotonic())))
