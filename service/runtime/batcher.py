@@ -80,7 +80,7 @@ from service.errors import (
 from service.metrics import Metrics
 from service.runtime.device_thread import DeviceThread
 from service.runtime.pace import DEFAULT_RETRY_AFTER_S, Pace, retry_after
-from service.runtime.queue import FEW_SLICES, BatchResult, Item, State, Tenant, WorkQueue
+from service.runtime.queue import FEW_SLICES, BatchResult, Item, Tenant, WorkQueue
 from service.runtime.turns import MAX_RUNNING_LONG, Long, LongTurns, Resumable
 from service.tenants import ANONYMOUS, MAX_WEIGHT, MIN_WEIGHT
 
@@ -358,8 +358,7 @@ class DynamicBatcher(Generic[T, R]):
         try:
             return await future
         except asyncio.CancelledError:
-            if pending.state is State.QUEUED:
-                self._queue.remove(pending)
+            if self._queue.withdraw(pending):
                 self._reject("disconnected")
             # A TAKEN short item runs to the end, a long one to its next tile; cancelling its
             # future tells the worker that nobody is listening, so it neither answers it nor
@@ -373,11 +372,10 @@ class DynamicBatcher(Generic[T, R]):
     def _expire(self, pending: Item[T, R]) -> None:
         """The deadline timer: fail the item if it has not left the queue, or if it is a
         long item running (the worker drops its run at the next tile)."""
-        if pending.state is State.QUEUED:
-            self._queue.remove(pending)
+        if self._queue.withdraw(pending):
             self._reject("deadline")
             self._break(pending, _queued_too_long())
-        elif pending.state is State.TAKEN and pending.seq in self._turns.longs:
+        elif pending.seq in self._turns.longs:  # (answered once: answer() skips a DONE one)
             progress = self._turns.longs[pending.seq].progress()
             self._break(
                 pending,
@@ -583,7 +581,7 @@ class DynamicBatcher(Generic[T, R]):
             # drain() timed out while this batch was on the device: its items get ShuttingDown
             # now; _answer_batch, should it still come, finds them answered.
             for pending in batch:
-                if pending.state is State.TAKEN:
+                if self._queue.owes_answer(pending):
                     self._reject("shutting_down")
                     self._queue.answer(pending, _shut_down_while_running())
             self._in_flight = []
@@ -643,8 +641,7 @@ class DynamicBatcher(Generic[T, R]):
     def _end_longs(self, error: Callable[[], BaseException]) -> None:
         """Answer every long item still running with error() and forget them all."""
         for long in list(self._turns.longs.values()):
-            if long.pending.state is State.TAKEN:
-                self._queue.answer(long.pending, error())
+            self._queue.answer(long.pending, error())  # (not one answered already)
             self._end_long(long)
 
     def _left_alone(self, long: Long[T, R]) -> bool:
@@ -655,7 +652,7 @@ class DynamicBatcher(Generic[T, R]):
         pending = long.pending
         if pending.future.cancelled():
             reason = "disconnected"
-        elif pending.state is not State.TAKEN:
+        elif not self._queue.owes_answer(pending):  # the deadline timer answered it
             reason = "deadline"
         elif pending.deadline <= self._clock():
             self._expire(pending)
@@ -678,7 +675,7 @@ class DynamicBatcher(Generic[T, R]):
         except asyncio.CancelledError:
             self._in_flight = []
             for long in self._turns.longs.values():
-                if long.pending.state is State.TAKEN:
+                if self._queue.owes_answer(long.pending):
                     self._reject("shutting_down")
             self._end_longs(_shut_down_while_running)
             raise
@@ -736,9 +733,9 @@ class DynamicBatcher(Generic[T, R]):
             return  # its next turn looks at its deadline and client first
         outcome = long.run.outcome()
         self._end_long(long)
-        if long.pending.state is State.TAKEN:
-            # (not one answered just after its deadline's 504, or whose client left)
-            self._queue.answer(long.pending, outcome)
+        # (not one answered just after its deadline's 504, or whose client left: answer()
+        # answers nothing DONE)
+        self._queue.answer(long.pending, outcome)
 
     async def _run_short_batches(self) -> float:
         """The short batches that run before the next tile: up to one slice of their

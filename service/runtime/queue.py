@@ -410,6 +410,19 @@ class WorkQueue(Generic[T, R]):
             )
         return True
 
+    def withdraw(self, item: Item[T, R]) -> bool:
+        """Take `item` out of the queue without computing it (-> DROPPED) if it is still
+        queued: whether it was (its answer is then the caller's, through answer())."""
+        if item.state is not State.QUEUED:
+            return False
+        self.remove(item)
+        return True
+
+    @staticmethod
+    def owes_answer(item: Item[T, R]) -> bool:
+        """Whether `item` is yet to be answered (or closed): not DONE."""
+        return item.state is not State.DONE
+
     def close_unheard(self, item: Item[T, R]) -> None:
         """An item nobody waits for any more (its client left): DONE without an answer."""
         item.state = State.DONE

@@ -545,7 +545,7 @@ class LongTurns(Generic[T, R]):
             pending = long.pending
             if tenant is not None and pending.tenant != tenant.name:
                 continue
-            if pending.state is not State.TAKEN or pending.future.cancelled():
+            if not self._queue.owes_answer(pending) or pending.future.cancelled():
                 continue  # dropped at its next turn
             rate = per_work.get(pending.tenant)
             if rate is None:
@@ -783,7 +783,7 @@ class LongTurns(Generic[T, R]):
         names: dict[str, int] = {}
         for seq, long in self.longs.items():
             pending = long.pending
-            if pending.state is State.TAKEN and not pending.future.cancelled():
+            if self._queue.owes_answer(pending) and not pending.future.cancelled():
                 names.setdefault(pending.tenant, seq)
         if not names:
             return None
