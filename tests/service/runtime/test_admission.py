@@ -82,7 +82,7 @@ class Workload:
         assert self.loop is not None
         admitted = threading.Event()
         self.loop.call_soon_threadsafe(self.submit, due, admitted)
-        assert admitted.wait(10.0), "the arrivals were not submitted"
+        assert admitted.wait(120.0), "the arrivals were not submitted"
 
     # -- the loop --------------------------------------------------------------------------
 
