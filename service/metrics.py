@@ -113,8 +113,7 @@ class Metrics:
         self.broken_admissions_total = Counter(
             "sdpa_broken_admissions_total",
             "Requests admitted that then ended 504 (their deadline passed while queued or "
-            "while they ran), by tenant: promises the runtime broke (DESIGN.md, Admission "
-            "keeps its word).",
+            "while they ran), by tenant: promises the runtime broke.",
             ["tenant"],
             registry=reg,
         )

@@ -104,7 +104,7 @@ join by deadline, and long items are admitted by deadline:
 Time (deadlines, the pace, the projections) comes from one ``clock``, time.monotonic unless
 another is given; the deadline timer runs on the event loop's clock, the same one by default.
 
-Admission keeps its word (DESIGN.md): the projections count the short work that keeps
+Admission keeps its word: the projections count the short work that keeps
 arriving, not only the short work queued now. Long work is projected on the device the short
 stream leaves (service.runtime.pace.ShortStream: its measured share, with a margin, at most
 what the worker lets it take between two tiles); an item behind that projection that can still
