@@ -173,3 +173,65 @@ def test_two_tenants_long_requests_are_admitted_by_weight(tmp_path: Path) -> Non
     big, small = counts["big"][200], counts["small"][200]
     assert small >= 1, counts
     assert 1.5 <= big / small <= 6.0, counts
+
+
+def test_a_parked_long_request_banks_no_credit_live(tmp_path: Path) -> None:
+    """The credit game of issue 38 on a real server (two tenants, weight 1 each): `parker`
+    floods small requests (16 at a time) for 10 s while `other` sends one small request at a
+    time; then `parker` parks a long attention request with an hour to go, waits 10 s, and
+    floods again. `other`'s small requests completed during the second flood are at least
+    half those of the first (before: 2 in 30 s against 104)."""
+    keys = {"parker": "key-parker-0", "other": "key-other-0"}
+    env = {
+        "SDPA_API_KEYS": ",".join(f"{name}={key}" for name, key in keys.items()),
+        "SDPA_REQUEST_TIMEOUT_MS": "3600000",
+    }
+    small = json.dumps(SMALL).encode()
+
+    def headers(tenant: str) -> dict[str, str]:
+        return {"Authorization": f"Bearer {keys[tenant]}", "content-type": "application/json"}
+
+    async def flood_window(client: httpx.AsyncClient, seconds: float) -> int:
+        """`parker` floods while `other` sends one at a time: `other`'s completions."""
+        until = time.monotonic() + seconds
+        done = 0
+
+        async def flood() -> None:
+            while time.monotonic() < until:
+                await client.post("/v1/attention", content=small, headers=headers("parker"))
+
+        async def one_at_a_time() -> None:
+            nonlocal done
+            while time.monotonic() < until:
+                response = await client.post(
+                    "/v1/attention", content=small, headers=headers("other")
+                )
+                done += response.status_code == 200
+
+        await asyncio.gather(one_at_a_time(), *(flood() for _ in range(16)))
+        return done
+
+    async def game(url: str) -> tuple[int, int, int]:
+        limits = httpx.Limits(max_connections=32)
+        async with httpx.AsyncClient(base_url=url, limits=limits, timeout=600) as client:
+            before = await flood_window(client, 10.0)
+            long = json.loads(long_attention_body())
+            long["timeout_ms"] = 3_600_000
+            parked = asyncio.create_task(
+                client.post(
+                    "/v1/attention",
+                    json=long,
+                    headers={"Authorization": f"Bearer {keys['parker']}"},
+                )
+            )
+            await asyncio.sleep(10.0)
+            during = await flood_window(client, 10.0)
+            status = (await parked).status_code
+        return before, during, status
+
+    with live_server(env, tmp_path=tmp_path) as server:
+        before, during, parked_status = asyncio.run(game(server.url))
+    print(f"other's small requests: {before} in the first flood, {during} with one parked")
+    assert parked_status == 200
+    assert before > 0
+    assert during >= before / 2, (before, during)
