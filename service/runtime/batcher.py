@@ -723,15 +723,14 @@ class DynamicBatcher(Generic[T, R]):
         left_before = long.left_work + tile_work
         left_now = work * (1.0 - long.share_done())
         long.left_work = 0.0 if finished else min(left_before, left_now)  # never grows
-        done = left_before - long.left_work
         if not finished:
             # A run not finished has a tile left at least, whatever its share_done says (the
             # chunked path's reports 1 before its last tile): counted as done, such an item
             # read as finished in the projections, and a soak's long requests ended 504 one
             # tile short of their end while analyses admitted beside them took the device.
-            long.left_work = max(
-                long.left_work, min(left_before, work / max(1, long.run.tiles_total))
-            )
+            tile = min(left_before, work / max(1, long.run.tiles_total))
+            long.left_work = max(long.left_work, tile)
+        done = left_before - long.left_work
         self._queue.charge(self._queue.tenant(long.pending.tenant), done)
         self._note_throughput(done, seconds)
         if not finished:  # (a last tile counts all the estimate left over: no pace of its own)
