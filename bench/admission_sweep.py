@@ -14,8 +14,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from service.errors import DeadlineUnreachable, TenantQueueFull  # noqa: E402
-from tests.service.runtime.test_admission import broken, play  # noqa: E402
+from service.errors import DeadlineUnreachable, TenantQueueFull
+from tests.service.runtime.test_admission import broken, play
 
 
 def main(count: int) -> None:
