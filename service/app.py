@@ -20,7 +20,7 @@ from fastapi import FastAPI
 from fastapi_offline import FastAPIOffline
 
 from sdpa_core import compile_kernels
-from service.api import analyze, attention, health, ui, v2
+from service.api import analyze, attention, health, observe, ui, v2
 from service.api.deps import state_of
 from service.api.errors import install_error_handlers
 from service.api.openapi import openapi_document
@@ -128,6 +128,9 @@ def _lifespan(engine: Engine | None, *, device_threads: int | None) -> Any:
             sample_rate=settings.health_sample_rate,
             max_tags=settings.health_max_tags,
             max_heads=settings.health_max_heads,
+            tenant_weights={
+                n: settings.tenant_weights.get(n, 1.0) for n in settings.tenant_names()
+            },
         )
         policy = running.policy
         batcher: Batcher = DynamicBatcher(
@@ -235,7 +238,14 @@ def create_app(
     app.state.sdpa = state
     install_error_handlers(app)
 
-    routers = (attention.router, analyze.router, health.router, ui.router, v2.router)
+    routers = (
+        attention.router,
+        analyze.router,
+        health.router,
+        observe.router,
+        ui.router,
+        v2.router,
+    )
     for router in routers:
         app.include_router(router)
 

@@ -38,7 +38,7 @@ QK_CLIP_TAU: Final = 100.0
 # ViT-22B's and Wortsman et al.'s logit growth runs to the thousands before divergence.
 LOGIT_BUCKETS: Final = tuple(sorted((*(2.0**e for e in range(-2, 15)), QK_CLIP_TAU)))
 
-HEALTH_SOURCES: Final = ("requested", "sampled")
+HEALTH_SOURCES: Final = ("requested", "sampled", "reported")
 
 
 class Metrics:
@@ -136,35 +136,35 @@ class Metrics:
         self.attention_entropy_normalized = Histogram(
             "sdpa_attention_entropy_normalized",
             "Mean normalized row entropy (H / log visible keys) of one head; near 0 = collapse.",
-            ["tag"],
+            ["tag", "tenant"],
             buckets=UNIT_BUCKETS,
             registry=reg,
         )
         self.attention_max_weight = Histogram(
             "sdpa_attention_max_weight",
             "Mean of the rows' largest weight, per head.",
-            ["tag"],
+            ["tag", "tenant"],
             buckets=UNIT_BUCKETS,
             registry=reg,
         )
         self.attention_saturated_fraction = Histogram(
             "sdpa_attention_saturated_fraction",
             "Share of a head's rows whose max weight is >= 0.99.",
-            ["tag"],
+            ["tag", "tenant"],
             buckets=UNIT_BUCKETS,
             registry=reg,
         )
         self.attention_sink_share = Histogram(
             "sdpa_attention_sink_share",
             "Mean share of a row's attention on its first SDPA_HEALTH_SINK_TOKENS keys, per head.",
-            ["tag"],
+            ["tag", "tenant"],
             buckets=UNIT_BUCKETS,
             registry=reg,
         )
         self.attention_logit_abs_max = Histogram(
             "sdpa_attention_logit_abs_max",
             "Largest |scaled score| (q.k times the scale) of a head.",
-            ["tag"],
+            ["tag", "tenant"],
             buckets=LOGIT_BUCKETS,
             registry=reg,
         )
@@ -176,26 +176,26 @@ class Metrics:
             "sdpa_attention_head_entropy_normalized",
             "Mean normalized row entropy (H / log visible keys) of each head, in the tag's "
             "latest request.",
-            ["tag", "head"],
+            ["tag", "tenant", "head"],
             registry=reg,
         )
         self.attention_head_sink_share = Gauge(
             "sdpa_attention_head_sink_share",
             "Mean share of a row's attention on its first SDPA_HEALTH_SINK_TOKENS keys, of each "
             "head, in the tag's latest request.",
-            ["tag", "head"],
+            ["tag", "tenant", "head"],
             registry=reg,
         )
         self.attention_head_logit_abs_max = Gauge(
             "sdpa_attention_head_logit_abs_max",
             "Largest |scaled score| of each head, in the tag's latest request.",
-            ["tag", "head"],
+            ["tag", "tenant", "head"],
             registry=reg,
         )
         self.attention_masked_rows_total = Counter(
             "sdpa_attention_masked_rows_total",
             "Query rows that saw no key (output 0), in requests that computed diagnostics.",
-            ["tag"],
+            ["tag", "tenant"],
             registry=reg,
         )
         self.nonfinite_inputs_total = Counter(
@@ -206,8 +206,9 @@ class Metrics:
         self.health_observations_total = Counter(
             "sdpa_health_observations_total",
             "Requests whose diagnostics fed the health histograms, by source "
-            "(requested: the client asked for diagnostics; sampled: SDPA_HEALTH_SAMPLE_RATE).",
-            ["tag", "source"],
+            "(requested: the client asked for diagnostics; sampled: SDPA_HEALTH_SAMPLE_RATE; "
+            "reported: statistics computed elsewhere, POST /v1/health/observe).",
+            ["tag", "tenant", "source"],
             registry=reg,
         )
         self.health_tags_evicted_total = Counter(
@@ -223,9 +224,9 @@ class Metrics:
             registry=reg,
         )
 
-    def forget_tag(self, tag: str, *, heads: int) -> None:
-        """Remove every health series labelled `tag` (its slot goes to another tag), the
-        per-head ones of head indices below `heads` included."""
+    def forget_tag(self, tag: str, *, tenant: str, heads: int) -> None:
+        """Remove every health series of `tenant` labelled `tag` (its slot goes to another
+        tag), the per-head ones of head indices below `heads` included."""
         for collector in (
             self.attention_entropy_normalized,
             self.attention_max_weight,
@@ -234,15 +235,15 @@ class Metrics:
             self.attention_logit_abs_max,
             self.attention_masked_rows_total,
         ):
-            collector.remove(tag)  # a no-op for a series never observed
+            collector.remove(tag, tenant)  # a no-op for a series never observed
         for source in HEALTH_SOURCES:
-            self.health_observations_total.remove(tag, source)
+            self.health_observations_total.remove(tag, tenant, source)
         for gauge in self.head_gauges():
             for head in range(heads):
-                gauge.remove(tag, str(head))
+                gauge.remove(tag, tenant, str(head))
 
     def head_gauges(self) -> tuple[Gauge, Gauge, Gauge]:
-        """The per-head gauges {tag, head}: entropy (normalized), sink share, max logit."""
+        """The per-head gauges {tag, tenant, head}: entropy (normalized), sink share, max logit."""
         return (
             self.attention_head_entropy_normalized,
             self.attention_head_sink_share,
