@@ -31,6 +31,7 @@ from service.middleware.body_limit import BodyLimitMiddleware
 from service.middleware.content_encoding import ContentEncodingMiddleware
 from service.middleware.drain import ConnectionCloseWhileDrainingMiddleware
 from service.middleware.inflight import InflightBytesMiddleware, default_inflight_bytes
+from service.middleware.metrics_key import METRICS_PATHS, MetricsKeyMiddleware
 from service.middleware.tracing import TracingMiddleware
 from service.routes import OPEN_PATHS
 from service.runtime.batcher import DynamicBatcher
@@ -263,8 +264,14 @@ def create_app(
     app.add_middleware(
         ContentEncodingMiddleware, max_body_bytes=settings.max_body_bytes, metrics=metrics
     )
+    metrics_key = settings.metrics_key.get_secret_value() if settings.metrics_key else None
+    if metrics_key:
+        app.add_middleware(MetricsKeyMiddleware, key=metrics_key, metrics=metrics)
     if api_keys:
-        app.add_middleware(ApiKeyMiddleware, keys=api_keys, metrics=metrics)
+        guarded = METRICS_PATHS if metrics_key else ()
+        app.add_middleware(
+            ApiKeyMiddleware, keys=api_keys, metrics=metrics, guarded_elsewhere=guarded
+        )
     app.add_middleware(ConnectionCloseWhileDrainingMiddleware, draining=state.draining)
     # A refusal before routing is labelled with the route it was made at (route_template).
     included = [route for router in routers for route in router.routes]

@@ -81,7 +81,8 @@ def truth(model_path: str, batch: dict[str, torch.Tensor]) -> list[dict[str, np.
 
 def metric_count(server: LiveServer, tag: str) -> float:
     text = httpx.get(f"{server.url}/metrics", timeout=10).text
-    pattern = rf'^sdpa_attention_entropy_normalized_count\{{tag="{re.escape(tag)}"\}} (\S+)$'
+    labels = f'tag="{re.escape(tag)}",tenant="anonymous"'
+    pattern = rf"^sdpa_attention_entropy_normalized_count\{{{labels}\}} (\S+)$"
     found = re.search(pattern, text, re.MULTILINE)
     return float(found.group(1)) if found else 0.0
 
