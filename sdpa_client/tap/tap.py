@@ -232,6 +232,8 @@ class AttentionTap:
         self._attached = False
         self._closed = False
         self.first_failure: str | None = None
+        # compute="local": the sdpa_core path (and backend) of the latest computed call.
+        self.local_kernel: str | None = None
 
     # -- the public surface ---------------------------------------------------------------
 
@@ -413,6 +415,7 @@ class AttentionTap:
             self._on_report(report)
 
     def _report(self, forward: int, layer: int, tag: str, stats: Statistics) -> LayerReport:
+        self.local_kernel = stats.path + ("" if stats.backend is None else f" ({stats.backend})")
         return LayerReport(
             forward=forward, layer=layer, tag=tag, summary=stats.summary,
             per_head=stats.per_head, per_row=stats.per_row,

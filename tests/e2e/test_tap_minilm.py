@@ -133,7 +133,7 @@ def test_sdpa_tap_watch_prints_each_layer(
     text.write_text("\n".join(SENTENCES) + "\n", encoding="utf-8")
     done = subprocess.run(
         [sys.executable, "-m", "sdpa_client.tap.cli", "watch", server.url, "--model", model_path,
-         "--text", str(text), "--name", "minilm-watch", "--batch-size", "2"],
+         "--text", f"@{text}", "--name", "minilm-watch", "--batch-size", "2"],
         capture_output=True, text=True, timeout=240, check=False,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
