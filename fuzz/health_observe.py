@@ -134,6 +134,7 @@ def seeds() -> Iterator[tuple[str, bytes]]:
     yield "huge-number", b'{"observations": [{"tag": "t", "visible_keys_max": 2, "per_head": ' \
         b'{"entropy": [[1e999]], "normalized_entropy": [[0.5]], "max_weight": [[0.5]], ' \
         b'"sink_share": [[0.5]], "score_abs_max_scaled": [[1]]}}]}'  # fmt: skip
+    yield "huge-integer", body(obs(per_head={"score_abs_max_scaled": [[10**400, 1]]}))
     yield "unknown-field", body(obs(per_head={"entropyy": [[0.1, 0.1]]}))
     yield "bad-tag", body(obs(tag="a b"))
     yield "empty", body()

@@ -94,7 +94,10 @@ def _nested(value: list[Any]) -> Array:
         for x in row:
             if isinstance(x, bool) or not isinstance(x, int | float):
                 raise _refuse("per_head_number", "values must be numbers")
-    return np.asarray(value, dtype=np.float64)
+    try:
+        return np.asarray(value, dtype=np.float64)
+    except OverflowError:  # an integer past float64's range (JSON allows any)
+        raise _refuse("finite", "values must be finite (no NaN or Inf)") from None
 
 
 def _packed(value: dict[str, Any]) -> Array:
