@@ -165,7 +165,9 @@ def test_heads_past_max_heads_have_no_series_and_0_turns_them_off() -> None:
     got = heads_of(metrics, "t")
     assert all(set(values) == {"0", "1"} for values in got.values()), got
     # The histograms keep every head.
-    count = metrics.registry.get_sample_value("sdpa_attention_sink_share_count", {"tag": "t", "tenant": "anonymous"})
+    count = metrics.registry.get_sample_value(
+        "sdpa_attention_sink_share_count", {"tag": "t", "tenant": "anonymous"}
+    )
     assert count == 3
 
     metrics = Metrics()
