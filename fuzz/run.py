@@ -36,12 +36,13 @@ from typing import Final
 
 from fuzz.support import CORPUS
 
-HARNESSES: Final = ("v1_body", "v2_framing", "grpc_infer")
+HARNESSES: Final = ("v1_body", "v2_framing", "grpc_infer", "health_observe")
 # The module each harness's target lives in: a harness whose module is missing is skipped.
 TARGETS: Final = {
     "v1_body": "service.serving.prepare",
     "v2_framing": "service.serving.prepare_v2",
     "grpc_infer": "service.serving.prepare_grpc",
+    "health_observe": "service.wire.observe",
 }
 REPO: Final = CORPUS.parent.parent
 _STAT: Final = re.compile(r"^stat::(\w+):\s+(\d+)", re.MULTILINE)

@@ -16,7 +16,7 @@ import re
 
 from fuzz.support import CORPUS
 
-HARNESSES = ("v1_body", "v2_framing", "grpc_infer")
+HARNESSES = ("v1_body", "v2_framing", "grpc_infer", "health_observe")
 
 
 def write_seeds(harness: str) -> int:

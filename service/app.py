@@ -20,7 +20,7 @@ from fastapi import FastAPI
 from fastapi_offline import FastAPIOffline
 
 from sdpa_core import compile_kernels
-from service.api import analyze, attention, health, ui, v2
+from service.api import analyze, attention, health, observe, ui, v2
 from service.api.deps import state_of
 from service.api.errors import install_error_handlers
 from service.api.openapi import openapi_document
@@ -31,6 +31,7 @@ from service.middleware.body_limit import BodyLimitMiddleware
 from service.middleware.content_encoding import ContentEncodingMiddleware
 from service.middleware.drain import ConnectionCloseWhileDrainingMiddleware
 from service.middleware.inflight import InflightBytesMiddleware, default_inflight_bytes
+from service.middleware.metrics_key import METRICS_PATHS, MetricsKeyMiddleware
 from service.middleware.tracing import TracingMiddleware
 from service.routes import OPEN_PATHS
 from service.runtime.batcher import DynamicBatcher
@@ -128,6 +129,9 @@ def _lifespan(engine: Engine | None, *, device_threads: int | None) -> Any:
             sample_rate=settings.health_sample_rate,
             max_tags=settings.health_max_tags,
             max_heads=settings.health_max_heads,
+            tenant_weights={
+                n: settings.tenant_weights.get(n, 1.0) for n in settings.tenant_names()
+            },
         )
         policy = running.policy
         batcher: Batcher = DynamicBatcher(
@@ -235,7 +239,14 @@ def create_app(
     app.state.sdpa = state
     install_error_handlers(app)
 
-    routers = (attention.router, analyze.router, health.router, ui.router, v2.router)
+    routers = (
+        attention.router,
+        analyze.router,
+        health.router,
+        observe.router,
+        ui.router,
+        v2.router,
+    )
     for router in routers:
         app.include_router(router)
 
@@ -253,8 +264,14 @@ def create_app(
     app.add_middleware(
         ContentEncodingMiddleware, max_body_bytes=settings.max_body_bytes, metrics=metrics
     )
+    metrics_key = settings.metrics_key.get_secret_value() if settings.metrics_key else None
+    if metrics_key:
+        app.add_middleware(MetricsKeyMiddleware, key=metrics_key, metrics=metrics)
     if api_keys:
-        app.add_middleware(ApiKeyMiddleware, keys=api_keys, metrics=metrics)
+        guarded = METRICS_PATHS if metrics_key else ()
+        app.add_middleware(
+            ApiKeyMiddleware, keys=api_keys, metrics=metrics, guarded_elsewhere=guarded
+        )
     app.add_middleware(ConnectionCloseWhileDrainingMiddleware, draining=state.draining)
     # A refusal before routing is labelled with the route it was made at (route_template).
     included = [route for router in routers for route in router.routes]

@@ -7,7 +7,9 @@ explicitly: without them /metrics would lack the process's RSS, CPU, descriptors
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
 from typing import Final
 
 from prometheus_client import (
@@ -18,6 +20,7 @@ from prometheus_client import (
     Histogram,
     PlatformCollector,
     ProcessCollector,
+    generate_latest,
 )
 
 # Latency buckets from 0.5 ms to 30 s: small payloads answer in about a millisecond, while a
@@ -38,7 +41,83 @@ QK_CLIP_TAU: Final = 100.0
 # ViT-22B's and Wortsman et al.'s logit growth runs to the thousands before divergence.
 LOGIT_BUCKETS: Final = tuple(sorted((*(2.0**e for e in range(-2, 15)), QK_CLIP_TAU)))
 
-HEALTH_SOURCES: Final = ("requested", "sampled")
+HEALTH_SOURCES: Final = ("requested", "sampled", "reported")
+# A /metrics rendering starts at least this many times its predecessor's duration after that
+# one ended: rendering takes at most 1/(1 + RENDER_GAP) of one thread's time (the GIL's, while
+# it runs), however many clients scrape. At full cardinality (256 tags x 64 heads, about
+# 0.7 s a rendering) that is one rendering every 3.5 s; a small registry's few ms, every ~10 ms.
+RENDER_GAP: Final = 4.0
+
+
+class Renderings:
+    """GET /metrics's text, rendered off the event loop, one rendering at a time, shared.
+
+    A scrape gets a rendering that starts after it arrived (never an older text: a scrape after
+    a request sees that request counted), and every scrape that arrives before that rendering
+    starts shares it: eight concurrent scrapers cost one rendering, not eight. Renderings are
+    spaced by RENDER_GAP times the last one's duration, so scrapers in a loop cannot keep a
+    thread rendering, holding the GIL, all the time. A scrape that leaves does not cancel the
+    rendering others wait for.
+    """
+
+    def __init__(
+        self,
+        render: Callable[[], bytes],
+        *,
+        gap: float = RENDER_GAP,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        on_render: Callable[[float], None] | None = None,
+    ) -> None:
+        self._render = render
+        self._sleep = sleep
+        self._gap = gap
+        self._clock = clock
+        self._on_render = on_render
+        self._next: asyncio.Future[bytes] | None = None  # not started yet: new scrapes join it
+        self._last: asyncio.Task[None] | None = None  # the latest rendering's task
+        self._free_at = 0.0  # when the next rendering may start
+        self.count = 0  # renderings done
+
+    async def latest(self) -> bytes:
+        """A rendering that starts after this call (shared with the scrapes that join it)."""
+        loop = asyncio.get_running_loop()
+        waiting = self._next
+        if waiting is None or waiting.done() or waiting.get_loop() is not loop:
+            waiting = self._next = loop.create_future()
+            previous = (
+                self._last if self._last is not None and self._last.get_loop() is loop else None
+            )
+            self._last = loop.create_task(self._run(waiting, previous))
+        return await asyncio.shield(waiting)
+
+    async def _run(
+        self, result: asyncio.Future[bytes], previous: asyncio.Task[None] | None
+    ) -> None:
+        try:
+            if previous is not None:
+                await asyncio.wait([previous])
+            delay = self._free_at - self._clock()
+            if delay > 0:
+                await self._sleep(delay)
+            if self._next is result:
+                self._next = None  # started: scrapes from now on wait for the next one
+            started = self._clock()
+            text = await asyncio.to_thread(self._render)
+            ended = self._clock()
+            self._free_at = ended + self._gap * (ended - started)
+            self.count += 1
+            if self._on_render is not None:
+                self._on_render(ended - started)
+        except BaseException as exc:  # the scrapes waiting get it (a bug of ours: their 500)
+            if self._next is result:
+                self._next = None
+            if not result.done():
+                result.set_exception(exc)
+            if not isinstance(exc, Exception):
+                raise
+            return
+        result.set_result(text)
 
 
 class Metrics:
@@ -47,6 +126,16 @@ class Metrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         reg = self.registry
+        self.metrics_render_seconds = Histogram(
+            "sdpa_metrics_render_seconds",
+            "Time one rendering of /metrics took (off the event loop; concurrent scrapes share "
+            "one, spaced RENDER_GAP times its duration apart).",
+            buckets=_LATENCY_BUCKETS,
+            registry=reg,
+        )
+        self.renderings = Renderings(
+            lambda: generate_latest(self.registry), on_render=self.metrics_render_seconds.observe
+        )
         # process_* (RSS, CPU seconds, open descriptors, start time), python_gc_*, python_info.
         ProcessCollector(registry=reg)
         PlatformCollector(registry=reg)
@@ -143,35 +232,35 @@ class Metrics:
         self.attention_entropy_normalized = Histogram(
             "sdpa_attention_entropy_normalized",
             "Mean normalized row entropy (H / log visible keys) of one head; near 0 = collapse.",
-            ["tag"],
+            ["tag", "tenant"],
             buckets=UNIT_BUCKETS,
             registry=reg,
         )
         self.attention_max_weight = Histogram(
             "sdpa_attention_max_weight",
             "Mean of the rows' largest weight, per head.",
-            ["tag"],
+            ["tag", "tenant"],
             buckets=UNIT_BUCKETS,
             registry=reg,
         )
         self.attention_saturated_fraction = Histogram(
             "sdpa_attention_saturated_fraction",
             "Share of a head's rows whose max weight is >= 0.99.",
-            ["tag"],
+            ["tag", "tenant"],
             buckets=UNIT_BUCKETS,
             registry=reg,
         )
         self.attention_sink_share = Histogram(
             "sdpa_attention_sink_share",
             "Mean share of a row's attention on its first SDPA_HEALTH_SINK_TOKENS keys, per head.",
-            ["tag"],
+            ["tag", "tenant"],
             buckets=UNIT_BUCKETS,
             registry=reg,
         )
         self.attention_logit_abs_max = Histogram(
             "sdpa_attention_logit_abs_max",
             "Largest |scaled score| (q.k times the scale) of a head.",
-            ["tag"],
+            ["tag", "tenant"],
             buckets=LOGIT_BUCKETS,
             registry=reg,
         )
@@ -183,26 +272,26 @@ class Metrics:
             "sdpa_attention_head_entropy_normalized",
             "Mean normalized row entropy (H / log visible keys) of each head, in the tag's "
             "latest request.",
-            ["tag", "head"],
+            ["tag", "tenant", "head"],
             registry=reg,
         )
         self.attention_head_sink_share = Gauge(
             "sdpa_attention_head_sink_share",
             "Mean share of a row's attention on its first SDPA_HEALTH_SINK_TOKENS keys, of each "
             "head, in the tag's latest request.",
-            ["tag", "head"],
+            ["tag", "tenant", "head"],
             registry=reg,
         )
         self.attention_head_logit_abs_max = Gauge(
             "sdpa_attention_head_logit_abs_max",
             "Largest |scaled score| of each head, in the tag's latest request.",
-            ["tag", "head"],
+            ["tag", "tenant", "head"],
             registry=reg,
         )
         self.attention_masked_rows_total = Counter(
             "sdpa_attention_masked_rows_total",
             "Query rows that saw no key (output 0), in requests that computed diagnostics.",
-            ["tag"],
+            ["tag", "tenant"],
             registry=reg,
         )
         self.nonfinite_inputs_total = Counter(
@@ -213,8 +302,9 @@ class Metrics:
         self.health_observations_total = Counter(
             "sdpa_health_observations_total",
             "Requests whose diagnostics fed the health histograms, by source "
-            "(requested: the client asked for diagnostics; sampled: SDPA_HEALTH_SAMPLE_RATE).",
-            ["tag", "source"],
+            "(requested: the client asked for diagnostics; sampled: SDPA_HEALTH_SAMPLE_RATE; "
+            "reported: statistics computed elsewhere, POST /v1/health/observe).",
+            ["tag", "tenant", "source"],
             registry=reg,
         )
         self.health_tags_evicted_total = Counter(
@@ -230,9 +320,9 @@ class Metrics:
             registry=reg,
         )
 
-    def forget_tag(self, tag: str, *, heads: int) -> None:
-        """Remove every health series labelled `tag` (its slot goes to another tag), the
-        per-head ones of head indices below `heads` included."""
+    def forget_tag(self, tag: str, *, tenant: str, heads: int) -> None:
+        """Remove every health series of `tenant` labelled `tag` (its slot goes to another
+        tag), the per-head ones of head indices below `heads` included."""
         for collector in (
             self.attention_entropy_normalized,
             self.attention_max_weight,
@@ -241,15 +331,15 @@ class Metrics:
             self.attention_logit_abs_max,
             self.attention_masked_rows_total,
         ):
-            collector.remove(tag)  # a no-op for a series never observed
+            collector.remove(tag, tenant)  # a no-op for a series never observed
         for source in HEALTH_SOURCES:
-            self.health_observations_total.remove(tag, source)
+            self.health_observations_total.remove(tag, tenant, source)
         for gauge in self.head_gauges():
             for head in range(heads):
-                gauge.remove(tag, str(head))
+                gauge.remove(tag, tenant, str(head))
 
     def head_gauges(self) -> tuple[Gauge, Gauge, Gauge]:
-        """The per-head gauges {tag, head}: entropy (normalized), sink share, max logit."""
+        """The per-head gauges {tag, tenant, head}: entropy (normalized), sink share, max logit."""
         return (
             self.attention_head_entropy_normalized,
             self.attention_head_sink_share,

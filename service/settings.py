@@ -115,6 +115,10 @@ class Settings(BaseSettings):
     api_keys: Annotated[tuple[SecretStr, ...], NoDecode] = ()
     # A file with one key per line ('#' comments allowed); merged with api_keys.
     api_keys_file: Path | None = None
+    # The one key GET /metrics answers (X-API-Key or Bearer), never a tenant's: the metrics
+    # name every tenant, tag and count. Unset, /metrics is open as before (behind the tenants'
+    # keys when they are set). Set it wherever keys are.
+    metrics_key: SecretStr | None = None
 
     # Tenants (service.runtime.queue): "name=w,..." weights of the fair shares (default 1 each);
     # the share of MAX_QUEUE one tenant may hold before its requests get 429 (default 0.5, and

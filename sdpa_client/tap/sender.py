@@ -76,6 +76,7 @@ class Poster:
         self._builder = _V2Builder() if protocol == "v2" else RequestBuilder()
         self._diagnostics = diagnostics
         self._timeout_ms = timeout_s * 1000.0
+        self.last_body_bytes = 0  # the size of the latest observe body (bench/tap.py reads it)
 
     def post(self, sample: Sample) -> AttentionResponse:
         """Send one sample and read its answer.
@@ -109,6 +110,24 @@ class Poster:
             raise error_from_response(response)
         return call.read(response)
 
+    def observe(self, body: Mapping[str, Any], headers: Mapping[str, str]) -> Any:
+        """POST /v1/health/observe (the tap's local mode): statistics only, never tensors.
+
+        Raises:
+            SDPARequestError: an error status.
+            httpx.HTTPError: no answer.
+        """
+        content = encode_body(dict(body))
+        self.last_body_bytes = len(content)
+        response = self._http.post(
+            "/v1/health/observe",
+            content=content,
+            headers={"content-type": "application/json", **headers},
+        )
+        if not response.is_success:
+            raise error_from_response(response)
+        return response.json()
+
     def close(self) -> None:
         self._http.close()
 
@@ -124,21 +143,28 @@ def _bias_with_infinities(mask: torch.Tensor | None) -> torch.Tensor | None:
 
 
 class Sender:
-    """A bounded queue of samples and the daemon thread that posts them in order."""
+    """A bounded queue of samples and the daemon thread that posts them in order.
+
+    With `batch` > 1, the thread takes up to that many queued samples at once and `post` gets
+    them as a list and returns one outcome each (an answer, or the exception that sample met):
+    the local mode's statistics of a forward's layers go out in one request.
+    """
 
     def __init__(
         self,
-        post: Callable[[Sample], Any],
+        post: Callable[[Any], Any],
         *,
         max_queue_bytes: int,
-        on_answer: Callable[[Sample, Any], None],
-        on_failure: Callable[[Sample, BaseException], None],
+        on_answer: Callable[[Any, Any], None],
+        on_failure: Callable[[Any, BaseException], None],
+        batch: int = 1,
     ) -> None:
         self._post = post
+        self._batch = batch
         self._max_bytes = max_queue_bytes
         self._on_answer = on_answer
         self._on_failure = on_failure
-        self._queue: collections.deque[Sample] = collections.deque()
+        self._queue: collections.deque[Any] = collections.deque()
         self._cond = threading.Condition()
         self._reserved = 0  # bytes of samples queued, being copied or in flight
         self._busy = 0  # reservations not yet resolved (queued, being copied, or in flight)
@@ -176,7 +202,7 @@ class Sender:
         with self._cond:
             self._release(nbytes)
 
-    def put(self, sample: Sample) -> bool:
+    def put(self, sample: Any) -> bool:
         """Queue a reserved sample; False (its reservation given back) once the sender closed."""
         with self._cond:
             if self._closed:
@@ -197,7 +223,7 @@ class Sender:
                 self._cond.wait(left)
         return True
 
-    def close(self, timeout_s: float) -> list[Sample]:
+    def close(self, timeout_s: float) -> list[Any]:
         """Stop: wait up to `timeout_s` for the queue to drain, then return what was never sent."""
         self.flush(timeout_s)
         with self._cond:
@@ -228,6 +254,12 @@ class Sender:
                 if not self._queue:
                     return
                 sample = self._queue.popleft()
+                group = [sample]
+                while self._batch > 1 and self._queue and len(group) < self._batch:
+                    group.append(self._queue.popleft())
+            if self._batch > 1:
+                self._run_group(group)
+                continue
             try:
                 answer = self._post(sample)
             except (SDPARequestError, httpx.HTTPError) as exc:
@@ -239,7 +271,20 @@ class Sender:
             else:
                 self._resolve(sample, self._on_answer, answer)
 
-    def _resolve(self, sample: Sample, report: Callable[[Sample, Any], None], what: Any) -> None:
+    def _run_group(self, group: list[Any]) -> None:
+        try:
+            outcomes = list(self._post(group))
+        except Exception as exc:  # a bug of ours: counted and logged, the thread goes on
+            if not self._closed:
+                logger.exception("tap: a batch could not be sent")
+            outcomes = [exc] * len(group)
+        for sample, outcome in zip(group, outcomes, strict=True):
+            if isinstance(outcome, BaseException):
+                self._resolve(sample, self._on_failure, outcome)
+            else:
+                self._resolve(sample, self._on_answer, outcome)
+
+    def _resolve(self, sample: Any, report: Callable[[Any, Any], None], what: Any) -> None:
         try:
             report(sample, what)
         except Exception:  # a user's on_report must not stop the sender

@@ -10,9 +10,16 @@
         for report in tap.reports:
             print(report.tag, report.summary["normalized_entropy"])
 
-What the forward's thread does for a sampled attention call: reserve room in the queue (or
-drop and count), copy q, k, v and the mask to host memory, and queue them. Encoding, sending
-and reading the answer happen on the sender thread. The model's own kernel runs unchanged.
+Two modes (`compute`):
+- "service" (the default): what the forward's thread does for a sampled attention call is
+  reserve room in the queue (or drop and count), copy q, k, v and the mask to host memory, and
+  queue them. Encoding, sending and reading the answer happen on the sender thread.
+- "local": the statistics are computed where the model runs, by sdpa_core on the model's own
+  device (sdpa_client.tap.local: at once on the CPU; on CUDA from device copies on a side
+  stream, on the tap's thread), and only the per-head statistics are sent, one request per
+  sampled forward's layers, to POST /v1/health/observe (a few KB a layer); url=None sends
+  nothing and keeps the reports local (reports, on_report).
+The model's own kernel runs unchanged in both.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ import torch
 
 from sdpa_client.tap.hooks import AttentionCall, attach_hooks
 from sdpa_client.tap.host import HostCopier, nbytes
+from sdpa_client.tap.local import Inputs, LocalStatistics, Statistics, observation
 from sdpa_client.tap.sender import Poster, Sample, Sender
 from sdpa_client.trace_context import trace_headers
 from sdpa_client.types import AttentionResponse
@@ -40,6 +48,11 @@ logger = logging.getLogger("sdpa_client.tap")
 
 TapProtocol = Literal["v1", "v2"]
 TapDiagnostics = Literal["summary", "full"]
+TapCompute = Literal["service", "local"]
+# A local sample's room in the queue besides its inputs: its statistics (a few KB).
+_LOCAL_REPORT_BYTES: Final = 16 * 1024
+# The most observations one POST /v1/health/observe carries (the service takes 256).
+_OBSERVATIONS_PER_POST: Final = 64
 # The service's tag rule (1-64 of [A-Za-z0-9_.:/-]), leaving room for "/layer{i}".
 _MODEL_NAME: Final = re.compile(r"[A-Za-z0-9_.:/-]{1,48}")
 
@@ -63,6 +76,20 @@ class LayerReport:
     summary: Mapping[str, Any]
     per_head: Mapping[str, npt.NDArray[Any]]
     per_row: Mapping[str, npt.NDArray[Any]] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class _Local:
+    """A local-mode sample on its way to the sender: its statistics (CPU: computed already),
+    or the inputs to compute them from (CUDA: device copies on the side stream)."""
+
+    forward: int
+    layer: int
+    tag: str
+    nbytes: int
+    statistics: Statistics | None
+    inputs: Inputs | None
+    headers: Mapping[str, str]
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,7 +133,7 @@ class AttentionTap:
 
     def __init__(
         self,
-        url: str,
+        url: str | None,
         *,
         model: str = "model",
         every: int = 100,
@@ -118,11 +145,14 @@ class AttentionTap:
         on_report: Callable[[LayerReport], None] | None = None,
         max_reports: int = 10_000,
         transport: httpx.BaseTransport | None = None,
+        compute: TapCompute = "service",
+        sink_tokens: int = 4,
     ) -> None:
         """Open the tap (its sender thread starts; nothing is sent before a sampled forward).
 
         Args:
-            url: the service, e.g. "http://sdpa:8000".
+            url: the service, e.g. "http://sdpa:8000"; None (compute="local" only): nothing
+                is sent, the reports stay in this process.
             model: the name in the tags "{model}/layer{i}" (1-48 of A-Z a-z 0-9 _ . : / -).
             every: forward n (from 0 per attach) is sampled when n % every == 0.
             diagnostics: "summary" (summary and per-head statistics) or "full" (adds per-row).
@@ -135,9 +165,16 @@ class AttentionTap:
             max_reports: how many of the latest reports `reports` keeps (a long run would
                 otherwise keep them all); on_report sees every one.
             transport: an httpx transport in place of the network (tests).
+            compute: "service" sends q, k, v and the mask of each sampled call for the service
+                to compute; "local" computes the statistics here, with sdpa_core on the
+                model's device, and sends only the per-head statistics (POST
+                /v1/health/observe; with protocol "v2" too: it is a v1 route).
+            sink_tokens: compute="local": the key positions whose share of a row's attention
+                is sink_share (set it to the service's SDPA_HEALTH_SINK_TOKENS, default 4).
 
         Raises:
             ValueError: an argument outside the ranges above.
+            ImportError: compute="local" without sdpa_core (the server's distribution).
         """
         if not _MODEL_NAME.fullmatch(model):
             raise ValueError(
@@ -156,6 +193,12 @@ class AttentionTap:
             raise ValueError(f"max_reports: >= 0, got {max_reports!r}")
         if not timeout_s > 0:
             raise ValueError(f"timeout_s: > 0, got {timeout_s!r}")
+        if compute not in ("service", "local"):
+            raise ValueError(f"compute: 'service' or 'local', got {compute!r}")
+        if url is None and compute != "local":
+            raise ValueError("url: None keeps the reports local, which needs compute='local'")
+        if isinstance(sink_tokens, bool) or not isinstance(sink_tokens, int) or sink_tokens < 0:
+            raise ValueError(f"sink_tokens: an integer >= 0, got {sink_tokens!r}")
         self.model = model
         self.every = every
         self.diagnostics = diagnostics
@@ -163,19 +206,34 @@ class AttentionTap:
         self._on_report = on_report
         self._reports: collections.deque[LayerReport] = collections.deque(maxlen=max_reports)
         self._counts = _Counts()
+        self.compute = compute
         self._copier = HostCopier()
-        self._poster = Poster(
+        self._local = (
+            LocalStatistics(diagnostics=diagnostics, sink_tokens=sink_tokens)
+            if compute == "local"
+            else None
+        )
+        self._poster = None if url is None else Poster(
             url, api_key=api_key, protocol=protocol, diagnostics=diagnostics,
             timeout_s=self.timeout_s, transport=transport,
         )  # fmt: skip
-        self._sender = Sender(
-            self._post, max_queue_bytes=max_queue_bytes,
-            on_answer=self._answered, on_failure=self._failed,
-        )  # fmt: skip
+        if self._local is None:
+            self._sender = Sender(
+                self._post, max_queue_bytes=max_queue_bytes,
+                on_answer=self._answered, on_failure=self._failed,
+            )  # fmt: skip
+        else:
+            self._sender = Sender(
+                self._post_local, max_queue_bytes=max_queue_bytes,
+                on_answer=self._answered_local, on_failure=self._failed,
+                batch=_OBSERVATIONS_PER_POST,
+            )  # fmt: skip
         self._gate_forwards: Callable[[], int] = lambda: 0
         self._attached = False
         self._closed = False
         self.first_failure: str | None = None
+        # compute="local": the sdpa_core path (and backend) of the latest computed call.
+        self.local_kernel: str | None = None
 
     # -- the public surface ---------------------------------------------------------------
 
@@ -225,6 +283,11 @@ class AttentionTap:
             return list(self._reports)
 
     @property
+    def last_body_bytes(self) -> int:
+        """compute="local" with a url: the size of the latest POST /v1/health/observe body."""
+        return 0 if self._poster is None else self._poster.last_body_bytes
+
+    @property
     def stats(self) -> TapStats:
         c = self._counts
         with c.lock:
@@ -241,7 +304,8 @@ class AttentionTap:
         self._closed = True
         unsent = self._sender.close(self.timeout_s if timeout_s is None else timeout_s)
         self._counts.add("dropped", len(unsent))
-        self._poster.close()
+        if self._poster is not None:
+            self._poster.close()
 
     def __enter__(self) -> Self:
         return self
@@ -252,6 +316,9 @@ class AttentionTap:
     # -- the forward's thread ---------------------------------------------------------------
 
     def _capture(self, call: AttentionCall) -> None:
+        if self._local is not None:
+            self._capture_local(self._local, call)
+            return
         self._counts.add("sampled")
         if call.unsupported:
             self._counts.add("failed")
@@ -285,12 +352,49 @@ class AttentionTap:
         ):
             self._counts.add("dropped")  # the tap closed while this sample was being copied
 
+    def _capture_local(self, local: LocalStatistics, call: AttentionCall) -> None:
+        self._counts.add("sampled")
+        if call.unsupported:
+            self._counts.add("failed")
+            self._note_failure(
+                f"layer {call.layer}: the kernel also got {call.unsupported}, which sdpa_core "
+                "cannot reproduce; not computed"
+            )
+            return
+        on_device = call.q.device.type == "cuda"
+        size = _LOCAL_REPORT_BYTES + (
+            nbytes(call.q, call.k, call.v, call.attn_mask, call.key_padding_mask)
+            if on_device
+            else 0
+        )
+        if not self._sender.reserve(size):
+            self._counts.add("dropped")
+            return
+        tag = f"{self.model}/layer{call.layer}"
+        try:
+            inputs = local.inputs(call)
+            statistics = None if on_device else local.compute(inputs)
+            headers = trace_headers() if self._poster is not None else {}
+        except BaseException:
+            self._sender.cancel(size)
+            raise  # the hooks' shield counts it as failed, and never lets it reach the model
+        if statistics is not None:  # the report is there at once; on_report runs on the sender
+            self._keep(self._report(call.forward, call.layer, tag, statistics))
+        queued = _Local(
+            forward=call.forward, layer=call.layer, tag=tag, nbytes=size,
+            statistics=statistics, inputs=None if statistics is not None else inputs,
+            headers=headers,
+        )  # fmt: skip
+        if not self._sender.put(queued):
+            self._counts.add("dropped")
+
     def _capture_failed(self, exc: BaseException) -> None:
         self._counts.add("failed")
 
     # -- the sender's thread ---------------------------------------------------------------
 
     def _post(self, sample: Sample) -> AttentionResponse:
+        assert self._poster is not None  # compute="service" always has a url
         self._counts.add("sent")
         return self._poster.post(sample)
 
@@ -310,7 +414,60 @@ class AttentionTap:
         if self._on_report is not None:
             self._on_report(report)
 
-    def _failed(self, sample: Sample, exc: BaseException) -> None:
+    def _report(self, forward: int, layer: int, tag: str, stats: Statistics) -> LayerReport:
+        self.local_kernel = stats.path + ("" if stats.backend is None else f" ({stats.backend})")
+        return LayerReport(
+            forward=forward, layer=layer, tag=tag, summary=stats.summary,
+            per_head=stats.per_head, per_row=stats.per_row,
+        )  # fmt: skip
+
+    def _keep(self, report: LayerReport) -> None:
+        with self._counts.lock:
+            self._reports.append(report)
+
+    def _post_local(self, group: list[_Local]) -> list[Any]:
+        """On the sender's thread: compute what is left (CUDA), hand each report to on_report,
+        and post the group's statistics in one request; one outcome per sample."""
+        outcomes: list[Any] = []
+        sendable: list[tuple[int, LayerReport, Statistics]] = []
+        for item in group:
+            try:
+                stats = item.statistics
+                if stats is None:
+                    assert item.inputs is not None
+                    assert self._local is not None
+                    stats = self._local.compute(item.inputs)
+                    report = self._report(item.forward, item.layer, item.tag, stats)
+                    self._keep(report)
+                else:
+                    report = self._report(item.forward, item.layer, item.tag, stats)
+            except Exception as exc:
+                outcomes.append(exc)
+                continue
+            outcomes.append(report)
+            sendable.append((len(outcomes) - 1, report, stats))
+        for _, report, _ in sendable:
+            if self._on_report is not None:
+                try:
+                    self._on_report(report)
+                except Exception:  # a user's on_report must not stop the sender
+                    logger.exception("tap: on_report raised")
+        if self._poster is None or not sendable:
+            return outcomes
+        body = {"observations": [observation(r.tag, st) for _, r, st in sendable]}
+        headers = next((dict(item.headers) for item in group if item.headers), {})
+        self._counts.add("sent", len(sendable))
+        try:
+            self._poster.observe(body, headers)
+        except Exception as exc:
+            for index, _, _ in sendable:
+                outcomes[index] = exc
+        return outcomes
+
+    def _answered_local(self, item: _Local, report: LayerReport) -> None:
+        self._counts.add("answered")
+
+    def _failed(self, sample: Sample | _Local, exc: BaseException) -> None:
         self._counts.add("failed")
         self._note_failure(f"{sample.tag} of forward {sample.forward}: {exc}")
 

@@ -15,6 +15,7 @@ from fastapi.openapi.utils import get_openapi
 from pydantic.json_schema import models_json_schema
 
 from service.wire.models import REQUEST_MODELS, RESPONSE_MODELS
+from service.wire.observe import OBSERVE_REQUEST_MODELS, OBSERVE_RESPONSE_MODELS
 from service.wire.v2_models import V2_REQUEST_MODELS, V2_RESPONSE_MODELS
 
 
@@ -115,8 +116,14 @@ def openapi_document(app: FastAPI, *, auth: bool, open_paths: Iterable[str] = ()
         title=app.title, version=app.version, description=app.description, routes=app.routes
     )
     _, defs = models_json_schema(
-        [(model, "validation") for model in (*REQUEST_MODELS, *V2_REQUEST_MODELS)]
-        + [(model, "serialization") for model in (*RESPONSE_MODELS, *V2_RESPONSE_MODELS)],
+        [
+            (model, "validation")
+            for model in (*REQUEST_MODELS, *V2_REQUEST_MODELS, *OBSERVE_REQUEST_MODELS)
+        ]
+        + [
+            (model, "serialization")
+            for model in (*RESPONSE_MODELS, *V2_RESPONSE_MODELS, *OBSERVE_RESPONSE_MODELS)
+        ],
         ref_template="#/components/schemas/{model}",
     )
     components = schema.setdefault("components", {})

@@ -21,7 +21,7 @@ Keys are compared in constant time (service.tenants.Keyring), as the gRPC door c
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -40,14 +40,25 @@ class ApiKeyMiddleware:
     """
 
     def __init__(
-        self, app: ASGIApp, *, keys: Mapping[str, str], metrics: Metrics | None = None
+        self,
+        app: ASGIApp,
+        *,
+        keys: Mapping[str, str],
+        metrics: Metrics | None = None,
+        guarded_elsewhere: Collection[str] = (),
     ) -> None:
         self.app = app
+        # Paths another key guards (/metrics: service.middleware.metrics_key).
+        self.guarded_elsewhere = frozenset(guarded_elsewhere)
         self.keyring = Keyring(keys)
         self.metrics = metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or is_open(scope["path"]):
+        if (
+            scope["type"] != "http"
+            or is_open(scope["path"])
+            or scope["path"] in self.guarded_elsewhere
+        ):
             await self.app(scope, receive, send)
             return
         # Header values are Latin-1 on the wire; a configured key is printable ASCII.

@@ -129,5 +129,5 @@ def bind_call(
         started=started,
         received=received,
         reserve_answer=reserve_answer,
-        health=state.health,
+        health=None if state.health is None else state.health.for_tenant(tenant),
     )

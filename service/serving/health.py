@@ -14,13 +14,22 @@ whose input tensors (held until the sample runs, beyond the in-flight limit's re
 at most MAX_PENDING_SAMPLE_BYTES; a sample that does not fit is dropped and counted in
 sdpa_health_samples_dropped_total.
 
-Tags: SDPA_HEALTH_MAX_TAGS slots, each a tag whose series are its own, so that a client cannot
-grow the registry without bound. The slots are kept least recently used first: a new tag takes
-a free slot, else the slot of the tag idle longest if that tag was idle for at least
-TAG_IDLE_BEFORE_EVICTION_S (its series are removed and the eviction counted in
-sdpa_health_tags_evicted_total), else it is counted as "other". So the first tags a client
-sends no longer hold their slots until a restart, and a client sending new tags in a stream can
-only take slots of tags nobody used for that long: tags in use keep their series.
+Tenants: every health series carries the request's tenant (the API key's name, service.tenants)
+beside its tag, so two tenants using the same tag ("model/layer0") write into series of their
+own, and one tenant's key never reaches another's.
+
+Tags: SDPA_HEALTH_MAX_TAGS slots, each a (tenant, tag) whose series are its own, so that a client
+cannot grow the registry without bound. Each tenant has its share of them (tag_quota: the
+tenants' weights, as the queue shares them; at least one), kept least recently used first: a
+new tag takes a free slot of its tenant's, else the slot of that tenant's tag idle longest if
+it was idle for at least TAG_IDLE_BEFORE_EVICTION_S (its series are removed and the eviction
+counted in sdpa_health_tags_evicted_total), else it is counted as "other" (under its tenant).
+So one tenant filling its share takes nothing of another's, the first tags a client sends no
+longer hold their slots until a restart, and a client sending new tags in a stream can only take
+slots of its own tags nobody used for that long: tags in use keep their series.
+
+Reported: POST /v1/health/observe (service.api.observe) records statistics computed elsewhere
+(the tap's local mode) through observe_reported, into the same series (source="reported").
 
 Per head: besides the histograms (one observation per (sequence, head)), the gauges
 sdpa_attention_head_*{tag, head} hold each head's statistics in the tag's latest request, for
@@ -33,9 +42,10 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
@@ -47,6 +57,8 @@ from sdpa_core import Diagnostics
 from service.metrics import Metrics
 from service.runtime.jobs import PreparedJob
 from service.runtime.policy import CostModel, WorkShape
+from service.tenants import ANONYMOUS
+from service.wire.observe import Observation
 
 logger = logging.getLogger("sdpa.health")
 
@@ -62,7 +74,7 @@ MAX_PENDING_SAMPLES: Final = 16
 MAX_PENDING_SAMPLE_S: Final = 0.05
 MAX_PENDING_SAMPLE_BYTES: Final = 64 * 1024 * 1024
 
-Source = Literal["requested", "sampled"]
+Source = Literal["requested", "sampled", "reported"]
 # Computes a job's summary diagnostics on the device thread (service.runtime.engine).
 Diagnose = Callable[[PreparedJob], Diagnostics]
 
@@ -71,6 +83,7 @@ Diagnose = Callable[[PreparedJob], Diagnostics]
 class _Sample:
     prepared: PreparedJob
     tag: str
+    tenant: str
     seconds: float
     nbytes: int
 
@@ -127,6 +140,15 @@ def latest_heads(
     )
 
 
+def tag_quotas(max_tags: int, weights: Mapping[str, float]) -> dict[str, int]:
+    """Each tenant's share of the `max_tags` slots, by weight (as the queue shares the device),
+    at least one each."""
+    total = sum(weights.values())
+    if not weights or total <= 0:
+        return {}
+    return {name: max(1, math.floor(max_tags * w / total)) for name, w in weights.items()}
+
+
 class HealthMonitor:
     """Observes diagnostics into the health metrics and keeps the bounded queue of samples.
 
@@ -143,6 +165,7 @@ class HealthMonitor:
         sample_rate: float,
         max_tags: int,
         max_heads: int = 64,  # SDPA_HEALTH_MAX_HEADS's default (a test keeps them equal)
+        tenant_weights: Mapping[str, float] | None = None,
         rng: random.Random | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -151,8 +174,10 @@ class HealthMonitor:
         self._sample_rate = sample_rate
         self._max_tags = max_tags
         self._max_heads = max_heads
-        # The tags holding a slot -> when each was last used, least recently used first.
-        self._tags: collections.OrderedDict[str, float] = collections.OrderedDict()
+        # Each tenant's slots (a tenant not configured, as in tests, gets all of them).
+        self._quotas = tag_quotas(max_tags, tenant_weights or {})
+        # Per tenant, the tags holding a slot -> when each was last used, least recent first.
+        self._tags: dict[str, collections.OrderedDict[str, float]] = {}
         self._clock = clock
         self._rng = rng if rng is not None else random.Random()
         self._pending: collections.deque[_Sample] = collections.deque()
@@ -161,36 +186,56 @@ class HealthMonitor:
         # Set by the app to wake the batcher's idle worker when a sample arrives.
         self.on_offer: Callable[[], None] | None = None
 
+    def for_tenant(self, tenant: str) -> TenantHealth:
+        """This monitor as one tenant's requests use it (service.serving.frame.bind_call)."""
+        return TenantHealth(self, tenant)
+
     # -- tags --------------------------------------------------------------------------------
 
-    def label(self, tag: str | None) -> str:
-        """The metrics label of a request's tag: its own when it holds a slot or can take one
-        (the module docstring), "other" otherwise (the wire model validated its characters)."""
+    def tag_quota(self, tenant: str) -> int:
+        """How many tags of `tenant` have series of their own."""
+        return self._quotas.get(tenant, self._max_tags)
+
+    def label(self, tag: str | None, tenant: str = ANONYMOUS) -> str:
+        """The metrics label of a request's tag: its own when it holds one of its tenant's
+        slots or can take one (the module docstring), "other" otherwise (the wire model
+        validated its characters)."""
         if tag is None:
             tag = DEFAULT_TAG
         now = self._clock()
-        if tag in self._tags:
-            self._tags[tag] = now
-            self._tags.move_to_end(tag)
+        tags = self._tags.setdefault(tenant, collections.OrderedDict())
+        if tag in tags:
+            tags[tag] = now
+            tags.move_to_end(tag)
             return tag
-        if len(self._tags) >= self._max_tags:
-            idlest, last_used = next(iter(self._tags.items()))
+        if len(tags) >= self.tag_quota(tenant):
+            idlest, last_used = next(iter(tags.items()))
             if now - last_used < TAG_IDLE_BEFORE_EVICTION_S:
                 return OTHER_TAG
-            del self._tags[idlest]
-            self._metrics.forget_tag(idlest, heads=self._max_heads)
+            del tags[idlest]
+            self._metrics.forget_tag(idlest, tenant=tenant, heads=self._max_heads)
             self._metrics.health_tags_evicted_total.inc()
-        self._tags[tag] = now
+        tags[tag] = now
         return tag
+
+    def _holds(self, tenant: str, tag: str) -> bool:
+        return tag in self._tags.get(tenant, ())
 
     # -- observing ---------------------------------------------------------------------------
 
-    def observe(self, diagnostics: Diagnostics, *, n_q: int, tag: str, source: Source) -> None:
+    def observe(
+        self,
+        diagnostics: Diagnostics,
+        *,
+        n_q: int,
+        tag: str,
+        source: Source,
+        tenant: str = ANONYMOUS,
+    ) -> None:
         """Feed one request's diagnostics to the health metrics: each histogram once per
         (sequence, head) that has a row seeing at least one key (a fully masked head has no
         attention to judge: its rows count in masked_rows only), and the per-head gauges with
         the request's statistics of each head below max_heads that saw a key."""
-        m = self._metrics
         per_head = diagnostics.per_head
         heads = per_head.masked_rows.shape[-1] if per_head.masked_rows.dim() else 1
         # Each statistic as [S, H] (S: the request's sequences, its leading dims flattened).
@@ -205,34 +250,71 @@ class HealthMonitor:
                 per_head.score_abs_max_scaled,
             )
         )
-        seen = rows.reshape(-1) > 0  # (sequence, head) pairs with attention
+        self._record(
+            _Heads(rows, entropy, max_weight, saturated, sink, logit),
+            masked_rows=float(diagnostics.summary.masked_rows),
+            tag=tag,
+            tenant=tenant,
+            source=source,
+        )
+
+    def observe_reported(self, observation: Observation, *, tenant: str) -> str:
+        """Record statistics computed elsewhere (POST /v1/health/observe, validated by
+        service.wire.observe) as a computed request's (source="reported"); returns the label
+        its tag got."""
+        heads = observation.per_head
+        entropy = heads.normalized_entropy
+        if heads.masked_rows is not None and observation.n_q is not None:
+            rows = observation.n_q - heads.masked_rows
+            masked = float(heads.masked_rows.sum())
+        else:
+            rows, masked = np.ones_like(entropy), 0.0
+        tag = self.label(observation.tag, tenant)
+        self._record(
+            _Heads(
+                rows, entropy, heads.max_weight, heads.saturated_fraction, heads.sink_share,
+                heads.score_abs_max_scaled,
+            ),
+            masked_rows=masked,
+            tag=tag,
+            tenant=tenant,
+            source="reported",
+        )  # fmt: skip
+        return tag
+
+    def _record(
+        self, heads: _Heads, *, masked_rows: float, tag: str, tenant: str, source: Source
+    ) -> None:
+        m = self._metrics
+        seen = heads.rows.reshape(-1) > 0  # (sequence, head) pairs with attention
         for histogram, values in (
-            (m.attention_entropy_normalized, entropy),
-            (m.attention_max_weight, max_weight),
-            (m.attention_saturated_fraction, saturated),
-            (m.attention_sink_share, sink),
-            (m.attention_logit_abs_max, logit),
+            (m.attention_entropy_normalized, heads.entropy),
+            (m.attention_max_weight, heads.max_weight),
+            (m.attention_saturated_fraction, heads.saturated),
+            (m.attention_sink_share, heads.sink),
+            (m.attention_logit_abs_max, heads.logit),
         ):
-            observe_many(histogram.labels(tag=tag), values.reshape(-1)[seen])
+            if values is not None:  # a report may leave the saturated fraction out
+                observe_many(histogram.labels(tag=tag, tenant=tenant), values.reshape(-1)[seen])
         exported = slice(0, self._max_heads)  # the heads with series of their own
         pooled = latest_heads(
-            rows[:, exported],
-            entropy=entropy[:, exported],
-            sink=sink[:, exported],
-            logit=logit[:, exported],
+            heads.rows[:, exported],
+            entropy=heads.entropy[:, exported],
+            sink=heads.sink[:, exported],
+            logit=heads.logit[:, exported],
         )
-        self._set_heads(tag, pooled)
-        m.attention_masked_rows_total.labels(tag=tag).inc(diagnostics.summary.masked_rows)
-        m.health_observations_total.labels(tag=tag, source=source).inc()
+        self._set_heads(tag, tenant, pooled)
+        m.attention_masked_rows_total.labels(tag=tag, tenant=tenant).inc(masked_rows)
+        m.health_observations_total.labels(tag=tag, tenant=tenant, source=source).inc()
 
-    def _set_heads(self, tag: str, heads: LatestHeads) -> None:
+    def _set_heads(self, tag: str, tenant: str, heads: LatestHeads) -> None:
         """The per-head gauges of `tag`: one label lookup and set per gauge and head seen."""
         gauges = self._metrics.head_gauges()
         entropy, sink, logit = (a.tolist() for a in (heads.entropy, heads.sink, heads.logit))
         for head in np.flatnonzero(heads.seen).tolist():
             label = str(head)
             for gauge, value in zip(gauges, (entropy[head], sink[head], logit[head]), strict=True):
-                gauge.labels(tag, label).set(value)
+                gauge.labels(tag, tenant, label).set(value)
 
     def count_nonfinite(self) -> None:
         """A request was refused for NaN/Inf in an input."""
@@ -245,17 +327,19 @@ class HealthMonitor:
         tag: str | None,
         diagnostics: Diagnostics | None,
         cost: CostModel,
+        tenant: str = ANONYMOUS,
     ) -> None:
         """Once a request's answer is ready: observe the diagnostics it asked for, or else
         (sampled at the configured rate) queue its summary for an idle device, its device
         time estimated by the cost model on the chunked path that computes it."""
         spec = prepared.spec
         if diagnostics is not None:
-            self.observe(diagnostics, n_q=spec.n_q, tag=self.label(tag), source="requested")
+            label = self.label(tag, tenant)
+            self.observe(diagnostics, n_q=spec.n_q, tag=label, source="requested", tenant=tenant)
         elif self.should_sample():
             shape = WorkShape(spec.batch, spec.heads, spec.n_q, spec.n_kv, spec.d, spec.d_v)
             seconds = cost.seconds(shape, "chunked")
-            self.offer(prepared, tag=self.label(tag), seconds=seconds)
+            self.offer(prepared, tag=self.label(tag, tenant), seconds=seconds, tenant=tenant)
 
     # -- sampling ----------------------------------------------------------------------------
 
@@ -265,7 +349,9 @@ class HealthMonitor:
         rate = self._sample_rate
         return rate >= 1.0 or (rate > 0.0 and self._rng.random() < rate)
 
-    def offer(self, prepared: PreparedJob, *, tag: str, seconds: float) -> bool:
+    def offer(
+        self, prepared: PreparedJob, *, tag: str, seconds: float, tenant: str = ANONYMOUS
+    ) -> bool:
         """Queue a sampled job whose summary costs an estimated `seconds` of device time;
         False (and counted as dropped) when it does not fit the bounds."""
         nbytes = _input_bytes(prepared)
@@ -276,7 +362,8 @@ class HealthMonitor:
         ):
             self._metrics.health_samples_dropped_total.inc()
             return False
-        self._pending.append(_Sample(prepared=prepared, tag=tag, seconds=seconds, nbytes=nbytes))
+        sample = _Sample(prepared=prepared, tag=tag, tenant=tenant, seconds=seconds, nbytes=nbytes)
+        self._pending.append(sample)
         self._pending_s += seconds
         self._pending_bytes += nbytes
         if self.on_offer is not None:
@@ -314,12 +401,49 @@ class HealthMonitor:
             logger.exception("health sample failed")
             return
         # The tag may have lost its slot while the sample waited: its series must not return.
-        tag = sample.tag if sample.tag in self._tags else OTHER_TAG
-        self.observe(diagnostics, n_q=sample.prepared.spec.n_q, tag=tag, source="sampled")
-        if tag != OTHER_TAG and tag not in self._tags:
+        tenant = sample.tenant
+        tag = sample.tag if self._holds(tenant, sample.tag) else OTHER_TAG
+        n_q = sample.prepared.spec.n_q
+        self.observe(diagnostics, n_q=n_q, tag=tag, source="sampled", tenant=tenant)
+        if tag != OTHER_TAG and not self._holds(tenant, tag):
             # Evicted (on the event loop) while this thread observed: what it wrote after the
             # eviction's removal would stay for good, with no slot left to remove it.
-            self._metrics.forget_tag(tag, heads=self._max_heads)
+            self._metrics.forget_tag(tag, tenant=tenant, heads=self._max_heads)
+
+
+@dataclass(frozen=True, slots=True)
+class _Heads:
+    """One observation's per-head statistics, each [S, H]; rows: the rows seeing a key."""
+
+    rows: npt.NDArray[Any]
+    entropy: npt.NDArray[Any]  # normalized
+    max_weight: npt.NDArray[Any]
+    saturated: npt.NDArray[Any] | None
+    sink: npt.NDArray[Any]
+    logit: npt.NDArray[Any]
+
+
+@dataclass(frozen=True, slots=True)
+class TenantHealth:
+    """The monitor as one tenant's request sees it: its observations carry the tenant."""
+
+    monitor: HealthMonitor
+    tenant: str
+
+    def after_answer(
+        self,
+        prepared: PreparedJob,
+        *,
+        tag: str | None,
+        diagnostics: Diagnostics | None,
+        cost: CostModel,
+    ) -> None:
+        self.monitor.after_answer(
+            prepared, tag=tag, diagnostics=diagnostics, cost=cost, tenant=self.tenant
+        )
+
+    def count_nonfinite(self) -> None:
+        self.monitor.count_nonfinite()
 
 
 def _input_bytes(prepared: PreparedJob) -> int:

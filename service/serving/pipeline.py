@@ -28,7 +28,7 @@ from service.errors import DeviceOutOfMemory, FieldError, InvalidInput
 from service.runtime.batcher import BatchResult
 from service.runtime.jobs import AttentionOutcome, Outcome, PreparedJob
 from service.runtime.policy import CostModel
-from service.serving.health import HealthMonitor
+from service.serving.health import TenantHealth
 from service.serving.meta import response_meta
 from service.serving.offload import off_loop_if, run_decoding
 from service.serving.prepare import PreparedRequest
@@ -63,7 +63,7 @@ class Call:
     # where nothing counts them.
     reserve_answer: Callable[[int], None] | None = None
     # Attention health (service.serving.health): observes diagnostics, samples the rest.
-    health: HealthMonitor | None = None
+    health: TenantHealth | None = None
 
 
 @dataclass(frozen=True, slots=True)

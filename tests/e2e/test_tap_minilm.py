@@ -81,7 +81,8 @@ def truth(model_path: str, batch: dict[str, torch.Tensor]) -> list[dict[str, np.
 
 def metric_count(server: LiveServer, tag: str) -> float:
     text = httpx.get(f"{server.url}/metrics", timeout=10).text
-    pattern = rf'^sdpa_attention_entropy_normalized_count\{{tag="{re.escape(tag)}"\}} (\S+)$'
+    labels = f'tag="{re.escape(tag)}",tenant="anonymous"'
+    pattern = rf"^sdpa_attention_entropy_normalized_count\{{{labels}\}} (\S+)$"
     found = re.search(pattern, text, re.MULTILINE)
     return float(found.group(1)) if found else 0.0
 
@@ -132,7 +133,7 @@ def test_sdpa_tap_watch_prints_each_layer(
     text.write_text("\n".join(SENTENCES) + "\n", encoding="utf-8")
     done = subprocess.run(
         [sys.executable, "-m", "sdpa_client.tap.cli", "watch", server.url, "--model", model_path,
-         "--text", str(text), "--name", "minilm-watch", "--batch-size", "2"],
+         "--text", f"@{text}", "--name", "minilm-watch", "--batch-size", "2"],
         capture_output=True, text=True, timeout=240, check=False,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr

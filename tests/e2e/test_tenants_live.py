@@ -593,7 +593,8 @@ def test_info_lists_tenants_weights_and_shares_never_keys(
     assert tenants["priority_levels"] == LEVELS
     assert tenants["default_priority"] == 2
     listed = {t["name"]: (t["weight"], t["share"]) for t in tenants["tenants"]}
-    assert listed == {"calm": (3.0, 0.75), "flood": (1.0, 0.25)}  # SDPA_TENANT_WEIGHTS
+    # A keyed caller sees its own tenant alone (SDPA_TENANT_WEIGHTS: calm 3, flood 1).
+    assert listed == {"flood": (1.0, 0.25)}
     for key in ALL_KEYS:
         assert key not in info.text
 
@@ -603,7 +604,7 @@ def test_info_lists_tenants_weights_and_shares_never_keys(
     assert tenants["max_queue_per_tenant"] == PER_TENANT
     listed = {t["name"]: (t["weight"], t["share"]) for t in tenants["tenants"]}
     third = round(1 / 3, 6)
-    assert listed == {"calm": (1.0, third), "flood": (1.0, third), BARE_NAME: (1.0, third)}
+    assert listed == {BARE_NAME: (1.0, third)}
     for key in ALL_KEYS:
         assert key not in info.text
 

@@ -34,6 +34,8 @@ def job(seed: int = 0, *, n: int = 8) -> PreparedJob:
 
 
 def sample(metrics: Metrics, name: str, **labels: str) -> float:
+    if "tag" in labels:  # health series carry the tenant: "anonymous" without keys
+        labels.setdefault("tenant", "anonymous")
     return metrics.registry.get_sample_value(name, labels) or 0.0
 
 
@@ -92,11 +94,14 @@ def test_a_tag_idle_long_enough_gives_its_slot_to_a_new_one_and_its_series_go() 
     assert _observe_requested(metrics, health, "new") == "new"
     assert sample(metrics, "sdpa_health_tags_evicted_total") == 1
     for name in ("sdpa_attention_entropy_normalized_count", "sdpa_attention_masked_rows_total"):
-        assert metrics.registry.get_sample_value(name, {"tag": "old"}) is None
+        assert (
+            metrics.registry.get_sample_value(name, {"tag": "old", "tenant": "anonymous"}) is None
+        )
     assert sample(metrics, "sdpa_attention_entropy_normalized_count", tag="new") == 2  # 2 heads
     assert (
         metrics.registry.get_sample_value(
-            "sdpa_health_observations_total", {"tag": "old", "source": "requested"}
+            "sdpa_health_observations_total",
+            {"tag": "old", "tenant": "anonymous", "source": "requested"},
         )
         is None
     )
@@ -121,7 +126,9 @@ def test_a_sample_whose_tag_lost_its_slot_while_it_waited_is_counted_as_other() 
     run()
     assert sample(metrics, "sdpa_health_observations_total", tag=OTHER_TAG, source="sampled") == 1
     assert (
-        metrics.registry.get_sample_value("sdpa_attention_sink_share_count", {"tag": "gone"})
+        metrics.registry.get_sample_value(
+            "sdpa_attention_sink_share_count", {"tag": "gone", "tenant": "anonymous"}
+        )
         is None
     )
 

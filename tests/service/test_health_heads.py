@@ -125,7 +125,7 @@ def test_the_gauges_hold_each_heads_statistics_pooled_over_the_sequences_by_hand
             assert got[key][head] == pytest.approx(value, rel=1e-9, abs=1e-12), (key, head)
     # The histograms still see one observation per (sequence, head) with attention: 5.
     count = metrics.registry.get_sample_value(
-        "sdpa_attention_entropy_normalized_count", {"tag": "minilm/layer0"}
+        "sdpa_attention_entropy_normalized_count", {"tag": "minilm/layer0", "tenant": "anonymous"}
     )
     assert count == 5
 
@@ -165,7 +165,9 @@ def test_heads_past_max_heads_have_no_series_and_0_turns_them_off() -> None:
     got = heads_of(metrics, "t")
     assert all(set(values) == {"0", "1"} for values in got.values()), got
     # The histograms keep every head.
-    count = metrics.registry.get_sample_value("sdpa_attention_sink_share_count", {"tag": "t"})
+    count = metrics.registry.get_sample_value(
+        "sdpa_attention_sink_share_count", {"tag": "t", "tenant": "anonymous"}
+    )
     assert count == 3
 
     metrics = Metrics()

@@ -14,14 +14,19 @@ from pathlib import Path
 
 import pytest
 
-from fuzz import grpc_infer, v1_body, v2_framing
+from fuzz import grpc_infer, health_observe, v1_body, v2_framing
 from fuzz import support as fuzz_support
 from fuzz.mutate import mutate_json
 from fuzz.support import CORPUS, Check, Finding, answer, same_answers
 from sdpa_core.errors import ShapeError
 from service.errors import FieldError, InvalidRequest, Unavailable
 
-HARNESSES = {"v1_body": v1_body, "v2_framing": v2_framing, "grpc_infer": grpc_infer}
+HARNESSES = {
+    "v1_body": v1_body,
+    "v2_framing": v2_framing,
+    "grpc_infer": grpc_infer,
+    "health_observe": health_observe,
+}
 TARGETS = {"grpc_infer": "service.serving.prepare_grpc"}
 
 
