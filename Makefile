@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 # Pinning it here stops pip from resolving a bare range to a multi-GB build it must download.
 TORCH ?= torch==2.13.0
 
-.PHONY: venv serve test unit lint typecheck bench-core clean image fuzz proto docs
+.PHONY: venv serve monitor test unit lint typecheck bench-core clean image fuzz proto docs
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -29,6 +29,28 @@ $(VENV)/.minilm: | $(VENV)/.installed
 SERVE_FLAGS ?=
 serve: venv
 	$(BIN)/sdpa-service serve $(SERVE_FLAGS)
+
+# Attention health on one machine (docs/monitoring.md): a Prometheus (Debian's: apt-get install
+# prometheus) scraping `make serve`'s server with the project's rules and alerts loaded, on
+# http://127.0.0.1:9090 until Ctrl-C; deploy/monitoring/prometheus.yml is its configuration.
+#   make monitor MONITOR_TARGET=127.0.0.1:9000 MONITOR_API_KEY=KEY   # another port; a key
+# MONITOR_DIR holds the configuration as run and the data (kept between runs).
+MONITOR_TARGET ?= 127.0.0.1:8000
+MONITOR_LISTEN ?= 127.0.0.1:9090
+MONITOR_DIR ?= .monitor
+MONITOR_API_KEY ?=
+monitor:
+	@command -v prometheus >/dev/null || { \
+	  echo "prometheus is not installed (Debian: apt-get install prometheus)" >&2; exit 1; }
+	@mkdir -p "$(MONITOR_DIR)"
+	@sed -e 's|"127.0.0.1:8000"|"$(MONITOR_TARGET)"|' \
+	  -e 's|^  - sdpa.rules.yml|  - $(CURDIR)/deploy/monitoring/sdpa.rules.yml|' \
+	  $(if $(MONITOR_API_KEY),-e 's|^    # authorization:|    authorization:|' \
+	    -e 's|^    #   credentials: "KEY"|      credentials: "$(MONITOR_API_KEY)"|') \
+	  deploy/monitoring/prometheus.yml > "$(MONITOR_DIR)/prometheus.yml"
+	@echo "Prometheus on http://$(MONITOR_LISTEN), scraping $(MONITOR_TARGET) (Ctrl-C stops it)"
+	exec prometheus --config.file="$(MONITOR_DIR)/prometheus.yml" \
+	  --storage.tsdb.path="$(MONITOR_DIR)/data" --web.listen-address="$(MONITOR_LISTEN)"
 
 lint: venv
 	$(BIN)/ruff check .
