@@ -62,8 +62,8 @@ typecheck: venv
 test: lint typecheck $(VENV)/.minilm
 	$(BIN)/pytest -n 2 --dist loadgroup
 
-# The fast tests (core, service in process, client), under a minute: no real server, no
-# subprocesses, no slow marks. `make test` stays the whole suite.
+# The fast tests (core, service in process, client): no real server, no subprocesses, no slow
+# marks; minutes on 2 cores (docs/getting-started.md). `make test` stays the whole suite.
 unit: venv
 	$(BIN)/pytest -n 2 -q -m "not slow" tests/core tests/service tests/client
 
