@@ -59,6 +59,8 @@ def clone(tmp_path_factory: pytest.TempPathFactory) -> Path:
     git = shutil.which("git")
     if git is None:
         pytest.skip("git is not installed")
+    if not (REPO_ROOT / ".git").exists():
+        pytest.skip("the checkout is not a git repository: nothing to clone")
     into = tmp_path_factory.mktemp("newcomer") / "sdpa-service"
     subprocess.run([git, "clone", "--quiet", str(REPO_ROOT), str(into)], check=True, timeout=120)
     return into
