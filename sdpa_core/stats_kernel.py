@@ -216,13 +216,19 @@ def compile_kernels() -> KernelStats:
             return kernel_stats()
         started = time.perf_counter()
         try:
+            import torch._inductor.config as inductor_config
+
             compiled = torch.compile(block_update, dynamic=True, fullgraph=True)
             gen = torch.Generator().manual_seed(0)
             s = torch.randn(_WARM_ROWS, _WARM_KEYS, generator=gen)
             limit = torch.arange(_WARM_ROWS, dtype=torch.float32)
             add = torch.zeros_like(s)
             add[:, _WARM_KEYS // 2 :] = -math.inf
-            with torch.no_grad():
+            # Its C++ builds in this thread, one after another: with more compile threads,
+            # inductor starts a pool of them that lives as long as the process (AsyncCompile.pool,
+            # torch 2.13), idle after this, and a server's clean exit saw its idle, non-daemon
+            # worker as a thread still busy. The variants compile one after another anyway.
+            with torch.no_grad(), inductor_config.patch(compile_threads=1):
                 # The three variants: every key visible, a causal edge, an edge and a mask.
                 for edge, mask in ((None, None), (limit, None), (limit, add)):
                     state = initial_state(_WARM_ROWS, device=s.device)

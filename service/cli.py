@@ -32,12 +32,24 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser(
         "serve",
-        help="run the HTTP server (one uvicorn worker)",
-        description="Run the HTTP server. Settings come from SDPA_* environment variables; "
-        "the flags below override them.",
+        help="run the HTTP server and the gRPC door (one uvicorn worker)",
+        description="Run the HTTP server and, beside it, the gRPC door (Open Inference "
+        "Protocol). Settings come from SDPA_* environment variables; the flags below override "
+        "them.",
     )
     serve.add_argument("--host", help="bind address (SDPA_HOST, default 127.0.0.1)")
     serve.add_argument("--port", type=int, help="bind port (SDPA_PORT, default 8000)")
+    grpc = serve.add_mutually_exclusive_group()
+    grpc.add_argument(
+        "--grpc-port",
+        type=int,
+        help="the gRPC door's port (SDPA_GRPC_PORT, default 8001; 0 = off)",
+    )
+    grpc.add_argument(
+        "--no-grpc",
+        action="store_true",
+        help="serve HTTP alone, without the gRPC door (the same as SDPA_GRPC_PORT=0)",
+    )
     serve.add_argument("--device", help="auto | cpu | cuda | cuda:N (SDPA_DEVICE, default auto)")
     serve.add_argument(
         "--log-level",
@@ -62,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Draw q, k ~ N(0, std^2) (seeded) and compare how dividing the raw scores "
         "q.k by each strategy's divisor shapes the softmax.",
     )
-    analyze.add_argument("--d-k", type=int, required=True, help="head dimension d_k")
+    analyze.add_argument("--d-k", type=int, required=True, help="head dimension d_k (required)")
     analyze.add_argument("--n", type=int, default=64, help="queries and keys (default 64)")
     analyze.add_argument("--std", type=float, default=1.0, help="std of q and k (default 1)")
     analyze.add_argument("--seed", type=int, default=0, help="RNG seed (default 0)")
@@ -73,7 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="names (none sqrt_dk dk dk_quarter two_sqrt_dk) and/or custom NAME=DIVISOR; "
         "default: the five standard ones",
     )
-    analyze.add_argument("--json", action="store_true", help="print the report as JSON")
+    analyze.add_argument(
+        "--json", action="store_true", help="print the report as JSON (default: a table)"
+    )
     return parser
 
 
@@ -95,9 +109,11 @@ def settings_from(args: argparse.Namespace) -> Settings:
 
     overrides: dict[str, Any] = {
         name: getattr(args, name)
-        for name in ("host", "port", "device", "log_level")
+        for name in ("host", "port", "grpc_port", "device", "log_level")
         if getattr(args, name, None) is not None
     }
+    if getattr(args, "no_grpc", False):
+        overrides["grpc_port"] = 0
     return Settings(**overrides)
 
 

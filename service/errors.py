@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 from itertools import islice
-from typing import Any, Final
+from typing import Any, Final, Protocol
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,12 +73,61 @@ class InvalidRequest(ServiceError):
     title = "Invalid request"
 
 
+class CoreRefusal(Protocol):
+    """What sdpa_core's SdpaError carries (this module imports no torch)."""
+
+    message: str
+    param: str
+    expected: Any
+    got: Any
+
+
+# sdpa_core words its refusals for a Python caller of attention(). Some of its advice is no door's
+# to follow: no door takes allow_nonfinite (the service never computes NaN/Inf inputs), and the
+# Open Inference Protocol asks for the weights by an output where v1 has return_weights. Every
+# core refusal reaches a door through InvalidInput.from_core, which words its advice here, once:
+# (the core's words, v1's, the Open Inference Protocol's, for its REST and gRPC doors alike).
+_CORE_ADVICE: Final = (
+    (" (pass allow_nonfinite=True to accept them)", "", ""),
+    (
+        "when return_weights is true",
+        "when return_weights is true",
+        "when the output 'weights' is requested",
+    ),
+)
+
+
 class InvalidInput(InvalidRequest):
     """sdpa_core refused the inputs (SdpaError: shapes, masks, dtypes, non-finite values, memory
-    budgets); `errors[0]` locates the parameter, its msg says what was expected and got."""
+    budgets); `errors[0]` locates the parameter, its msg says what was expected and got, in v1's
+    words; field_detail says it in the Open Inference Protocol's (from_core)."""
+
+    def __init__(
+        self, detail: str, *, errors: list[FieldError] | None = None, v2_detail: str | None = None
+    ) -> None:
+        super().__init__(detail, errors=errors)
+        self._v2_detail = v2_detail
+
+    @classmethod
+    def from_core(cls, exc: CoreRefusal) -> InvalidInput:
+        """sdpa_core's refusal as a client error whose errors[0].loc names the parameter (loc
+        ["body", *param]), its advice worded for each door (_CORE_ADVICE)."""
+        parts = [exc.message]
+        if exc.expected is not None:
+            parts.append(f"expected {exc.expected}")
+        if exc.got is not None:
+            parts.append(f"got {exc.got}")
+        v1 = v2 = "; ".join(parts)
+        for core, v1_words, v2_words in _CORE_ADVICE:
+            v1, v2 = v1.replace(core, v1_words), v2.replace(core, v2_words)
+        snake = "".join(f"_{c.lower()}" if c.isupper() else c for c in type(exc).__name__)
+        error = FieldError(loc=("body", *exc.param.split(".")), msg=v1, type=snake.lstrip("_"))
+        return cls(f"{exc.param}: {v1}", errors=[error], v2_detail=v2)
 
     @property
     def field_detail(self) -> str:
+        if self._v2_detail is not None:
+            return self._v2_detail
         return self.errors[0].msg if self.errors else self.detail
 
 

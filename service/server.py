@@ -299,7 +299,8 @@ def bind_grpc(state: AppState, *, host: str, port: int) -> GrpcServer:
         server, bound = build_server(state, host=host, port=port)
     except OSError as exc:
         logger.error(
-            "%s; set SDPA_GRPC_PORT to a free port, or to 0 to turn the gRPC door off",
+            "%s; move the gRPC door to a free port (--grpc-port N, or SDPA_GRPC_PORT=N) or "
+            "turn it off (--no-grpc, or SDPA_GRPC_PORT=0)",
             exc,
             extra={"json_fields": {"host": host, "grpc_port": port}},
         )

@@ -24,7 +24,7 @@ from typing import Any, Generic, Protocol, TypeVar
 import torch
 
 from sdpa_core import NonFiniteError, SdpaError
-from service.errors import DeviceOutOfMemory, FieldError, InvalidInput
+from service.errors import DeviceOutOfMemory, InvalidInput
 from service.runtime.batcher import BatchResult
 from service.runtime.jobs import AttentionOutcome, Outcome, PreparedJob
 from service.runtime.policy import CostModel
@@ -151,17 +151,8 @@ def _deadline(request: PreparedRequest, call: Call) -> float:
 
 
 def invalid_input(exc: SdpaError) -> InvalidInput:
-    """sdpa_core's refusal as a client error whose errors[0].loc names the parameter."""
-    parts = [exc.message]
-    if exc.expected is not None:
-        parts.append(f"expected {exc.expected}")
-    if exc.got is not None:
-        parts.append(f"got {exc.got}")
-    snake = "".join(f"_{c.lower()}" if c.isupper() else c for c in type(exc).__name__)
-    error = FieldError(
-        loc=("body", *exc.param.split(".")), msg="; ".join(parts), type=snake.lstrip("_")
-    )
-    return InvalidInput(str(exc), errors=[error])
+    """sdpa_core's refusal as a client error, its advice worded for each door (service.errors)."""
+    return InvalidInput.from_core(exc)
 
 
 async def _decode(door: Door[D, O, A], call: Call) -> D:

@@ -224,9 +224,13 @@ def _from_list(
         )
     if dtype == "bool":
         return torch.from_numpy(arr.astype(np.bool_, copy=False))
-    if dtype == "bfloat16":
-        return torch.from_numpy(arr.astype(np.float32)).to(torch.bfloat16)
-    return torch.from_numpy(arr.astype(_DTYPES[dtype].wire.newbyteorder("="), copy=False))
+    # A number past the dtype's range becomes ±inf, which the finiteness check refuses (a 422
+    # naming the field): numpy's "overflow encountered in cast" would only add a warning to the
+    # server's log for a client's bad input.
+    with np.errstate(over="ignore"):
+        if dtype == "bfloat16":
+            return torch.from_numpy(arr.astype(np.float32)).to(torch.bfloat16)
+        return torch.from_numpy(arr.astype(_DTYPES[dtype].wire.newbyteorder("="), copy=False))
 
 
 def nulls_as_minus_inf(data: Any, arr: npt.NDArray[Any], *, loc: Loc) -> npt.NDArray[Any]:

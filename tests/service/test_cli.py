@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import threading
@@ -46,6 +47,51 @@ def test_serve_reads_the_environment_and_flags_win(monkeypatch: pytest.MonkeyPat
     assert flagged.port == 9100
     assert flagged.log_level == "warning"
     assert (flagged.host, flagged.max_batch_size) == ("127.0.0.2", 7)  # untouched by flags
+
+
+def test_serve_moves_or_turns_off_the_grpc_door(monkeypatch: pytest.MonkeyPatch) -> None:
+    parser = build_parser()
+    assert settings_from(parser.parse_args(["serve"])).grpc_port == 8001  # Triton's
+    monkeypatch.setenv("SDPA_GRPC_PORT", "7001")
+    assert settings_from(parser.parse_args(["serve"])).grpc_port == 7001
+    assert settings_from(parser.parse_args(["serve", "--grpc-port", "9001"])).grpc_port == 9001
+    assert settings_from(parser.parse_args(["serve", "--no-grpc"])).grpc_port == 0  # off
+    with pytest.raises(SystemExit) as exited:  # one or the other
+        parser.parse_args(["serve", "--no-grpc", "--grpc-port", "9001"])
+    assert exited.value.code == 2
+
+
+def _options(parser: argparse.ArgumentParser, prog: str) -> Iterator[tuple[str, argparse.Action]]:
+    """(command, option) for every option a user can give, subcommands included."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _options(sub, f"{prog} {name}")
+        elif action.help != argparse.SUPPRESS and not isinstance(action, argparse._HelpAction):
+            yield prog, action
+
+
+def test_every_option_s_help_says_its_default() -> None:
+    """--help shows what a flag left out means (sdpa-service and sdpa-loadtest; the switches
+    that only turn something on, and required options, have no default to say)."""
+    from sdpa_client.loadtest import build_parser as loadtest_parser
+
+    options = [*_options(build_parser(), "sdpa-service"), *_options(loadtest_parser(), "")]
+    assert any("--grpc-port" in action.option_strings for _, action in options)
+    for prog, action in options:
+        if isinstance(action, argparse._StoreTrueAction) or action.required:
+            continue
+        assert "default" in (action.help or ""), f"{prog} {action.option_strings}: {action.help}"
+
+
+def test_serve_help_shows_the_grpc_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["serve", "--help"])
+    assert exited.value.code == 0
+    shown = " ".join(capsys.readouterr().out.split())
+    assert "[--grpc-port GRPC_PORT | --no-grpc]" in shown
+    assert "the gRPC door's port (SDPA_GRPC_PORT, default 8001; 0 = off)" in shown
+    assert "without the gRPC door (the same as SDPA_GRPC_PORT=0)" in shown
 
 
 def test_serve_with_a_bad_setting_exits_2_without_serving(
