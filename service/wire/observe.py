@@ -273,7 +273,32 @@ def _check(index: int, observation: Observation) -> list[FieldError]:
 
 def parse_observe(payload: Any) -> ObserveRequest:
     """The parsed JSON body as an ObserveRequest whose every value is in range, or
-    InvalidRequest (422) naming every bad field."""
+    InvalidRequest (422) naming every bad field.
+
+    Two forms: {"observations": [...]} (the tap's, one body per sampled forward) and one
+    observation as the whole body ({"tag", "per_head", "visible_keys_max"}, DESIGN.md's), whose
+    errors name its fields as they stand in that body."""
+    if isinstance(payload, dict) and "observations" not in payload:
+        try:
+            return _parse_batch({"observations": [payload]})
+        except InvalidRequest as error:
+            raise _as_single(error) from None
+    return _parse_batch(payload)
+
+
+def _as_single(error: InvalidRequest) -> InvalidRequest:
+    """A one-observation body's error, its locations without the batch's wrapping."""
+    wrapped = ("body", "observations", 0)
+
+    def strip(loc: tuple[str | int, ...]) -> tuple[str | int, ...]:
+        return ("body", *loc[3:]) if loc[:3] == wrapped else loc
+
+    errors = [FieldError(loc=strip(e.loc), msg=e.msg, type=e.type) for e in error.errors]
+    detail = error.detail.removeprefix("observations.0.")
+    return InvalidRequest(detail, errors=errors)
+
+
+def _parse_batch(payload: Any) -> ObserveRequest:
     request = validate_request(payload, ObserveRequest)
     errors: list[FieldError] = []
     total = 0
