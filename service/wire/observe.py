@@ -276,7 +276,7 @@ def parse_observe(payload: Any) -> ObserveRequest:
     InvalidRequest (422) naming every bad field.
 
     Two forms: {"observations": [...]} (the tap's, one body per sampled forward) and one
-    observation as the whole body ({"tag", "per_head", "visible_keys_max"}, DESIGN.md's), whose
+    observation as the whole body ({"tag", "per_head", "visible_keys_max"}, the design's), whose
     errors name its fields as they stand in that body."""
     if isinstance(payload, dict) and "observations" not in payload:
         try:

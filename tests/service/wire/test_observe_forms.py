@@ -1,5 +1,5 @@
 """POST /v1/health/observe's two body forms: the tap's batch ({"observations": [...]}) and one
-observation as the whole body (DESIGN.md's {"tag", "per_head", "visible_keys_max"}). Both parse
+observation as the whole body (the design's {"tag", "per_head", "visible_keys_max"}). Both parse
 to the same observations, and a one-observation body's errors name its fields where they stand."""
 
 from __future__ import annotations
