@@ -121,16 +121,25 @@ def flash_kernels() -> tuple[FlashKernelState, ...]:
     return (_state(TRITON_KERNEL, triton_device), _state(CPU_KERNEL, "cpu"))
 
 
-def flash_kernel(device: torch.device) -> tuple[str, FlashTile] | tuple[None, str]:
-    """The flash kernel for tensors on `device`: (its name, its flash_tile), or (None, why
-    none runs there). On the CPU the compiled kernel comes first, then Triton's interpreter
-    (TRITON_INTERPRET=1); on CUDA, Triton."""
+@dataclass(frozen=True, slots=True)
+class FlashChoice:
+    """The flash kernel for tensors on one device: its name and flash_tile, or None and why
+    none runs there."""
+
+    name: str | None
+    tile: FlashTile | None
+    reason: str
+
+
+def flash_kernel(device: torch.device) -> FlashChoice:
+    """The flash kernel for tensors on `device`. On the CPU the compiled kernel comes first,
+    then Triton's interpreter (TRITON_INTERPRET=1); on CUDA, Triton."""
     if device.type == "cuda":
         order: tuple[str, ...] = (TRITON_KERNEL,)
     elif device.type == "cpu":
         order = (CPU_KERNEL, TRITON_KERNEL)
     else:
-        return None, f"no flash kernel takes {device.type} tensors"
+        return FlashChoice(None, None, f"no flash kernel takes {device.type} tensors")
     reasons = []
     for name in order:
         state = _state(name, device.type)
@@ -138,9 +147,9 @@ def flash_kernel(device: torch.device) -> tuple[str, FlashTile] | tuple[None, st
             module, _ = _LOADED.get(name)
             assert module is not None
             tile: FlashTile = module.flash_tile
-            return name, tile
+            return FlashChoice(name, tile, "")
         reasons.append(f"{name}: {state.reason}")
-    return None, "; ".join(reasons)
+    return FlashChoice(None, None, "; ".join(reasons))
 
 
 def compile_kernels() -> KernelStats:
@@ -169,6 +178,7 @@ __all__ = [
     "CPU_KERNEL",
     "FLASH_KERNEL_NAMES",
     "TRITON_KERNEL",
+    "FlashChoice",
     "FlashKernelState",
     "FlashTile",
     "compile_kernels",
