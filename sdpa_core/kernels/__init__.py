@@ -17,11 +17,13 @@ use: importing sdpa_core loads neither Triton nor the C++ toolchain.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Final
@@ -84,6 +86,21 @@ class _Loaded:
 
 
 _LOADED = _Loaded()
+_ONLY: ContextVar[str | None] = ContextVar("sdpa_core_flash_kernel", default=None)
+
+
+@contextlib.contextmanager
+def use_kernel(name: str | None) -> Iterator[None]:
+    """Inside this context the flash path takes only kernel `name` (None: whichever runs):
+    tests and benchmarks compare the kernels in one process. A name no kernel has is a
+    ValueError."""
+    if name is not None and name not in FLASH_KERNEL_NAMES:
+        raise ValueError(f"unknown flash kernel {name!r}: {' | '.join(FLASH_KERNEL_NAMES)}")
+    token = _ONLY.set(name)
+    try:
+        yield
+    finally:
+        _ONLY.reset(token)
 
 
 def triton_interpreted() -> bool:
@@ -140,6 +157,11 @@ def flash_kernel(device: torch.device) -> FlashChoice:
         order = (CPU_KERNEL, TRITON_KERNEL)
     else:
         return FlashChoice(None, None, f"no flash kernel takes {device.type} tensors")
+    only = _ONLY.get()
+    if only is not None:
+        if only not in order:
+            return FlashChoice(None, None, f"{only} takes no {device.type} tensors (use_kernel)")
+        order = (only,)
     reasons = []
     for name in order:
         state = _state(name, device.type)
@@ -185,4 +207,5 @@ __all__ = [
     "flash_kernel",
     "flash_kernels",
     "triton_interpreted",
+    "use_kernel",
 ]
