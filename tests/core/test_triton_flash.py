@@ -31,7 +31,13 @@ from hypothesis import strategies as st
 
 from sdpa_core.diagnostics import ROW_STATS_FIELDS
 from sdpa_core.kernels import triton_flash
-from tests.core.flash_tiles import Tile, check_tile, expected, tile_inputs
+from tests.core.flash_tiles import (
+    Tile,
+    check_tile,
+    expected,
+    expected_by_formula,
+    tile_inputs,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -423,3 +429,19 @@ def tiles(draw: st.DrawFn) -> Tile:
 def test_property_every_field_matches_float64(case: Tile) -> None:
     # scores up to |4 x 3^2 x 20| = 720: lse's float32 rounding at that size
     check_tile(triton_flash.flash_tile, case, DEVICE, tolerance={"lse": (2e-4, 2e-5)})
+
+
+# ---- the GPU tests' reference (tests/core/test_triton_flash_gpu.py) -------------------------
+
+
+def test_the_large_shape_reference_agrees_with_the_definitions() -> None:
+    """expected_by_formula and the index-built visibility, which the GPU tests use at
+    N = 1024, against the element-by-element reference on a small tile."""
+    case = MASK_CASES["everything"]
+    by_loop, by_index = tile_inputs(case), tile_inputs(case, by_index=True)
+    assert torch.equal(by_loop.visible, by_index.visible)
+    out, stats = expected(by_loop)
+    out_f, stats_f = expected_by_formula(by_index)
+    torch.testing.assert_close(out_f, out, rtol=1e-12, atol=1e-12)
+    for name, value in stats.items():
+        torch.testing.assert_close(stats_f[name], value, rtol=1e-10, atol=1e-12, msg=name)
