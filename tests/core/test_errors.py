@@ -145,7 +145,7 @@ ERROR_CASES: list[tuple[str, tuple[Any, ...], dict[str, Any], type[SdpaError], s
         SdpaError,
         "path",
     ),
-    ("unknown_path", (Q, K, V), {"path": "flash"}, SdpaError, "path"),
+    ("unknown_path", (Q, K, V), {"path": "sparse"}, SdpaError, "path"),
     ("unknown_level", (Q, K, V), {"diagnostics": "all"}, SdpaError, "diagnostics"),
     ("bad_block_size", (Q, K, V), {"block_size": 0}, SdpaError, "block_size"),
     ("bad_budget", (Q, K, V), {"memory_budget_bytes": -1}, SdpaError, "memory_budget_bytes"),
