@@ -69,8 +69,7 @@ reps = int(sys.argv[2])
 import os, sdpa_core
 def this_trees(module):
     # An editable install's finder serves the working tree's modules to a tree without them.
-    return os.path.dirname(os.path.dirname(module.__file__)).startswith(
-        os.path.dirname(sdpa_core.__file__))
+    return os.path.dirname(module.__file__) == os.path.dirname(sdpa_core.__file__)
 kernel_mode = None
 kernel = flash = False
 try:  # a tree with the compiled statistics kernel: compile it, as the service's warm-up does
@@ -107,10 +106,13 @@ for name, fn in live.items():
     fn()
     res = fn()
     paths[name] = getattr(res, "path", "torch")
-# Alternated: one call of each case per rep, so drifting load falls on all alike.
+# Alternated: one call of each case per rep, so drifting load falls on all alike, starting
+# one case later at each rep (the case after the largest one pays its cache misses).
 times = {name: [] for name in live}
-for _ in range(reps):
-    for name, fn in live.items():
+order = list(live)
+for rep in range(reps):
+    for name in order[rep % len(order):] + order[:rep % len(order)]:
+        fn = live[name]
         start = time.process_time(); fn(); times[name].append(time.process_time() - start)
 out = {}
 for name in cases:
