@@ -72,7 +72,7 @@ class _Kernel:
         self.lock = threading.Lock()
         self.module: ModuleType | None = None
         self.reason = "not built yet: build() was not called"
-        self.source = ""  # "prebuilt" or the build directory
+        self.source = ""  # "prebuilt" or "compiled"
         self.build_s = 0.0
 
 
@@ -129,18 +129,18 @@ def _compile(name: str) -> ModuleType:
     return module
 
 
-def build() -> tuple[bool, str]:
-    """Load the kernel: the prebuilt library when there is one for this source and torch,
-    else compile it (seconds; cached in torch's extension directory). Idempotent and
-    thread-safe; (True, "") when it can run, else (False, why): no compiler, no ninja, a
-    build error. Never called on a request."""
+def build(prebuilt_dir: Path = PREBUILT_DIR) -> tuple[bool, str]:
+    """Load the kernel: the prebuilt library in prebuilt_dir when there is one for this
+    source and torch, else compile it (seconds; cached in torch's extension directory).
+    Idempotent and thread-safe; (True, "") when it can run, else (False, why): no compiler,
+    no ninja, a build error. Never called on a request."""
     with _KERNEL.lock:
         if _KERNEL.module is not None:
             return True, ""
         started = time.perf_counter()
         name = library_name()
         suffix = importlib.machinery.EXTENSION_SUFFIXES[-1]  # ".so"
-        prebuilt = PREBUILT_DIR / f"{name}{suffix}"
+        prebuilt = prebuilt_dir / f"{name}{suffix}"
         try:
             if prebuilt.exists():
                 _KERNEL.module = _import_library(name, prebuilt)
@@ -162,17 +162,17 @@ def build() -> tuple[bool, str]:
         return True, ""
 
 
-def prebuild() -> Path:
-    """Compile the kernel and copy the library into PREBUILT_DIR (the image build runs this,
-    with a compiler and torch's headers at hand); returns its path."""
+def prebuild(directory: Path = PREBUILT_DIR) -> Path:
+    """Compile the kernel and copy the library into `directory`, where build() finds it (the
+    image build runs this, with a compiler and torch's headers at hand); returns its path."""
     missing = _toolchain()
     if missing:
         raise RuntimeError(missing)
     name = library_name()
     module = _compile(name)
     built = Path(str(module.__file__))
-    PREBUILT_DIR.mkdir(exist_ok=True)
-    target = PREBUILT_DIR / built.name
+    directory.mkdir(parents=True, exist_ok=True)
+    target = directory / built.name
     shutil.copyfile(built, target)
     return target
 

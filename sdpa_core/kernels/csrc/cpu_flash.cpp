@@ -190,7 +190,12 @@ SDPA_CLONES PassA pass_a(const float* raw, const float* add, int n, float scale)
 // Pass B: p = e^(s - m) written over raw (0 where not visible), and the block's sums:
 // rest1..3 = sums of (p - [p == 1])^k (the entries equal to 1 are the row max and its exact
 // ties, counted apart in ones), t = sum p (s - m), dev/dev2 = sums of raw - mean and its
-// square (the block's two-pass M2).
+// square (the block's two-pass M2). rest2 and rest3 are taken of 2^32 (p - [p == 1]), so
+// that near-one-hot rows' tiny weights (p ~ 1e-20: p^2 under float's normal range) keep
+// their digits; merge() scales them back in double.
+constexpr float kPowScale = 4294967296.0f;  // 2^32
+constexpr double kInvScale2 = 1.0 / (4294967296.0 * 4294967296.0);
+constexpr double kInvScale3 = kInvScale2 / 4294967296.0;
 struct PassB {
   float rest1, rest2, rest3, t, ones, dev, dev2;
 };
@@ -205,6 +210,7 @@ struct LanesB {
     const vf p = exp_nonpos(d);
     const vf one = p >= 1.0f ? splat(1.0f) : vf{};
     const vf q = p - one;
+    const vf qs = q * kPowScale;  // 2^32 q: its square and cube stay normal floats longer
     vf c = r - mean;
     if (kMasked) {
       const vi vis = a != kNegInf;
@@ -214,8 +220,8 @@ struct LanesB {
       t += p * d;
     }
     rest1 += q;
-    rest2 += q * q;
-    rest3 += q * q * q;
+    rest2 += qs * qs;
+    rest3 += qs * qs * qs;
     ones += one;
     dev += c;
     dev2 += c * c;
@@ -288,8 +294,8 @@ inline float merge(Row& row, const PassA& a, const PassB& b, float m_new, double
     row.rest3 += extra_ones;
   }
   row.rest1 += b.rest1;
-  row.rest2 += b.rest2;
-  row.rest3 += b.rest3;
+  row.rest2 += b.rest2 * kInvScale2;
+  row.rest3 += b.rest3 * kInvScale3;
   row.t += b.t;
   row.sink += sink_blk;
   // Chan's merge of (count, mean, M2) with the block's exact two-pass moments.
