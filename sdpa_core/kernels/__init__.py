@@ -148,9 +148,26 @@ class FlashChoice:
     reason: str
 
 
+# Kernels found, by (device type, use_kernel's name, TRITON_INTERPRET): a kernel that runs
+# keeps running, so a choice is kept once made (each check costs microseconds, twice per
+# call); a missing one is asked again (compile_kernels() may build it).
+_FOUND: dict[tuple[str, str | None, bool], FlashChoice] = {}
+
+
 def flash_kernel(device: torch.device) -> FlashChoice:
     """The flash kernel for tensors on `device`. On the CPU the compiled kernel comes first,
     then Triton's interpreter (TRITON_INTERPRET=1); on CUDA, Triton."""
+    key = (device.type, _ONLY.get(), triton_interpreted())
+    found = _FOUND.get(key)
+    if found is not None:
+        return found
+    choice = _find_kernel(device)
+    if choice.tile is not None:
+        _FOUND[key] = choice
+    return choice
+
+
+def _find_kernel(device: torch.device) -> FlashChoice:
     if device.type == "cuda":
         order: tuple[str, ...] = (TRITON_KERNEL,)
     elif device.type == "cpu":
