@@ -199,9 +199,7 @@ def main() -> int:
     ap.add_argument("--live-only", action="store_true", help="only the live server's ratio")
     args = ap.parse_args()
     if args.live or args.live_only:
-        live_ratio(args.rounds, None)
-        if args.before is not None:
-            live_ratio(args.rounds, args.before)
+        live_ratio(args.rounds, None)  # this tree's (--before's has no service of its own)
         if args.live_only:
             return 0
     sides = {"after": ROOT} if args.before is None else {"before": args.before, "after": ROOT}
