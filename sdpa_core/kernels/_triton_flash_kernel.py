@@ -48,50 +48,54 @@ STAT_FIELDS = (
 )
 
 
+# Every argument is annotated for mypy with what Triton can resolve inside a kernel: the
+# compiler evaluates annotations as globals, and only triton.language's names and constexprs
+# are visible there (`Any` fails to compile; tests/core/test_triton_flash.py compiles the
+# kernel for a GPU target to hold that).
 def _flash_fwd(
-    Q: Any,
-    K: Any,
-    V: Any,
-    Out: Any,
-    Stats: Any,  # float32 [len(STAT_FIELDS), B*H*TQ]
-    Counts: Any,  # int64 [B*H*TQ]
-    KeyLen: Any,  # int64, [B, H] through strides (0 on broadcast dims)
-    Vis: Any,  # uint8 (a bool's bytes), [B, H, TQ, N_KV] through strides
-    Bias: Any,  # float, [B, H, TQ, N_KV] through strides
-    sqb: Any,
-    sqh: Any,
-    sqm: Any,
-    sqd: Any,
-    skb: Any,
-    skh: Any,
-    skn: Any,
-    skd: Any,
-    svb: Any,
-    svh: Any,
-    svn: Any,
-    svd: Any,
-    slb: Any,
-    slh: Any,
-    sib: Any,
-    sih: Any,
-    sim: Any,
-    sin: Any,
-    sbb: Any,
-    sbh: Any,
-    sbm: Any,
-    sbn: Any,
-    H: Any,
-    GROUP: Any,  # query heads per kv head
-    TQ: Any,
-    N_KV: Any,
-    D: Any,
-    D_V: Any,
-    BH0: Any,  # the first (batch * H + head) of this launch
-    scale: Any,
-    q_start: Any,
-    causal_shift: Any,
-    sink_tokens: Any,
-    n_rows: Any,  # B*H*TQ: the stride between two statistics in Stats
+    Q: tl.tensor,
+    K: tl.tensor,
+    V: tl.tensor,
+    Out: tl.tensor,
+    Stats: tl.tensor,  # float32 [len(STAT_FIELDS), B*H*TQ]
+    Counts: tl.tensor,  # int64 [B*H*TQ]
+    KeyLen: tl.tensor,  # int64, [B, H] through strides (0 on broadcast dims)
+    Vis: tl.tensor,  # uint8 (a bool's bytes), [B, H, TQ, N_KV] through strides
+    Bias: tl.tensor,  # float, [B, H, TQ, N_KV] through strides
+    sqb: tl.tensor,
+    sqh: tl.tensor,
+    sqm: tl.tensor,
+    sqd: tl.tensor,
+    skb: tl.tensor,
+    skh: tl.tensor,
+    skn: tl.tensor,
+    skd: tl.tensor,
+    svb: tl.tensor,
+    svh: tl.tensor,
+    svn: tl.tensor,
+    svd: tl.tensor,
+    slb: tl.tensor,
+    slh: tl.tensor,
+    sib: tl.tensor,
+    sih: tl.tensor,
+    sim: tl.tensor,
+    sin: tl.tensor,
+    sbb: tl.tensor,
+    sbh: tl.tensor,
+    sbm: tl.tensor,
+    sbn: tl.tensor,
+    H: tl.tensor,
+    GROUP: tl.tensor,  # query heads per kv head
+    TQ: tl.tensor,
+    N_KV: tl.tensor,
+    D: tl.tensor,
+    D_V: tl.tensor,
+    BH0: tl.tensor,  # the first (batch * H + head) of this launch
+    scale: tl.tensor,
+    q_start: tl.tensor,
+    causal_shift: tl.tensor,
+    sink_tokens: tl.tensor,
+    n_rows: tl.tensor,  # B*H*TQ: the stride between two statistics in Stats
     HAS_CAUSAL: tl.constexpr,
     HAS_LEN: tl.constexpr,
     HAS_VIS: tl.constexpr,

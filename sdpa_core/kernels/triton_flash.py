@@ -21,9 +21,7 @@ launch and is importable without Triton: Triton is imported on the first flash_t
   for bf16 (the interpreter's fp32 -> bf16 cast truncates where a GPU rounds to nearest), and
   the output is written in fp32 and rounded by torch, for the same reason.
 - Block sizes are powers of two and >= 16 (tl.dot's smallest tile on a GPU); head dims are
-  padded to the next power of two >= 16 with masked loads. CUDA: 64 x 64, 8 warps above head
-  dim 64 (FlashAttention-2's Triton tutorial's choice for an H100-class GPU; not tuned here:
-  no GPU was at hand). The interpreter: 16 x 16, its cost being per program and per block.
+  padded to the next power of two >= 16 with masked loads (launch_config says which and why).
 """
 
 from __future__ import annotations
@@ -67,6 +65,26 @@ def _device_code() -> ModuleType:
 def _pad(d: int) -> int:
     """A head dim's padded width: the next power of two, at least 16."""
     return max(16, 1 << max(0, d - 1).bit_length())
+
+
+def launch_config(
+    dtype: torch.dtype, d: int, d_v: int, tq: int, *, interpreted: bool
+) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps) for a tile. The interpreter: 16 x 16 (the smallest tiles a
+    GPU's tl.dot takes, so the tests run the GPU's shapes; its cost is per block). CUDA: the
+    configurations that ptxas (Triton 3.9, sm_90) compiled without register spills with every
+    mask on, or with the fewest (registers / spilled bytes, all masks; none):
+    half D <= 64: 64 x 64, 8 warps (220 / 0; 255 / 64); half D = 128: 64 x 32, 8 warps
+    (255 / 168; 193 / 0); half D = 256 and fp32 (FMA dots in ieee): 32 x 32, 8 warps
+    (239 / 0 at D 256; 182 / 0 and 198 / 0 fp32 at D 64 and 128). Their speed is not
+    measured (no GPU was at hand): bench/gpu.py on a lent GPU should settle them."""
+    if interpreted:
+        return 16, 16, 4
+    width = _pad(max(d, d_v))
+    if dtype == torch.float32 or width > 128:
+        return 32, 32, 8
+    block_m = min(64, max(16, 1 << (tq - 1).bit_length()))
+    return block_m, (64 if width <= 64 else 32), 8
 
 
 def _strides4(x: torch.Tensor | None) -> tuple[int, int, int, int]:
@@ -128,11 +146,7 @@ def flash_tile(
         lengths = None if key_lengths is None else key_lengths.expand(b, h)
         vis = None if visible is None else visible.expand(b, h, tq, n_kv).view(torch.uint8)
         add = None if bias is None else bias.expand(b, h, tq, n_kv)
-        if interpreted:
-            block_m, block_n, warps = 16, 16, 4
-        else:
-            block_m = min(64, max(16, 1 << (tq - 1).bit_length()))
-            block_n, warps = 64, (4 if _pad(max(d, d_v)) <= 64 else 8)
+        block_m, block_n, warps = launch_config(q.dtype, d, d_v, tq, interpreted=interpreted)
         kernel = code.flash_fwd
         half = q.dtype != torch.float32
         for bh0 in range(0, bh, _MAX_GRID_Y):

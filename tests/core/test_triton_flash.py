@@ -13,10 +13,12 @@ Shapes stay tiny: the interpreter is about 500x slower than torch.
 from __future__ import annotations
 
 import decimal
+import json
 import math
 import os
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -383,6 +385,66 @@ def test_imports_without_triton_and_says_why() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+# What only a GPU compiler checks (annotations resolved as globals, tl.dot's shapes and
+# dtypes, shared memory), checked without a GPU: Triton ships ptxas, so the kernel compiles to
+# a cubin for sm_90 in a process that does not interpret. One configuration per code path
+# (half: tensor-core dots, p in half; fp32: ieee dots), with every mask on.
+_COMPILE_FOR_SM90 = """
+import json, sys
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from sdpa_core.kernels import _triton_flash_kernel as kernel
+from sdpa_core.kernels.triton_flash import launch_config
+
+dtype, d = sys.argv[1], int(sys.argv[2])
+torch_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
+block_m, block_n, warps = launch_config(torch_dtype, d, d, 1024, interpreted=False)
+fn = kernel.flash_fwd
+pointers = {"Q": dtype, "K": dtype, "V": dtype, "Out": dtype, "Stats": "fp32",
+            "Counts": "i64", "KeyLen": "i64", "Vis": "u8", "Bias": "fp32"}
+constexprs = {"HAS_CAUSAL": True, "HAS_LEN": True, "HAS_VIS": True, "HAS_BIAS": True,
+              "BLOCK_M": block_m, "BLOCK_N": block_n, "D_PAD": d, "DV_PAD": d,
+              "IEEE": dtype == "fp32", "UPCAST": False, "P_HALF": dtype != "fp32",
+              # what the JIT specializes on contiguous inputs: unit strides
+              "sqd": 1, "skd": 1, "svd": 1, "sin": 1, "sbn": 1}
+signature = {}
+for name in fn.arg_names:
+    if name in pointers:
+        signature[name] = "*" + pointers[name]
+    elif name in constexprs:
+        signature[name] = "constexpr"
+    else:
+        signature[name] = "fp32" if name == "scale" else "i32"
+compiled = triton.compile(
+    ASTSource(fn, signature, constexprs=constexprs),
+    target=GPUTarget("cuda", 90, 32),
+    options={"num_warps": warps, "num_stages": 2},
+)
+print(json.dumps({"cubin": len(compiled.asm["cubin"]), "shared": compiled.metadata.shared}))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("dtype", "d"), [("fp16", 64), ("fp32", 128)])
+def test_compiles_for_a_cuda_target(dtype: str, d: int, tmp_path: Path) -> None:
+    pytest.importorskip("triton.backends.nvidia")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)  # compile, not a cached cubin
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9 warns when it is unset
+    proc = subprocess.run(
+        [sys.executable, "-c", _COMPILE_FOR_SM90, dtype, str(d)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["cubin"] > 0
+    assert result["shared"] <= 99 * 1024  # fits every GPU since sm_86 (99 KiB a block)
 
 
 # ---- a property against the float64 reference ---------------------------------------------
