@@ -564,3 +564,39 @@ def _triton_importable() -> tuple[bool, str]:
     if importlib.util.find_spec("triton") is None:
         return False, "triton is not installed"
     return True, ""
+
+
+# ---- CUDA: the Triton kernel through attention() on the device -----------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name", ["combined", "bottom_right", "mqa_d_v_wider", "float_mask"])
+def test_flash_on_cuda_matches_the_float64_reference(name: str, dtype: torch.dtype) -> None:
+    """On a GPU diagnostics take the flash path on the Triton kernel by default; every field
+    against the float64 reference, as on the CPU."""
+    torch.backends.cuda.matmul.allow_tf32 = False  # the goldens' own matmuls (pitfall 17)
+    case = _case(name, seed=CASES.index(name))
+    q, k, v = (case[x].to(dtype) for x in "qkv")
+    kw = {
+        n: x.to("cuda", dtype if x.is_floating_point() else x.dtype)
+        if isinstance(x, torch.Tensor)
+        else x
+        for n, x in case["kw"].items()
+    }
+    res = attention(q.cuda(), k.cuda(), v.cuda(), diagnostics="full", **kw)
+    assert res.path == "flash"
+    assert res.backend == TRITON_KERNEL
+    host = type(res)(
+        output=res.output.cpu(),
+        weights=None,
+        diagnostics=res.diagnostics,
+        row_stats=res.row_stats.to("cpu"),
+        path=res.path,
+        backend=res.backend,
+    )
+    mask = kw.get("attn_mask")
+    if isinstance(mask, torch.Tensor) and mask.is_floating_point():
+        case = {**case, "kw": {**case["kw"], "attn_mask": mask.cpu()}}
+    _check_against_reference(host, q, k, v, case, None)
