@@ -161,7 +161,8 @@ def live_ratio(rounds: int, tree: Path | None) -> None:
     q, k, v = (rng.standard_normal((1, 8, 8192, 16)).astype(np.float32) for _ in range(3))
     with (
         tempfile.TemporaryDirectory() as tmp,
-        live_server(env, tmp_path=Path(tmp), tree=tree) as server,
+        # Building the kernels at warm-up takes minutes on a loaded 2-core machine.
+        live_server(env, tmp_path=Path(tmp), tree=tree, ready_timeout=600.0) as server,
         SDPAClient(server.url, timeout=300.0) as client,
     ):
         kernels = client.info().get("kernels", {})
