@@ -86,6 +86,12 @@ def available() -> tuple[bool, str]:
     return False, _KERNEL.reason
 
 
+def loaded_from() -> str:
+    """Where the loaded kernel came from: "prebuilt" (PREBUILT_DIR or build()'s prebuilt_dir),
+    "compiled" (cpp_extension, or its cache), "" while none is loaded."""
+    return _KERNEL.source
+
+
 def _import_library(name: str, path: Path) -> ModuleType:
     spec = importlib.util.spec_from_file_location(
         name, path, loader=importlib.machinery.ExtensionFileLoader(name, str(path))
