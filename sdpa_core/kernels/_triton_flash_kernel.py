@@ -14,6 +14,7 @@ statistics' accumulators (all float32):
     l  <- alpha l + sum e
     t  <- alpha (t + l (m_old - m_new)) + sum e (s - m_new)     (shifted: H = ln l - t / l)
     r1, r2, r3 <- alpha^k (r_k + joins) + sum over keys but one row max of e^k, k = 1, 2, 3
+                  (r2 and r3 of 2^32 e, so that a near-one-hot row's e^2 stays a normal float)
     sink <- alpha sink + sum over keys j < sink_tokens of e
     (count, mean, M2) of the raw q.k by Chan merges of each block's exact two-pass moments;
     max |q.k| as a plain max.
@@ -218,19 +219,23 @@ def _flash_fwd(
         n_top = tl.sum(top.to(tl.float32), 1)
         rest_b = tl.sum(rest_e, 1)
         t_b = tl.sum(tl.maximum(sp, -3.0e38) * e, 1)  # -inf x 0 would be NaN
-        sq = rest_e * rest_e
+        scaled = rest_e * 4294967296.0  # 2^32 e: its square and cube stay normal floats longer
+        sq = scaled * scaled
         a2_b = tl.sum(sq, 1)
-        a3_b = tl.sum(sq * rest_e, 1)
+        a3_b = tl.sum(sq * scaled, 1)
         holds = (blk_max == m_new) & (m_i < m_new)  # this block holds the new max
         had = l_i > 0.0
         joins = (holds & had).to(tl.float32)  # the old max joins the rest
         back = n_top - holds.to(tl.float32)  # ties of the max go to the rest
         gap = tl.where(had, m_i - m_safe, 0.0)
         t_i = tl.where(alpha > 0.0, alpha * (t_i + l_i * gap), 0.0) + t_b
-        alpha2 = alpha * alpha
         r1 = alpha * (r1 + joins) + rest_b + back
-        r2 = alpha2 * (r2 + joins) + a2_b + back
-        r3 = alpha2 * alpha * (r3 + joins) + a3_b + back
+        # alpha applied once per power (alpha^2 alone underflows where alpha^2 r2 does not);
+        # the max's 1 counts 2^64 in r2 and 2^96 in r3
+        r2 = alpha * (alpha * (r2 + joins * 1.8446744073709552e19))
+        r2 = r2 + a2_b + back * 1.8446744073709552e19
+        r3 = alpha * (alpha * (alpha * (r3 + joins * 7.922816251426434e28)))
+        r3 = r3 + a3_b + back * 7.922816251426434e28
         l_i = alpha * l_i + rest_b + n_top
         if start_n < sink_tokens:
             sink_i = alpha * sink_i + tl.sum(tl.where(cols[None, :] < sink_tokens, e, 0.0), 1)
@@ -256,13 +261,18 @@ def _flash_fwd(
     safe_l = tl.where(active, l_i, 1.0)
     full_l = 1.0 + r1  # = l: the max's 1 plus the rest
     p_max = 1.0 / full_l
-    q1 = r1 / full_l  # 1 - p_max, without cancellation
-    q2 = r2 / (full_l * full_l)
-    q3 = r3 / (full_l * full_l * full_l)
+    # Per row, in float64 (a handful of operations per row): q_k = the rest's sum of p^k,
+    # whose squares leave float32's range on near-one-hot rows (q1 = 1e-25 is a float32, its
+    # square is not).
+    full64 = 1.0 + r1.to(tl.float64)
+    p64 = 1.0 / full64
+    q1 = r1.to(tl.float64) / full64  # 1 - p_max, without cancellation
+    q2 = r2.to(tl.float64) * 5.421010862427522e-20 / (full64 * full64)  # 2^-64
+    q3 = r3.to(tl.float64) * 1.262177448353619e-29 / (full64 * full64 * full64)  # 2^-96
     # ||diag(p) - p p^T||_F^2 = S2 - 2 S3 + S2^2 with S_k = p_max^k + q_k
-    jac_sq = p_max * p_max * q1 * q1 + q2 * (1.0 + 2.0 * p_max * p_max) - 2.0 * q3 + q2 * q2
-    jac = tl.sqrt(tl.maximum(jac_sq, 0.0))
-    one_minus_s2 = q1 * (1.0 + p_max) - q2
+    jac_sq = p64 * p64 * q1 * q1 + q2 * (1.0 + 2.0 * p64 * p64) - 2.0 * q3 + q2 * q2
+    jac = tl.sqrt(tl.maximum(jac_sq, 0.0)).to(tl.float32)
+    one_minus_s2 = (q1 * (1.0 + p64) - q2).to(tl.float32)
     # log1p(r1) (Goldberg's form: tl has no log1p), then H = ln l - t / l
     grown = full_l - 1.0  # r1 as 1 + r1 kept it (0 when r1 is below half an ulp of 1)
     log1p_r1 = tl.where(
