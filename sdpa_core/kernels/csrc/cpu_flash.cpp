@@ -557,5 +557,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "score_abs_max_raw]",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("scale"), py::arg("q_start"),
         py::arg("causal_shift"), py::arg("key_lengths"), py::arg("visible"), py::arg("bias"),
-        py::arg("sink_tokens"));
+        py::arg("sink_tokens"),
+        // The GIL is released while the kernel runs (as torch's own ops do): a long tile must
+        // not stop the service's other threads, its event loop among them.
+        py::call_guard<py::gil_scoped_release>());
 }
