@@ -344,10 +344,12 @@ inline double finish_row(const Row& row, float* out, int64_t stride) {
 }
 
 // Query and key block sizes: torch's own CPU flash attention's choice for the query block
-// (32 rows for short sequences, 64, then 256), 512 keys.
-int64_t query_block(int64_t tq) {
+// (32 rows for short sequences, 64, then 256), 512 keys; but short tiles with enough
+// (batch x head) tasks for every thread take up to 64 rows in one block (half the GEMM calls
+// and tasks, which is most of a small tile's cost).
+int64_t query_block(int64_t tq, int64_t heads, int64_t threads) {
   if (tq >= 768) return 256;
-  if (tq >= 192) return 64;
+  if (tq >= 192 || heads >= 2 * threads) return 64;
   return 32;
 }
 constexpr int64_t kKeyBlock = 512;
@@ -413,11 +415,11 @@ std::vector<at::Tensor> flash_tile_impl(const at::Tensor& q_in, const at::Tensor
   }
   const bool masked = vis_ptr != nullptr || bias_ptr != nullptr;
 
-  const int64_t qb = std::min(query_block(tq), tq);
+  const int64_t threads = at::get_num_threads();
+  const int64_t qb = std::min(query_block(tq, B * H, threads), tq);
   const int64_t kb = std::min(kKeyBlock, std::max<int64_t>(N_kv, 1));
   const int64_t n_qb = (tq + qb - 1) / qb;
   // Per thread: the score block, the mask row, the row states.
-  const int64_t threads = at::get_num_threads();
   const int64_t per_thread = qb * kb + kb;
   at::Tensor scratch = at::empty({threads, per_thread}, q.options());
   std::vector<std::vector<Row>> rows_of(threads, std::vector<Row>(qb));
