@@ -13,7 +13,7 @@ launch and is importable without Triton: Triton is imported on the first flash_t
   (about 500x slower than torch: tests and CI only), and on CUDA tensors through copies to
   the host: a process that interprets for its CPU tests does not also compile for a GPU.
 - Precision: q.k and p @ v accumulate in float32. fp32 inputs use input_precision="ieee"
-  (exact fp32 products: TF32's 10-bit mantissa would put 1e-3 relative errors in every
+  (exact fp32 products: TF32's 10-bit mantissa would put ~5e-4 relative errors in every
   score, beyond the fp32 tolerances the float64 reference is held to); fp16/bf16 inputs feed
   tensor cores directly, with p rounded to their dtype before p @ v, as FlashAttention does.
 - Under the interpreter every tl.dot operand is upcast to fp32 (its bf16 dot multiplies the
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 from types import ModuleType
 from typing import Final
 
@@ -39,14 +40,19 @@ _MAX_GRID_Y: Final = 65535  # CUDA's limit on a grid's second axis (B*H)
 
 def available() -> tuple[bool, str]:
     """(True, "") when this kernel can run in this process (Triton importable and either a
-    CUDA device or TRITON_INTERPRET=1), else (False, why)."""
+    CUDA device or TRITON_INTERPRET=1), else (False, why). A process with neither, which has
+    not imported Triton, does not import it to say so."""
+    interpret = os.environ.get("TRITON_INTERPRET", "0") == "1"
+    cuda = torch.cuda.is_available()
+    if not (cuda or interpret or "triton.language" in sys.modules):
+        return False, "no CUDA device (and TRITON_INTERPRET is not 1)"
     try:
         code = _device_code()
     except ImportError as exc:
         return False, f"triton is not importable: {exc}"[:300]
-    if code.INTERPRETED or torch.cuda.is_available():
+    if code.INTERPRETED or cuda:
         return True, ""
-    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+    if interpret:
         return False, (
             "TRITON_INTERPRET=1 was set after Triton was imported (Triton reads it once, "
             "at import), and there is no CUDA device"
@@ -71,12 +77,15 @@ def launch_config(
     dtype: torch.dtype, d: int, d_v: int, tq: int, *, interpreted: bool
 ) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps) for a tile. The interpreter: 16 x 16 (the smallest tiles a
-    GPU's tl.dot takes, so the tests run the GPU's shapes; its cost is per block). CUDA: the
-    configurations that ptxas (Triton 3.9, sm_90) compiled without register spills with every
-    mask on, or with the fewest (registers / spilled bytes, all masks; none):
-    half D <= 64: 64 x 64, 8 warps (220 / 0; 255 / 64); half D = 128: 64 x 32, 8 warps
-    (255 / 168; 193 / 0); half D = 256 and fp32 (FMA dots in ieee): 32 x 32, 8 warps
-    (239 / 0 at D 256; 182 / 0 and 198 / 0 fp32 at D 64 and 128). Their speed is not
+    GPU's tl.dot takes, so the tests run the GPU's shapes; its cost is per block). CUDA: what
+    ptxas (Triton 3.9, sm_90, unit strides) compiled with the fewest register spills,
+    registers / spilled bytes with every mask on, then with none:
+    half, D <= 64: 64 x 64, 8 warps: 222 / 0, 207 / 0;
+    half, D = 128: 64 x 32, 8 warps: 255 / 168, 186 / 0 (32 x 32 spills nothing, 231 / 0,
+    but reads every key block twice as often);
+    half, D = 256: 32 x 32, 8 warps: 243 / 0;
+    fp32 (ieee dots on the FMA units): 32 x 32, 8 warps: 182 / 0 at D 64, 190 / 0 at D 128.
+    (4 warps spilled 150-4,900 bytes in every configuration tried.) Their speed is not
     measured (no GPU was at hand): bench/gpu.py on a lent GPU should settle them."""
     if interpreted:
         return 16, 16, 4

@@ -57,15 +57,18 @@ def test_imports_without_triton_and_says_why() -> None:
     code = (
         "import os, sys, torch\n"
         "sys.modules['triton'] = None\n"  # `import triton` raises ImportError
+        "os.environ['TRITON_INTERPRET'] = '1'\n"
         "from sdpa_core.kernels import triton_flash\n"
         "ok, why = triton_flash.available()\n"
         "assert not ok and 'triton is not importable' in why, why\n"
-        "del sys.modules['triton']\n"
+        "del sys.modules['triton'], os.environ['TRITON_INTERPRET']\n"
         "triton_flash._device_code.cache_clear()\n"
         "ok, why = triton_flash.available()\n"
         "assert ok == torch.cuda.is_available(), why\n"
         "if not ok:\n"
         "    assert 'no CUDA device' in why, why\n"
+        "    assert 'triton' not in sys.modules\n"  # not imported to say so
+        "    import triton.language\n"
         "    os.environ['TRITON_INTERPRET'] = '1'\n"  # too late: Triton is imported
         "    ok, why = triton_flash.available()\n"
         "    assert not ok and 'after Triton was imported' in why, why\n"
