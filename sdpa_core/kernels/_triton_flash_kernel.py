@@ -21,7 +21,8 @@ statistics' accumulators (all float32):
 
 The "rest" sums r_k leave out one row max (which contributes exactly e^0 = 1): on a saturated
 row 1 + tiny rounds to 1, so sum p^2 and the Jacobian norm taken from l would cancel; from
-the rest sums they keep every digit (chunked.py's _finish_rows has the same finish).
+the rest sums they keep every digit (chunked.py's _finish_rows has the same finish, here in
+float64: a handful of operations per row, and q1^2 = 1e-50 is no float32).
 An entry is "at the max" when its score equals the running max exactly (s == m, not
 e == 1): this also resolves a score that overflowed to +inf (it takes the whole weight, as
 on the other paths) without inf - inf.

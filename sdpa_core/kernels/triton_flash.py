@@ -85,7 +85,7 @@ def launch_config(
     but reads every key block twice as often);
     half, D = 256: 32 x 32, 8 warps: 243 / 0;
     fp32 (ieee dots on the FMA units): 32 x 32, 8 warps: 182 / 0 at D 64, 190 / 0 at D 128.
-    (4 warps spilled 150-4,900 bytes in every configuration tried.) Their speed is not
+    (4 warps spilled 80-2,064 bytes in each configuration tried.) Their speed is not
     measured (no GPU was at hand): bench/gpu.py on a lent GPU should settle them."""
     if interpreted:
         return 16, 16, 4
