@@ -27,6 +27,7 @@ launch and is importable without Triton: Triton is imported on the first flash_t
 from __future__ import annotations
 
 import functools
+import math
 import os
 import sys
 from types import ModuleType
@@ -151,7 +152,12 @@ def flash_tile(
     counts = torch.empty(b, h, tq, dtype=torch.int64, device=dev)
 
     bh = b * h
-    if bh and tq:
+    if n_kv == 0:  # no key for any row (and k, v may have no storage to point a kernel at)
+        out.zero_()
+        stats.zero_()
+        stats[code.STAT_FIELDS.index("lse")] = -math.inf
+        counts.zero_()
+    elif bh and tq:
         lengths = None if key_lengths is None else key_lengths.expand(b, h)
         vis = None if visible is None else visible.expand(b, h, tq, n_kv).view(torch.uint8)
         add = None if bias is None else bias.expand(b, h, tq, n_kv)
