@@ -358,6 +358,54 @@ def _exact_rows(s: np.ndarray) -> dict[str, np.ndarray]:
     return out
 
 
+def test_key_lengths_below_zero_or_past_the_keys_are_clamped() -> None:
+    q, k, v = _qkv(1, 2, 2, 3, 5, 8, 4, seed=10)
+    c = Case(q, k, v, scale=1.0, key_lengths=torch.tensor([[-1, 99]]))
+    _check(c, _run(c))
+
+
+def test_degenerate_sizes_by_hand() -> None:
+    """An empty tile, no keys, and D = 0 (every score 0: uniform weights over the keys), with
+    the values computed by hand (the reference's helpers take no empty dimension)."""
+    kw: dict[str, Any] = {
+        "scale": 1.0,
+        "q_start": 0,
+        "causal_shift": None,
+        "key_lengths": None,
+        "visible": None,
+        "bias": None,
+    }
+    out, stats = cpu_flash.flash_tile(*_qkv(1, 2, 2, 0, 5, 8, 4), sink_tokens=4, **kw)
+    assert out.shape == (1, 2, 0, 4)
+    assert all(value.shape == (1, 2, 0) for value in stats.values())
+
+    out, stats = cpu_flash.flash_tile(*_qkv(1, 2, 2, 3, 0, 8, 4), sink_tokens=4, **kw)
+    assert (out == 0).all()
+    assert (stats.pop("lse") == -math.inf).all()
+    assert all((value == 0).all() for value in stats.values())
+
+    q, k, v = _qkv(1, 2, 2, 3, 5, 0, 4)
+    out, stats = cpu_flash.flash_tile(q, k, v, sink_tokens=4, **kw)
+    torch.testing.assert_close(out, v.mean(2, keepdim=True).expand(1, 2, 3, 4))
+    # p = 1/5 each: sum p^2 = 1/5, sum p^3 = 1/25, ||J||^2 = 1/5 - 2/25 + 1/25
+    expected = {
+        "visible_keys": 5,
+        "entropy": math.log(5),
+        "max_weight": 0.2,
+        "sink_share": 0.8,
+        "lse": math.log(5),
+        "grad_health": 0.2 * 0.8,
+        "jacobian_fro": math.sqrt(0.2 - 2 / 25 + 1 / 25),
+        "score_mean_raw": 0.0,
+        "score_m2_raw": 0.0,
+        "score_abs_max_raw": 0.0,
+    }
+    for name, value in expected.items():
+        torch.testing.assert_close(
+            stats[name], torch.full((1, 2, 3), value, dtype=stats[name].dtype), msg=name
+        )
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_near_one_hot_rows_keep_their_small_statistics(dtype: torch.dtype) -> None:
     """The cancellation case: rows where one key takes almost all the weight (entropy, 1 -

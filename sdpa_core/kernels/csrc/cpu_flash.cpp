@@ -51,6 +51,8 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 // Row-major c[m, n] = a[m, k] . b[n, k]^T (beta 0): the score block.
 void gemm_nt(int m, int n, int k, const float* a, int lda, const float* b, int ldb, float* c,
              int ldc) {
+  lda = std::max(lda, 1);  // BLAS wants leading dimensions >= 1 even for an empty head (D = 0)
+  ldb = std::max(ldb, 1);
   if (sgemm_ != nullptr) {
     const float one = 1.0f, zero = 0.0f;
     // column-major c^T[n, m] = b[n, k] . a^T
@@ -67,6 +69,7 @@ void gemm_nt(int m, int n, int k, const float* a, int lda, const float* b, int l
 // Row-major c[m, n] += a[m, k] . b[k, n]: p v into the accumulator.
 void gemm_nn_acc(int m, int n, int k, const float* a, int lda, const float* b, int ldb,
                  float* c, int ldc) {
+  if (n == 0) return;  // D_v = 0: nothing to accumulate
   if (sgemm_ != nullptr) {
     const float one = 1.0f;
     // column-major c^T[n, m] += b^T[n, k] . a^T[k, m]
@@ -416,7 +419,7 @@ std::vector<at::Tensor> flash_tile_impl(const at::Tensor& q_in, const at::Tensor
   const bool masked = vis_ptr != nullptr || bias_ptr != nullptr;
 
   const int64_t threads = at::get_num_threads();
-  const int64_t qb = std::min(query_block(tq, B * H, threads), tq);
+  const int64_t qb = std::max<int64_t>(std::min(query_block(tq, B * H, threads), tq), 1);
   const int64_t kb = std::min(kKeyBlock, std::max<int64_t>(N_kv, 1));
   const int64_t n_qb = (tq + qb - 1) / qb;
   // Per thread: the score block, the mask row, the row states.
