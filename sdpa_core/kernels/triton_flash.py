@@ -79,15 +79,18 @@ def launch_config(
 ) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps) for a tile. The interpreter: 16 x 16 (the smallest tiles a
     GPU's tl.dot takes, so the tests run the GPU's shapes; its cost is per block). CUDA: what
-    ptxas (Triton 3.9, sm_90, unit strides) compiled with the fewest register spills,
+    ptxas (Triton 3.9, sm_90; unit strides, pointers and strides divisible by 16, as the JIT
+    specializes contiguous inputs of such sizes) compiled with the fewest register spills,
     registers / spilled bytes with every mask on, then with none:
     half, D <= 64: 64 x 64, 8 warps: 222 / 0, 207 / 0;
     half, D = 128: 64 x 32, 8 warps: 255 / 168, 186 / 0 (32 x 32 spills nothing, 231 / 0,
     but reads every key block twice as often);
     half, D = 256: 32 x 32, 8 warps: 243 / 0;
     fp32 (ieee dots on the FMA units): 32 x 32, 8 warps: 182 / 0 at D 64, 190 / 0 at D 128.
-    (4 warps spilled 80-2,064 bytes in each configuration tried.) Their speed is not
-    measured (no GPU was at hand): bench/gpu.py on a lent GPU should settle them."""
+    (4 warps spilled 80-2,064 bytes in each configuration tried; without the divisibility,
+    e.g. odd head dims, every mask on spills up to 2,016 bytes.) Their speed is not measured
+    (no GPU was at hand): bench/gpu.py on a lent GPU should settle them;
+    `python -m tests.core.triton_flash_figures registers` re-takes these counts."""
     if interpreted:
         return 16, 16, 4
     width = _pad(max(d, d_v))

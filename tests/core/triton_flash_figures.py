@@ -118,7 +118,7 @@ def registers() -> None:
 
     fn = kernel.flash_fwd
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
-    unit = ("sqd", "skd", "svd", "sin", "sbn")  # what the JIT specializes on contiguous inputs
+    unit = ("sqd", "skd", "svd", "sin", "sbn")  # what the JIT specializes contiguous inputs on
     for dtype, d, block_m, block_n, warps, masks in _CONFIGS:
         pointers = {
             "Q": dtype,
@@ -155,8 +155,12 @@ def registers() -> None:
             else "i32"
             for name in fn.arg_names
         }
+        # and the divisibility by 16 it specializes on (aligned pointers, strides of 16s)
+        aligned = [*pointers, "sqb", "sqh", "sqm", "skb", "skh", "skn", "svb", "svh", "svn"]
+        aligned += ["sim", "sbm"]
+        attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
         compiled = triton.compile(
-            ASTSource(fn, signature, constexprs=constexprs),
+            ASTSource(fn, signature, constexprs=constexprs, attrs=attrs),
             target=GPUTarget("cuda", 90, 32),
             options={"num_warps": warps, "num_stages": 2},
         )
