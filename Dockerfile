@@ -58,8 +58,10 @@ ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PATH=/opt/venv/bin:$PATH
 
 # torch first and alone: the largest layer, and it changes least often. Then out of the same
-# layer: torch's C++ test binaries (torch/test, torch/bin/test_*) and C++ headers (torch/include,
-# useful only with a compiler, which the image does not have): 140 MB. torch_shm_manager stays.
+# layer: torch's C++ test binaries (torch/test, torch/bin/test_*): 80 MB; torch_shm_manager stays.
+# torch's C++ headers (torch/include, 62 MB) move out of the venv to /opt/torch-include: the build
+# stage compiles the CPU flash kernel against them, and the runtime, which copies /opt/venv
+# alone, has neither them nor a compiler.
 RUN --mount=type=bind,from=torch-wheels,target=/torch-wheels \
     python -m venv /opt/venv \
     && if ls /torch-wheels/torch-*.whl >/dev/null 2>&1; then \
@@ -71,7 +73,8 @@ RUN --mount=type=bind,from=torch-wheels,target=/torch-wheels \
 sys.exit(0 if (torch.version.cuda is None) == cpu else \
 f'torch {torch.__version__} is not the ${TORCH_VARIANT} build')" \
     && site="$(python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/torch" \
-    && rm -rf "${site}/test" "${site}/include" \
+    && mv "${site}/include" /opt/torch-include \
+    && rm -rf "${site}/test" \
     && find "${site}/bin" -mindepth 1 -maxdepth 1 ! -name torch_shm_manager -exec rm -rf {} +
 
 WORKDIR /src
@@ -92,17 +95,31 @@ RUN echo /opt/app > "$(python -c 'import sysconfig; print(sysconfig.get_paths()[
 # ---- build: the package, on top of deps ------------------------------------------------------
 FROM deps AS build
 
+# A C++ compiler for the CPU flash kernel (sdpa_core/kernels/csrc), compiled below with torch's
+# cpp_extension and the ninja from the venv; the runtime stage carries the built library alone:
+# 0.4 MB, where a compiler at warm-up would add g++ (about 250 MB installed on Debian 12) and
+# torch's headers (62 MB) to the image.
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends g++ \
+    && rm -rf /var/lib/apt/lists/*
+
 # The code last. --no-deps: everything it needs is in the venv. --target /opt/app: the package
 # and its console scripts (sdpa-service, sdpa-loadtest; run by the venv's python) alone. The
 # checks run the installed copy: the script from /opt/app/bin, and python -I, which leaves the
-# working directory (/src, the sources) off sys.path.
+# working directory (/src, the sources) off sys.path. Then the CPU flash kernel is compiled
+# into the installed package (sdpa_core/kernels/prebuilt/), where build() loads it at warm-up:
+# no -march flag, so it runs on any x86-64 (its hot loops pick AVX-512, AVX2 or SSE2 at load).
 COPY README.md ./
 COPY sdpa_core ./sdpa_core
 COPY sdpa_client ./sdpa_client
 COPY service ./service
 RUN pip install --no-cache-dir --no-deps --target /opt/app . \
     && PATH="/opt/app/bin:$PATH" sdpa-service --help >/dev/null \
-    && python -I -c "import sdpa_core, sdpa_client, service.cli"
+    && python -I -c "import sdpa_core, sdpa_client, service.cli" \
+    && ln -s /opt/torch-include "$(python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/torch/include" \
+    && python -I -c "from sdpa_core.kernels import cpu_flash; print(cpu_flash.prebuild())" \
+    && python -I -c "from sdpa_core.kernels import cpu_flash; import sys; ok, why = cpu_flash.build(); sys.exit(0 if ok and cpu_flash.loaded_from() == 'prebuilt' else why or 'not prebuilt')"
 
 # ---- runtime: the virtual environment on a fresh slim base, as a non-root user -------------
 FROM python:${PYTHON_VERSION}-slim AS runtime

@@ -17,11 +17,15 @@ Cases per N (B=1, H=8, D=64, fp32, no mask):
 - dense+summary: attention(..., return_weights=True, diagnostics="summary"), and
 - bare: torch.softmax(q @ k^T * scale, -1) @ v, the two skipped where the B*H*N^2 fp32
   weights exceed --dense-limit bytes (default 1 GiB),
-- chunked+summary: attention(..., diagnostics="summary") (chunked path, no weights), with
+- chunked+summary: attention(..., diagnostics="summary", path="chunked") (no weights), with
   the statistics kernel compiled first (sdpa_core.stats_kernel; --no-kernel: the eager loop),
+- flash+summary: attention(..., diagnostics="summary", path="flash"): one kernel call per
+  tile, the kernels built first (sdpa_core.compile_kernels(), as the service's warm-up does;
+  an error row where no flash kernel runs),
 - gemm: torch.matmul of [H, 1024, D] x [H, D, N] into a preallocated output, the machine's
   plain GEMM rate on the same operand shapes (2*H*1024*N*D flops).
-Plus the one-head 16k targets (N_q = N_kv = 16384, D = 64): fused and chunked+summary.
+Plus the one-head 16k targets (N_q = N_kv = 16384, D = 64): fused, chunked+summary and
+flash+summary.
 
 Effective GFLOP/s of attention = 4*B*H*N^2*D / time (two GEMMs).
 
@@ -129,8 +133,22 @@ def make_fn(kind: str, case: dict[str, Any], info: dict[str, Any]) -> Any:
             info["kernel"] = compile_kernels().compiled
 
         def fn() -> Any:
-            res = attention(q, k, v, diagnostics="summary", block_size=case.get("block_size"))
+            res = attention(
+                q, k, v, diagnostics="summary", block_size=case.get("block_size"), path="chunked"
+            )
             info["path"] = res.path
+            return res
+
+    elif kind == "flash+summary":
+        # The kernels the service builds at warm-up, built before anything is measured.
+        from sdpa_core import compile_kernels
+
+        compile_kernels()
+
+        def fn() -> Any:
+            res = attention(q, k, v, diagnostics="summary", path="flash")
+            info["path"] = res.path
+            info["backend"] = res.backend
             return res
 
     elif kind == "bare":
@@ -330,7 +348,7 @@ def main() -> int:
     started = time.time()
     rows: list[dict[str, Any]] = []
     for n in ns:
-        kinds = ["gemm", "sdpa", "fused", "chunked+summary"]
+        kinds = ["gemm", "sdpa", "fused", "chunked+summary", "flash+summary"]
         if 1 * h * n * n * 4 <= args.dense_limit:
             kinds += ["bare", "dense+summary"]
         reps = args.reps if n <= 4096 else 2
@@ -345,7 +363,7 @@ def main() -> int:
             )
     targets: list[dict[str, Any]] = []
     if not args.no_16k_target:
-        for kind in ("fused", "chunked+summary"):
+        for kind in ("fused", "chunked+summary", "flash+summary"):
             res = spawn({**base, "h": 1, "n": 16384, "kind": kind, "reps": 3}, args.timeout)
             res["target_case"] = True
             targets.append(res)
@@ -366,6 +384,9 @@ def main() -> int:
     if not args.no_16k_target:
         pair_specs.append(
             ("chunked+summary", "fused", 16384, 1, "chunked 16k one head: time <= 3x fused", 3.0)
+        )
+        pair_specs.append(
+            ("flash+summary", "fused", 16384, 1, "flash 16k one head: time <= 1.5x fused", 1.5)
         )
     if 1024 in ns:
         pair_specs.append(
@@ -465,7 +486,7 @@ def render_md(
     ns: list[int],
     h: int,
 ) -> str:
-    kinds = ["fused", "sdpa", "dense+summary", "bare", "chunked+summary", "gemm"]
+    kinds = ["fused", "sdpa", "dense+summary", "bare", "chunked+summary", "flash+summary", "gemm"]
     out = [
         "# sdpa_core benchmark (CPU)",
         "",

@@ -88,7 +88,11 @@ def serve_from(tree: Path) -> None:
 
 @contextmanager
 def live_server(
-    env: Mapping[str, str], *, tmp_path: Path, tree: Path | None = None
+    env: Mapping[str, str],
+    *,
+    tmp_path: Path,
+    tree: Path | None = None,
+    ready_timeout: float = 90.0,
 ) -> Iterator[BenchServer]:
     """`python -m service.cli serve` on a free port with SDPA_* settings from `env` (the rest of
     SDPA_* cleared); its output goes to a log file in tmp_path. Stopped with SIGTERM.
@@ -113,7 +117,7 @@ def live_server(
         )
     server = BenchServer(url=f"http://127.0.0.1:{port}", process=process, log_path=log_path)
     try:
-        wait_until_ready(server.url, process, timeout=90.0)
+        wait_until_ready(server.url, process, timeout=ready_timeout)
         yield server
     finally:
         process.terminate()

@@ -21,6 +21,10 @@
 #
 # docker and podman need a working engine/runtime; buildah builds with --isolation chroot, which
 # works where neither does (no daemon, no user namespaces, no rlimits).
+#
+# The build stage installs g++ from the base image's Debian mirror (apt-get) to compile the CPU
+# flash kernel, which the image then carries prebuilt: an air-gapped build needs that mirror (or
+# a local copy of it) as well as the wheels.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

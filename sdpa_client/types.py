@@ -90,8 +90,9 @@ class ResponseMeta:
     """How the server ran the request (the answer's "meta"); None where the server did not say.
 
     Attributes:
-        path: the compute path ("fused", "dense" or "chunked").
-        backend: the kernel the fused path used, when the server reports it.
+        path: the compute path ("fused", "dense", "chunked" or "flash").
+        backend: the kernel the fused path used (torch SDPA's backend) or the flash path's
+            ("triton", "cpu_flash"), when the server reports it.
         device: e.g. "cpu", "cuda:0".
         dtype: the inputs' dtype.
         batch_size: how many requests the server batched this one with.

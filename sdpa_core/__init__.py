@@ -1,4 +1,4 @@
-"""sdpa_core: scaled dot-product attention with every mask, three paths and diagnostics.
+"""sdpa_core: scaled dot-product attention with every mask, four paths and diagnostics.
 
 Pure compute (torch, numpy, stdlib): importing it never loads fastapi, pydantic, httpx or the
 service package. Besides attention() and analyze_scaling() (and AttentionRun and AnalysisRun,
@@ -26,6 +26,7 @@ from sdpa_core.attention import (
     AttentionRun,
     attention,
     choose_path,
+    flash_unavailable,
     weights_nbytes,
 )
 from sdpa_core.chunked import DEFAULT_BLOCK_SIZE
@@ -53,6 +54,7 @@ from sdpa_core.errors import (
     ShapeError,
 )
 from sdpa_core.fused import DEFAULT_FUSED_TILE_BYTES
+from sdpa_core.kernels import FlashKernelState, compile_kernels, flash_kernels
 from sdpa_core.masks import (
     Masks,
     attn_mask_4d,
@@ -70,7 +72,7 @@ from sdpa_core.shapes import (
     score_matrix_nbytes,
     validate_inputs,
 )
-from sdpa_core.stats_kernel import KernelStats, compile_kernels, kernel_mode, kernel_stats
+from sdpa_core.stats_kernel import KernelStats, kernel_mode, kernel_stats
 
 __all__ = [
     "DEFAULT_BLOCK_SIZE",
@@ -91,6 +93,7 @@ __all__ = [
     "DTypeError",
     "Diagnostics",
     "DiagnosticsSummary",
+    "FlashKernelState",
     "InputSpec",
     "KernelStats",
     "LimitError",
@@ -113,6 +116,8 @@ __all__ = [
     "choose_path",
     "compile_kernels",
     "default_scale",
+    "flash_kernels",
+    "flash_unavailable",
     "kernel_mode",
     "kernel_stats",
     "key_lengths_by_head",

@@ -1,4 +1,4 @@
-"""attention(): validate, choose a path (fused | dense | chunked), run it, shape the result.
+"""attention(): validate, choose a path (fused | dense | chunked | flash), run it, shape the result.
 
 What is where
 - this module: validation and dispatch. prepare_inputs (validate_inputs, the 4-D views, the
@@ -9,8 +9,12 @@ What is where
 - fused.py: torch's scaled_dot_product_attention in tiles of query rows; used when neither
   weights nor diagnostics are needed.
 - dense.py: explicit scores and softmax; the only path that can return the weights.
+- flash.py: diagnostics in one kernel call per tile (kernels/: Triton on CUDA, the compiled
+  CPU kernel), O(N) memory; the default for diagnostics without weights wherever a kernel
+  runs (flash_kernel).
 - chunked.py: key-block online softmax over query tiles, O(N) memory; diagnostics without
-  the N_q x N_kv matrix.
+  the N_q x N_kv matrix where no flash kernel runs (float64, no kernel built), and the
+  reference the flash kernels are checked against.
 - shapes.py, masks.py, nonfinite.py, diagnostics.py: input checks, the mask plan, the
   NaN/Inf policy, the row statistics and their summary.
 
@@ -44,7 +48,9 @@ from sdpa_core.diagnostics import (
     summarize,
 )
 from sdpa_core.errors import LimitError, SdpaError
+from sdpa_core.flash import FLASH_DTYPES, FLASH_TILE_ROWS, flash_attention
 from sdpa_core.fused import fused_attention
+from sdpa_core.kernels import FlashTile, flash_kernel
 from sdpa_core.masks import NO_MASKS, KeyLengths, MaskPlan, Masks, build_mask_plan, key_padding
 from sdpa_core.nonfinite import check_no_overflow, poison_results, quarantine
 from sdpa_core.shapes import (
@@ -58,8 +64,8 @@ from sdpa_core.shapes import (
 )
 from sdpa_core.tiles import TiledRun, TileInputs, TileOutput, TileResults, check_tiles
 
-PathName: TypeAlias = Literal["fused", "dense", "chunked"]
-PATHS: tuple[PathName, ...] = ("fused", "dense", "chunked")
+PathName: TypeAlias = Literal["fused", "dense", "chunked", "flash"]
+PATHS: tuple[PathName, ...] = ("fused", "dense", "chunked", "flash")
 
 # What a forced path cannot give: (the reason, what to ask instead).
 _CANNOT = {
@@ -69,6 +75,10 @@ _CANNOT = {
     ),
     "chunked": (
         "the chunked path never materializes the weights",
+        '"dense" (or null) when return_weights is true',
+    ),
+    "flash": (
+        "the flash path never materializes the weights",
         '"dense" (or null) when return_weights is true',
     ),
 }
@@ -81,8 +91,9 @@ class AttentionResult:
     output: [..., H, N_q, D_v] in the input dtype. weights: [..., H, N_q, N_kv] in the input
     dtype, or None. diagnostics: None unless asked. row_stats: present whenever diagnostics
     is not "none" ([..., H, N_q], accumulation dtype). path: which path ran. backend: the
-    torch SDPA backend on the fused path ("flash", "efficient", "cudnn", "math", ...), None
-    on the others or when torch does not tell.
+    torch SDPA backend on the fused path ("flash", "efficient", "cudnn", "math", ...), the
+    kernel on the flash path ("triton" or "cpu_flash"), None on the others or when torch does
+    not tell.
     """
 
     output: torch.Tensor
@@ -188,6 +199,19 @@ def weights_nbytes(spec: InputSpec) -> int:
     )
 
 
+def flash_unavailable(spec: InputSpec, device: torch.device | None) -> str | None:
+    """Why the flash path cannot run these inputs on `device` (None: it can). float64 is the
+    chunked path's; a device needs a kernel in this process (flash_kernel)."""
+    if spec.dtype not in FLASH_DTYPES:
+        return f"the flash kernels take float32, float16 and bfloat16, not {spec.dtype}"
+    if device is None:
+        return "no device given to choose a flash kernel for"
+    choice = flash_kernel(device)
+    if choice.tile is None:
+        return f"no flash kernel for {device.type} tensors ({choice.reason})"
+    return None
+
+
 def choose_path(
     spec: InputSpec,
     *,
@@ -195,8 +219,12 @@ def choose_path(
     diagnostics: str,
     memory_budget_bytes: int | None,
     path: str | None,
+    device: torch.device | None = None,
 ) -> PathName:
-    """The path attention() runs, or an SdpaError when the request cannot be served."""
+    """The path attention() runs, or an SdpaError when the request cannot be served.
+
+    Diagnostics without weights take "flash" where a flash kernel runs the inputs on `device`
+    (flash_unavailable; without a device, never), else "chunked"."""
     need_stats = diagnostics != "none"
     nbytes = weights_nbytes(spec)
     over_budget = memory_budget_bytes is not None and nbytes > memory_budget_bytes
@@ -214,17 +242,28 @@ def choose_path(
             if over_budget:
                 raise limit("returning the weights")
             return "dense"
-        return "chunked" if need_stats else "fused"
+        if not need_stats:
+            return "fused"
+        return "chunked" if flash_unavailable(spec, device) else "flash"
 
     if path not in PATHS:
         raise SdpaError("unknown path", param="path", expected=" | ".join(PATHS), got=repr(path))
     if (path == "fused" and (return_weights or need_stats)) or (
-        path == "chunked" and return_weights
+        path in ("chunked", "flash") and return_weights
     ):
         reason, instead = _CANNOT[path]
         raise SdpaError(reason, param="path", expected=instead, got=f'"{path}"')
     if path == "dense" and over_budget:
         raise limit("the dense path")
+    if path == "flash":
+        why = flash_unavailable(spec, device)
+        if why is not None:
+            raise SdpaError(
+                f"the flash path cannot run here: {why}",
+                param="path",
+                expected='"chunked" or null (sdpa_core.compile_kernels() builds the CPU kernel)',
+                got='"flash"',
+            )
     return path
 
 
@@ -277,7 +316,10 @@ def attention(
             dtype (weights_nbytes); diagnostics without weights then take the chunked path.
         allow_nonfinite: accept NaN/Inf inputs; they reach only the rows that can see them,
             which get NaN output, weights and statistics.
-        path: None chooses; "fused", "dense" or "chunked" forces one (tests, benchmarks).
+        path: None chooses; "fused", "dense", "chunked" or "flash" forces one (tests,
+            benchmarks). Diagnostics without weights take "flash" wherever a flash kernel
+            runs the inputs (CUDA: Triton; CPU: the kernel compile_kernels() builds, or
+            Triton under TRITON_INTERPRET=1), else "chunked" (float64 always).
         block_size: the chunked path's key block (default DEFAULT_BLOCK_SIZE = 512).
         check_finite: False skips the scan of q, k, v (and a float attn_mask) for NaN/Inf,
             for a caller that has already run validate_inputs on these very tensors; a
@@ -356,14 +398,19 @@ class AttentionRun(TiledRun[AttentionResult]):
             diagnostics=level,
             memory_budget_bytes=options.memory_budget_bytes,
             path=options.path,
+            device=q.device,
         )
+        self._backend: str | None = None
+        self._kernel: FlashTile | None = None
+        if self._path == "flash":
+            choice = flash_kernel(q.device)  # choose_path checked there is one
+            self._backend, self._kernel = choice.name, choice.tile
         self._level = level
         self._scale = resolve_scale(options.scale, spec.d)
         self._return_weights = options.return_weights
         self._allow_nonfinite = options.allow_nonfinite
         self._block_size = options.block_size or DEFAULT_BLOCK_SIZE
         self._sink_tokens = options.sink_tokens
-        self._backend: str | None = None
         self._whole: TileResults | None = None
 
         q4, k4, v4, poisoned = inputs.q4, inputs.k4, inputs.v4, None
@@ -401,6 +448,8 @@ class AttentionRun(TiledRun[AttentionResult]):
             return chunked_tile_rows(h, n_q, k4.shape[2], self._block_size)
         if self._path == "dense":
             return dense_tile_q(q4, k4)
+        if self._path == "flash":
+            return FLASH_TILE_ROWS
         return 1  # torch's kernels: no row tile of ours
 
     @property
@@ -410,7 +459,8 @@ class AttentionRun(TiledRun[AttentionResult]):
 
     @property
     def backend(self) -> str | None:
-        """The fused path's torch backend (known after the first tile), else None."""
+        """The fused path's torch backend (known after the first tile), the flash path's
+        kernel, else None."""
         return self._backend
 
     def _compute(self, part: TileInputs, pass_index: int) -> TileOutput:
@@ -440,6 +490,19 @@ class AttentionRun(TiledRun[AttentionResult]):
                 sink_cols=part.sink_cols,
             )
             return TileOutput(out4, weights4, rows4)
+        if self._path == "flash":
+            assert self._kernel is not None
+            out4, rows4 = flash_attention(
+                q4,
+                k4,
+                v4,
+                plan,
+                kernel=self._kernel,
+                scale=self._scale,
+                sink_tokens=self._sink_tokens,
+                sink_cols=part.sink_cols,
+            )
+            return TileOutput(out4, rows=None if self._level == "none" else rows4)
         return super()._compute(part, pass_index)  # chunked: its key blocks at once
 
     def _block_steps(self, part: TileInputs, pass_index: int) -> Generator[None, None, TileOutput]:

@@ -160,6 +160,13 @@ class MaskPlan:
             return False, None
         return False, vis
 
+    def parts_block(self, q0: int, q1: int, k0: int, k1: int) -> torch.Tensor | None:
+        """Visibility of one tile by every part but causality (key padding, a bool attn_mask,
+        a float one's -inf entries): broadcastable to [B, H, q1-q0, k1-k0] in the parts'
+        smallest shape, or None when no part hides a key. The flash kernels take causality
+        as an index rule and this as a tensor."""
+        return self._and_parts(None, q0, q1, k0, k1)
+
     def _and_parts(
         self, mask: torch.Tensor | None, q0: int, q1: int, k0: int, k1: int
     ) -> torch.Tensor | None:

@@ -257,7 +257,10 @@ class TiledRun(ABC, Generic[ResultT]):
         per_pass = -(-tiles // passes)
         self._spec = spec
         self._inputs = inputs
-        self._tiles = tile_grid(spec.batch, spec.n_q, per_pass, row_quantum or path_rows)
+        if per_pass == 1:  # the untiled call (attention()): one tile, no grid to cut
+            self._tiles = [Tile(0, spec.batch, 0, spec.n_q)]
+        else:
+            self._tiles = tile_grid(spec.batch, spec.n_q, per_pass, row_quantum or path_rows)
         self._passes = passes
         self._key_blocks = key_blocks
         # Sequences and rows may give fewer tiles than asked (one sequence of a few queries
@@ -353,7 +356,18 @@ class TiledRun(ABC, Generic[ResultT]):
         """The whole result, once every tile is done (RuntimeError before)."""
 
     def run(self) -> ResultT:
-        """Every remaining tile, then the result."""
+        """Every remaining tile, then the result. A run of one tile in one pass that has not
+        started (attention() itself) computes it at once, without step()'s bookkeeping."""
+        if (
+            self._steps == 0
+            and self._passes == 1
+            and len(self._tiles) == 1
+            and not (self._key_blocks and self._key_splits > 1)
+        ):
+            self._results.put(self._tiles[0], self._compute(self._inputs, 0))
+            self._steps = self._done = 1
+            self._pass_done(0, self._results)
+            return self.result()
         while not self.step():
             pass
         return self.result()

@@ -15,6 +15,7 @@ from fastapi import APIRouter, Request
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.responses import PlainTextResponse, Response
 
+from sdpa_core import flash_kernels
 from service.api.deps import MetricsDep, StateDep
 from service.api.openapi import UNAUTHORIZED_DOC, json_ref, problem_doc
 from service.http_errors import problem_response
@@ -40,6 +41,10 @@ _INFO_EXAMPLE: Final = {
     "device": "cpu",
     "torch_version": "2.13.0+cpu",
     "diagnostics_kernel": "compiled",
+    "kernels": {
+        "triton": {"device": "cuda", "available": False, "reason": "no CUDA device"},
+        "cpu_flash": {"device": "cpu", "available": True, "reason": ""},
+    },
     "dtypes": list(FLOAT_DTYPE_NAMES),
     "limits": {
         "max_body_bytes": 134217728,
@@ -131,6 +136,7 @@ async def info(request: Request, state: StateDep) -> Response:
             "device": state.device_name(),
             "torch_version": TORCH_VERSION,
             "diagnostics_kernel": state.diagnostics_kernel,
+            "kernels": {kernel.name: kernel.as_dict() for kernel in flash_kernels()},
             "dtypes": list(FLOAT_DTYPE_NAMES),
             "limits": {
                 "max_body_bytes": settings.max_body_bytes,

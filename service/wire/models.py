@@ -600,7 +600,7 @@ class DiagnosticsOut(_Out):
 
 
 class AttentionMeta(_Out):
-    path: Literal["fused", "dense", "chunked"]
+    path: Literal["fused", "dense", "chunked", "flash"]
     backend: str | None = None
     device: str
     dtype: FloatDType
@@ -731,6 +731,12 @@ class TenantsOut(_Out):
     )
 
 
+class FlashKernelOut(_Out):
+    device: str = Field(description='Whose tensors it takes: "cuda" or "cpu".')
+    available: bool
+    reason: str = Field(description='Why it cannot run here ("" when it can).')
+
+
 class InfoOut(_Out):
     version: str
     device: str
@@ -739,6 +745,12 @@ class InfoOut(_Out):
         description='How the statistics of diagnostics run on the chunked path: "compiled" '
         '(a kernel compiled at warm-up, SDPA_COMPILE_KERNELS) or "eager" (with the reason '
         "when compiling failed)."
+    )
+    kernels: dict[str, FlashKernelOut] = Field(
+        description='The flash path\'s kernels ("triton", "cpu_flash"): whether each runs in '
+        "this process and why not. Diagnostics without weights take the flash path wherever "
+        "one runs the device's tensors (the CPU kernel is built at warm-up with "
+        "SDPA_COMPILE_KERNELS), else the chunked path."
     )
     dtypes: list[str]
     limits: LimitsOut

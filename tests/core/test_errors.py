@@ -17,6 +17,7 @@ from sdpa_core import (
     SdpaError,
     ShapeError,
     attention,
+    flash_unavailable,
     validate_inputs,
 )
 
@@ -144,7 +145,7 @@ ERROR_CASES: list[tuple[str, tuple[Any, ...], dict[str, Any], type[SdpaError], s
         SdpaError,
         "path",
     ),
-    ("unknown_path", (Q, K, V), {"path": "flash"}, SdpaError, "path"),
+    ("unknown_path", (Q, K, V), {"path": "sparse"}, SdpaError, "path"),
     ("unknown_level", (Q, K, V), {"diagnostics": "all"}, SdpaError, "diagnostics"),
     ("bad_block_size", (Q, K, V), {"block_size": 0}, SdpaError, "block_size"),
     ("bad_budget", (Q, K, V), {"memory_budget_bytes": -1}, SdpaError, "memory_budget_bytes"),
@@ -195,14 +196,16 @@ def test_automatic_path_choice() -> None:
     assert attention(q, q, q).path == "fused"
     assert attention(q, q, q, return_weights=True).path == "dense"
     assert attention(q, q, q, return_weights=True, diagnostics="full").path == "dense"
-    # diagnostics without weights: chunked, even without any budget
-    assert attention(q, q, q, diagnostics="summary").path == "chunked"
+    # diagnostics without weights: flash where a kernel runs them, else chunked, even
+    # without any budget
+    stats_path = "chunked" if flash_unavailable(validate_inputs(q, q, q), q.device) else "flash"
+    assert attention(q, q, q, diagnostics="summary").path == stats_path
     # the weights fit the budget exactly (1*2*4*4 fp32 = 128 bytes)
     assert attention(q, q, q, return_weights=True, memory_budget_bytes=128).path == "dense"
     with pytest.raises(LimitError):
         attention(q, q, q, return_weights=True, memory_budget_bytes=127)
-    # beyond the budget, diagnostics still come (chunked never holds the weights)
-    assert attention(q, q, q, diagnostics="summary", memory_budget_bytes=1).path == "chunked"
+    # beyond the budget, diagnostics still come (neither path holds the weights)
+    assert attention(q, q, q, diagnostics="summary", memory_budget_bytes=1).path == stats_path
     # float64 accumulates in float64: 8-byte weights
     q64 = q.double()
     with pytest.raises(LimitError) as info:

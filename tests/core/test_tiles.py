@@ -36,7 +36,9 @@ from tests.core.test_paths import (
 
 CAUSAL = Masks(causal=True)
 BOTTOM_RIGHT = Masks(causal="bottom_right")
-SUMMARY = AttentionOptions(diagnostics="summary")
+# The chunked path by name: a process whose flash kernel is built (compile_kernels()) would
+# take "flash" by default, which cuts rows and steps otherwise (tests/core/test_flash_path.py).
+SUMMARY = AttentionOptions(diagnostics="summary", path="chunked")
 
 
 @pytest.mark.parametrize("tiles", [2, 5])
@@ -228,7 +230,7 @@ def test_few_queries_many_keys_step_through_key_blocks(
         seed=77,
         batch=1,
     )
-    options = AttentionOptions(diagnostics="full", block_size=16)
+    options = AttentionOptions(diagnostics="full", block_size=16, path="chunked")
     run = AttentionRun(inp.q, inp.k, inp.v, Masks(**inp.kwargs), options, tiles=6)
     assert run.path == "chunked"
     steps = 1
@@ -272,10 +274,11 @@ def test_a_time_budget_cuts_chunked_steps_wherever_the_estimate_was() -> None:
     gen = torch.Generator().manual_seed(4)
     q = torch.randn(1, 2, 64, 16, generator=gen)
     k, v = torch.randn(1, 2, 4096, 16, generator=gen), torch.randn(1, 2, 4096, 16, generator=gen)
-    whole = attention(q, k, v, diagnostics="summary", causal="bottom_right", block_size=64)
-    run = AttentionRun(
-        q, k, v, BOTTOM_RIGHT, AttentionOptions(diagnostics="summary", block_size=64)
+    whole = attention(
+        q, k, v, diagnostics="summary", causal="bottom_right", block_size=64, path="chunked"
     )
+    options = AttentionOptions(diagnostics="summary", block_size=64, path="chunked")
+    run = AttentionRun(q, k, v, BOTTOM_RIGHT, options)
     assert run.share_done == 0.0
     shares = []
     while not run.step(budget_s=1e-9):  # one block per step
@@ -306,7 +309,7 @@ def test_a_run_whose_step_failed_refuses_to_go_on() -> None:
     left then marked done, and result() returning uninitialized rows)."""
     gen = torch.Generator().manual_seed(5)
     q, k, v = (torch.randn(1, 2, 64, 16, generator=gen) for _ in range(3))
-    options = AttentionOptions(diagnostics="summary", block_size=8)
+    options = AttentionOptions(diagnostics="summary", block_size=8, path="chunked")
     run = AttentionRun(q, k, v, options=options, tiles=4)
     real_steps = run._chunked_steps
 
@@ -357,8 +360,8 @@ def make_run(kind: str) -> TiledRun[Any]:
     options = {
         "fused": AttentionOptions(path="fused"),
         "dense": AttentionOptions(path="dense", return_weights=True, diagnostics="full"),
-        "chunked": AttentionOptions(diagnostics="full", block_size=8),
-        "chunked_key_splits": AttentionOptions(diagnostics="full", block_size=8),
+        "chunked": AttentionOptions(diagnostics="full", block_size=8, path="chunked"),
+        "chunked_key_splits": AttentionOptions(diagnostics="full", block_size=8, path="chunked"),
     }[kind]
     # 40 tiles asked of 2 sequences x 9 rows: 18 tiles, each in about 3 parts of key blocks.
     tiles = 40 if kind == "chunked_key_splits" else 5

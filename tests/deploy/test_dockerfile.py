@@ -7,10 +7,12 @@ import re
 import shutil
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
 
+from sdpa_core.kernels import cpu_flash
 from service.server import worst_case_exit_s
 from service.settings import Settings
 from tests.deploy.dockerfile_parser import (
@@ -189,3 +191,37 @@ def test_dockerignore_keeps_what_the_build_copies_and_drops_the_rest() -> None:
     for dropped in (".venv/bin/python", ".git/HEAD", "tests/e2e/test_shutdown.py",
                     "service/__pycache__/cli.cpython-311.pyc", "bench/results/x.json"):  # fmt: skip
         assert dockerignore_excludes(dropped, patterns), dropped
+
+
+def test_the_cpu_flash_kernel_is_compiled_in_the_build_stage_and_carried_prebuilt() -> None:
+    """The build stage has a compiler and torch's headers and compiles the CPU flash kernel
+    into the installed package; the runtime copies the venv (without the headers) and the
+    package (with the library) and installs nothing: no compiler there."""
+    deps, build, runtime = _stage("deps"), _stage("build"), _stage("runtime")
+    torch_run = next(i for i in deps.all("RUN") if '"torch==${TORCH_VERSION}"' in i.args)
+    # the headers leave the venv the runtime copies, for the build stage only
+    assert 'mv "${site}/include" /opt/torch-include' in torch_run.args
+    compiler = [i for i in build.all("RUN") if "apt-get install" in i.args]
+    assert len(compiler) == 1
+    assert "--no-install-recommends g++" in compiler[0].args
+    assert "rm -rf /var/lib/apt/lists/*" in compiler[0].args
+    # before the code: the compiler's layer is reused when only the code changes
+    first_code_copy = next(i for i in build.all("COPY") if i.args.startswith("sdpa_core"))
+    assert compiler[0].line < first_code_copy.line
+    install = build.last("RUN")
+    assert install is not None
+    steps = install.args
+    assert steps.index("--no-deps --target /opt/app .") < steps.index("cpu_flash.prebuild()")
+    assert "/opt/torch-include" in steps
+    # the build fails unless build() then loads the prebuilt library
+    assert "cpu_flash.loaded_from() == 'prebuilt'" in steps
+    assert not [i for i in runtime.all("RUN") if "apt-get" in i.args]
+    # No -march: the library runs on any x86-64 CPU, not only on the build machine's.
+    assert not [flag for flag in cpu_flash.CFLAGS if flag.startswith(("-march", "-mtune"))]
+    assert "ninja" in {dep.split(">")[0].split("=")[0] for dep in _dependencies()}
+
+
+def _dependencies() -> list[str]:
+    with (REPO_ROOT / "pyproject.toml").open("rb") as handle:
+        deps: list[str] = tomllib.load(handle)["project"]["dependencies"]
+    return deps
