@@ -30,7 +30,7 @@ from starlette.routing import BaseRoute, Match, Mount, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.metrics import Metrics
-from service.middleware.connections import DELIVERY_EXTENSION, Delivery
+from service.protocol import DELIVERY_EXTENSION, Delivery
 from service.tenants import ANONYMOUS
 
 ACCESS_LOGGER = "sdpa.access"
@@ -89,7 +89,7 @@ def route_template(scope: Scope, included: Sequence[BaseRoute] = ()) -> str:
 
 async def _delivered(scope: Scope) -> bool:
     """Whether the answer reached the client, where the server can tell (the guarded protocol
-    of service.middleware.connections); True elsewhere."""
+    of service.protocol); True elsewhere."""
     delivery: Delivery | None = scope.get("extensions", {}).get(DELIVERY_EXTENSION)
     return True if delivery is None else await delivery()
 

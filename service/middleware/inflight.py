@@ -2,7 +2,7 @@
 
 A request holds the body it has read, what parsing that body will take, and the answer bytes it
 hands to the server until the app is done with it; after that, what its client has not taken
-yet waits in the connection's write buffer (service.middleware.connections counts those of
+yet waits in the connection's write buffer (service.protocol counts those of
 clients that fell behind; the send timeout frees a client that reads nothing).
 
 - Its declared body (Content-Length, at most SDPA_MAX_BODY_BYTES) must fit beside the bytes
@@ -47,7 +47,7 @@ from service.errors import FieldError, InvalidRequest, MemoryBusy, PayloadTooLar
 from service.http_errors import service_error_response
 from service.metrics import Metrics
 from service.middleware.body_limit import declared_length
-from service.middleware.connections import unsent_bytes
+from service.protocol import unsent_bytes
 from service.routes import RESERVE_ANSWER, UNMETERED_PATHS, is_v2_path
 from service.serving.inflight import InflightBytes, memory_busy, too_big_alone
 from service.serving.offload import INLINE_MAX_BYTES
