@@ -261,10 +261,22 @@ def _input_entry(
         "datatype": tensor.datatype,
         "shape": list(tensor.shape),
     }
-    parameters = _parameters(
-        tensor.parameters, label=f"{label}: parameter", rest_only="binary_data_size"
-    )
+    parameters = _parameters(tensor.parameters, label=f"{label}: parameter")
+    # KServe's SDK (InferRequest.to_grpc, kserve 0.21) keeps REST's binary_data_size on an input
+    # whose bytes it sends in raw_input_contents: taken when it says that entry's length.
+    said = parameters.pop("binary_data_size", None)
     has_contents = any(len(getattr(tensor.contents, field)) for field in _ALL_CONTENTS)
+    if said is not None and (raw is None or said != len(raw)):
+        where = "no entry" if raw is None else f"{len(raw)} bytes"
+        raise _invalid(
+            f"{label}: parameter 'binary_data_size' is {said!r} but raw_input_contents holds "
+            f"{where} for it; over gRPC the bytes travel in raw_input_contents (the parameter "
+            "may be left out)",
+            "inputs",
+            name,
+            "parameters",
+            "binary_data_size",
+        )
     if raw is not None:
         if has_contents:
             raise _invalid(

@@ -316,11 +316,33 @@ def test_rest_binary_parameters_are_refused_over_grpc() -> None:
     request.parameters["binary_data_output"].bool_param = True
     assert "parameter 'binary_data_output' is REST's binary" in _detail(request)
     request = _good()
-    request.inputs[0].parameters["binary_data_size"].int64_param = 4
-    assert "input 'q': parameter 'binary_data_size' is REST's" in _detail(request)
-    request = _good()
     request.outputs.add(name="output").parameters["binary_data"].bool_param = True
     assert "output 'output': parameter 'binary_data'" in _detail(request)
+
+
+def test_binary_data_size_saying_the_raw_entrys_length_is_taken() -> None:
+    """KServe's SDK (kserve 0.21's InferRequest.to_grpc) keeps REST's binary_data_size on an
+    input whose bytes travel in raw_input_contents: taken when it is that entry's length."""
+    request = _good()
+    size = len(request.raw_input_contents[0])  # [2, 3, 4, 8] FP32: 768 bytes
+    assert size == 2 * 3 * 4 * 8 * 4
+    request.inputs[0].parameters["binary_data_size"].int64_param = size
+    payload, tensors = _grpc_decode(request.SerializeToString())
+    assert payload["inputs"][0]["parameters"] == {"binary_data_size": size}
+    assert tensors["q"].shape == (2, 3, 4, 8)
+    request.inputs[0].parameters["binary_data_size"].int64_param = 4
+    assert (
+        "input 'q': parameter 'binary_data_size' is 4 but raw_input_contents holds 768 bytes"
+        in _detail(request)
+    )
+    contents = _grpc_request(_inputs("FP32")[:3])
+    del contents.raw_input_contents[:]
+    for tensor, (_, arr, _) in zip(contents.inputs, _inputs("FP32")[:3], strict=True):
+        tensor.contents.fp32_contents.extend(arr.ravel().tolist())
+    contents.inputs[1].parameters["binary_data_size"].int64_param = 768
+    assert "input 'k': parameter 'binary_data_size' is 768 but raw_input_contents holds no" in (
+        _detail(contents)
+    )
 
 
 def test_a_parameter_without_a_value() -> None:
