@@ -41,6 +41,12 @@ class Settings(BaseSettings):
     # The Open Inference Protocol over gRPC (service.api.grpc), beside HTTP on `host`; 8001 is
     # Triton's port. 0 turns the gRPC door off.
     grpc_port: int = Field(default=8001, ge=0, le=65535)
+    # Streams (calls) one gRPC connection may have open at once (HTTP/2's
+    # SETTINGS_MAX_CONCURRENT_STREAMS; grpc's own default is unbounded): service.grpc_limits.
+    # A client that opens more at once before it has read the server's SETTINGS gets those
+    # refused (REFUSED_STREAM, never processed: UNAVAILABLE in grpc's clients); 256 leaves room
+    # for the e2e suite's 200 calls at once on one channel.
+    grpc_max_streams: int = Field(default=256, ge=1, le=1_000_000)
     # auto = cuda when available, else cpu.
     device: str = Field(default="auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")
 

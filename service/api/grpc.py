@@ -57,13 +57,13 @@ from service.errors import (
     ServiceError,
     ShuttingDown,
 )
+from service.grpc_limits import ReadSlots, max_concurrent_rpcs, send_answer, server_options
 from service.serving import pipeline
 from service.serving.frame import admitted, bind_call
 from service.serving.inflight import Holding
 from service.serving.pipeline import Call, Phases, Served
 from service.serving.prepare_grpc import GrpcInferDoor
 from service.serving.state import AppState
-from service.settings import Settings
 from service.tenants import ANONYMOUS, Keyring, presented_keys, refusal
 from service.version import VERSION
 from service.wire.grpc import grpc_predict_v2_pb2 as pb
@@ -83,9 +83,6 @@ SERVER_TIMING_KEY: Final = "server-timing"
 _SANE_REQUEST_ID: Final = re.compile(r"[\x21-\x7e]{1,128}")
 # What a call its client cancelled is logged and counted as (nginx's "client closed request").
 CLIENT_CLOSED: Final = 499
-# The answer's header (model, id, parameters, outputs' names and shapes) beside the bytes that
-# SDPA_MAX_RESPONSE_BYTES bounds: a few hundred bytes, with a wide margin.
-SEND_HEADROOM_BYTES: Final = 1 << 20
 # Retry-After of a call refused because the server is starting or draining.
 _NOT_SERVING_RETRY_AFTER_S: Final = 1.0
 
@@ -200,6 +197,10 @@ class InferenceServicer:
         self.state = state
         keys = state.settings.tenant_keys()
         self.keyring = Keyring(keys) if keys else None
+        self.reads = ReadSlots(
+            max_inflight_bytes=state.max_inflight_bytes,
+            max_body_bytes=state.settings.max_body_bytes,
+        )
 
     # ---- the frame every call shares ---------------------------------------------------------
 
@@ -372,17 +373,22 @@ class InferenceServicer:
         result: pb.ModelMetadataResponse = await self._serve("ModelMetadata", context, answer)
         return result
 
-    async def model_infer(self, raw: bytes, context: aio.ServicerContext[Any, Any]) -> bytes:
-        """ModelInfer: the message's bytes in (parsed by the door, off the loop when large),
-        the serialized ModelInferResponse out."""
+    async def model_infer(self, requests: Any, context: aio.ServicerContext[Any, Any]) -> None:
+        """ModelInfer: the message's bytes in (read once the call has its key; parsed by the
+        door, off the loop when large), the serialized ModelInferResponse out, sent while it
+        is still counted (service.grpc_limits)."""
 
-        async def answer(record: _Record, metadata: Sequence[tuple[str, str]]) -> bytes:
+        async def answer(record: _Record, metadata: Sequence[tuple[str, str]]) -> None:
             state = self.state
             not_serving = _not_serving(state)
             if not_serving is not None:
                 raise not_serving
+            settings = state.settings
+            raw = await self.reads.read(
+                context, timeout_s=settings.read_timeout_s, metrics=state.metrics
+            )
             # The message counts against SDPA_MAX_INFLIGHT_BYTES with the HTTP door's
-            # requests, then its answer too (reserved before compute), until it is answered.
+            # requests, then its answer too (reserved before compute), until it is sent.
             holding = Holding(state.inflight, len(raw), metrics=state.metrics)
             try:
                 async with admitted(state) as queued:
@@ -398,13 +404,14 @@ class InferenceServicer:
                     )
                     call = _within(call, context.time_remaining(), started=record.started)
                     served: Served[bytes] = await pipeline.run(GrpcInferDoor(raw), call)
+                record.phases = served.phases
+                await send_answer(
+                    context, served.answer, timeout_s=settings.send_timeout_s, metrics=state.metrics
+                )
             finally:
                 holding.release()
-            record.phases = served.phases
-            return served.answer
 
-        result: bytes = await self._serve("ModelInfer", context, answer)
-        return result
+        await self._serve("ModelInfer", context, answer)
 
 
 def _within(call: Call, remaining_s: float | None, *, started: float) -> Call:
@@ -476,25 +483,11 @@ def generic_handler(servicer: InferenceServicer) -> grpc.GenericRpcHandler:
             "ModelMetadata": unary(
                 servicer.model_metadata, pb.ModelMetadataRequest, pb.ModelMetadataResponse
             ),
-            "ModelInfer": grpc.unary_unary_rpc_method_handler(servicer.model_infer),
+            # Streaming on the server's side only (a unary call's bytes on the wire): the
+            # message is read after the key, the answer sent while counted (grpc_limits).
+            "ModelInfer": grpc.stream_stream_rpc_method_handler(servicer.model_infer),
         },
     )
-
-
-def server_options(settings: Settings) -> list[tuple[str, int]]:
-    """The grpc.aio server's channel options for these settings."""
-    return [
-        # gRPC sets SO_REUSEPORT by default: a second server on a port in use would share it
-        # silently, and half the calls would reach the wrong process. A port in use must fail
-        # start-up instead.
-        ("grpc.so_reuseport", 0),
-        # A message larger than SDPA_MAX_BODY_BYTES is refused by gRPC before it is read whole
-        # (RESOURCE_EXHAUSTED), as the HTTP body limit refuses a body (413).
-        ("grpc.max_receive_message_length", settings.max_body_bytes),
-        # The answer: the outputs that SDPA_MAX_RESPONSE_BYTES bounds (checked before compute)
-        # and a header beside them.
-        ("grpc.max_send_message_length", settings.max_response_bytes + SEND_HEADROOM_BYTES),
-    ]
 
 
 def grpc_address(host: str, port: int) -> str:
@@ -506,7 +499,10 @@ def build_server(state: AppState, *, host: str, port: int) -> tuple[aio.Server, 
     """A grpc.aio server of the door on host:port (port 0: one the OS picks), bound but not
     started -> (server, the bound port). Raises OSError when the port cannot be bound (in use,
     or not allowed)."""
-    server = aio.server(options=server_options(state.settings))
+    settings = state.settings
+    server = aio.server(
+        options=server_options(settings), maximum_concurrent_rpcs=max_concurrent_rpcs(settings)
+    )
     server.add_generic_rpc_handlers((generic_handler(InferenceServicer(state)),))
     address = grpc_address(host, port)
     try:

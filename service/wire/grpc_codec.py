@@ -133,6 +133,8 @@ def decode_infer_request(raw: bytes) -> DecodedRequest:
 # (REST's rule for unknown fields; fewer are ignored, as protobuf ignores them). A message of
 # 2.5 million empty inputs (12.6 MB) cost 18 s of CPU and 1.6 GB before it was refused.
 MAX_PARAMETERS: Final = 32
+# The kinds of the refusals of messages protobuf would parse (fuzz/grpc_infer.py allows them).
+BEYOND_PROTOBUF: Final = ("too_many_entries", "protobuf_group")
 _REPEATS: Final[dict[int, tuple[str, int]]] = {
     1: ("model_name", 1),
     2: ("model_version", 1),
@@ -248,7 +250,7 @@ def _split_raw_contents(raw: bytes) -> tuple[bytes, tuple[memoryview, ...]] | No
                 f"the request is not a valid inference.ModelInferRequest: field {field} is a "
                 "protobuf group, which this message has none of",
                 "request",
-                kind="protobuf",
+                kind="protobuf_group",
             )
         else:  # no wire type at all: protobuf's parser stops there, with its own message
             return None

@@ -6,101 +6,73 @@ KServe's REST client puts `id` and `model_name` in every v2 body (InferRequest.t
 server takes them where they name this model, refuses another model by name (400 on REST,
 NOT_FOUND on gRPC) and still refuses a typo. The truth is the float64 reference of
 tests/core/reference.py (tests.support.v2_cases). API keys are configured: every call carries one.
+
+kserve runs in a spawned process of its own (tests.support.kserve_calls says why): this module
+never imports it.
 """
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Iterator
+import importlib.util
+import multiprocessing
+from collections.abc import Callable, Iterator
+from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
-import grpc
 import httpx
 import numpy as np
 import pytest
 
+from tests.support import kserve_calls
 from tests.support.app import API_SERVER_ENV
+from tests.support.kserve_calls import Answer, Refused
 from tests.support.live_server import LiveServer, free_port, live_server
 from tests.support.v2_cases import Case, assert_close, expected, make_case, mask_cases
 
-kserve = pytest.importorskip("kserve")
-infer_type = pytest.importorskip("kserve.protocol.infer_type")
+if importlib.util.find_spec("kserve") is None:
+    pytest.skip("kserve is not installed", allow_module_level=True)
 
 pytestmark = pytest.mark.xdist_group("v2-kserve")
 
 API_KEY = "v2-kserve-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
-GRPC_AUTH = (("authorization", f"Bearer {API_KEY}"),)
 
 
 class Door:
-    """A live server: its HTTP base URL and its gRPC target."""
+    """A live server (HTTP base URL, gRPC target) and the process that runs kserve's calls."""
 
-    def __init__(self, server: LiveServer, grpc_port: int) -> None:
+    def __init__(self, server: LiveServer, grpc_port: int, pool: ProcessPoolExecutor) -> None:
         self.server = server
         self.url = server.url
         self.target = f"127.0.0.1:{grpc_port}"
+        self.pool = pool
+
+    def run(self, call: Callable[..., Answer | Refused], *args: Any, **kw: Any) -> Any:
+        return self.pool.submit(call, *args, key=API_KEY, **kw).result(timeout=120)
+
+    def rest(self, case: Case, **kw: Any) -> Answer | Refused:
+        return self.run(kserve_calls.rest_infer, self.url, case, **kw)
+
+    def grpc(self, case: Case, **kw: Any) -> Answer | Refused:
+        return self.run(kserve_calls.grpc_infer, self.target, case, **kw)
 
 
 @pytest.fixture(scope="module")
 def door(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Door]:
     port = free_port()
     env = {**API_SERVER_ENV, "SDPA_API_KEYS": API_KEY, "SDPA_GRPC_PORT": str(port)}
-    with live_server(env, tmp_path=tmp_path_factory.mktemp("v2-kserve")) as server:
-        yield Door(server, port)
+    spawn = multiprocessing.get_context("spawn")
+    with (
+        live_server(env, tmp_path=tmp_path_factory.mktemp("v2-kserve")) as server,
+        ProcessPoolExecutor(max_workers=1, mp_context=spawn) as pool,
+    ):
+        yield Door(server, port, pool)
 
 
-def kserve_request(
-    case: Case, *, binary: bool, outputs: tuple[str, ...], binary_outputs: bool = False
-) -> Any:
-    """The case as KServe's InferRequest, as its users build one."""
-    inputs = []
-    for name, array, datatype in case.inputs():
-        tensor = kserve.InferInput(name=name, shape=list(array.shape), datatype=datatype)
-        tensor.set_data_from_numpy(array, binary_data=binary)
-        inputs.append(tensor)
-    requested = [
-        infer_type.RequestedOutput(
-            name, parameters={"binary_data": True} if binary_outputs else None
-        )
-        for name in outputs
-    ]
-    return kserve.InferRequest(
-        model_name="attention",
-        infer_inputs=inputs,
-        request_outputs=requested or None,
-        parameters=case.request_parameters() or None,
-    )
-
-
-def rest_infer(door: Door, request: Any) -> Any:
-    async def call() -> Any:
-        client = kserve.InferenceRESTClient(kserve.RESTConfig(protocol="v2", timeout=60))
-        try:
-            # A copy: for binary data the client writes its header-length header into the
-            # caller's dict (kserve 0.21, InferenceRESTClient.infer), and the next JSON call
-            # would carry it.
-            headers = dict(AUTH)
-            return await client.infer(door.url, request, model_name="attention", headers=headers)
-        finally:
-            await client.close()
-
-    return asyncio.run(call())
-
-
-def grpc_infer(door: Door, request: Any) -> Any:
-    async def call() -> Any:
-        client = kserve.InferenceGRPCClient(door.target, timeout=60)
-        try:
-            return await client.infer(request, headers=GRPC_AUTH)
-        finally:
-            await client.close()
-
-    return asyncio.run(call())
-
-
-def outputs_of(response: Any) -> dict[str, np.ndarray]:
-    return {output.name: output.as_numpy() for output in response.outputs}
+def answered(result: Answer | Refused) -> Answer:
+    assert isinstance(result, Answer), result
+    assert result.model_name == "attention"
+    return result
 
 
 def check(case: Case, got: dict[str, np.ndarray], datatype: str) -> None:
@@ -120,38 +92,31 @@ def check(case: Case, got: dict[str, np.ndarray], datatype: str) -> None:
 @pytest.mark.parametrize("datatype", ["FP32", "FP64"])
 def test_rest_json(door: Door, datatype: str) -> None:
     case = make_case((2, 2, 5, 8), datatype=datatype, causal=True)
-    response = rest_infer(
-        door, kserve_request(case, binary=False, outputs=("output", "entropy", "weights"))
-    )
-    assert response.model_name == "attention"
-    check(case, outputs_of(response), datatype)
+    result = answered(door.rest(case, outputs=("output", "entropy", "weights")))
+    check(case, result.outputs, datatype)
 
 
 @pytest.mark.parametrize("datatype", ["FP16", "FP32", "FP64"])
 def test_rest_binary(door: Door, datatype: str) -> None:
     case = make_case((1, 4, 6, 8), (1, 4, 9, 8), datatype=datatype, causal="bottom_right")
-    request = kserve_request(
-        case, binary=True, outputs=("output", "visible_keys"), binary_outputs=True
+    result = answered(
+        door.rest(case, binary=True, outputs=("output", "visible_keys"), binary_outputs=True)
     )
-    got = outputs_of(rest_infer(door, request))
-    assert got["output"].dtype == case.q.dtype
-    check(case, got, datatype)
+    assert result.outputs["output"].dtype == case.q.dtype
+    check(case, result.outputs, datatype)
 
 
 @pytest.mark.parametrize("name", ["key_lengths_int32", "key_padding_mask", "fully_masked"])
 def test_rest_masks(door: Door, name: str) -> None:
     case = mask_cases()[name]
-    got = outputs_of(rest_infer(door, kserve_request(case, binary=True, outputs=("output",))))
-    check(case, got, "FP32")
+    check(case, answered(door.rest(case, binary=True, outputs=("output",))).outputs, "FP32")
 
 
 def test_rest_id_is_echoed(door: Door) -> None:
     case = make_case((1, 1, 3, 4))
-    request = kserve_request(case, binary=False, outputs=("output",))
-    request.id = "kserve-request-7"
-    response = rest_infer(door, request)
-    assert response.id == "kserve-request-7"
-    check(case, outputs_of(response), "FP32")
+    result = answered(door.rest(case, outputs=("output",), request_id="kserve-request-7"))
+    assert result.id == "kserve-request-7"
+    check(case, result.outputs, "FP32")
 
 
 # ---- gRPC ----------------------------------------------------------------------------------
@@ -159,23 +124,16 @@ def test_rest_id_is_echoed(door: Door) -> None:
 
 @pytest.mark.parametrize("datatype", ["FP16", "FP32", "FP64"])
 def test_grpc(door: Door, datatype: str) -> None:
+    """Numpy inputs: raw_input_contents, each input keeping REST's binary_data_size."""
     case = make_case((2, 2, 5, 8), datatype=datatype, causal=True)
-    response = grpc_infer(
-        door, kserve_request(case, binary=True, outputs=("output", "entropy", "visible_keys"))
-    )
-    assert response.model_name == "attention"
-    check(case, outputs_of(response), datatype)
+    result = answered(door.grpc(case, outputs=("output", "entropy", "visible_keys")))
+    check(case, result.outputs, datatype)
 
 
-def test_grpc_json_contents(door: Door) -> None:
+def test_grpc_contents(door: Door) -> None:
     """InferInput data as a list (no raw bytes): KServe sends typed `contents`."""
     case = make_case((1, 2, 4, 8))
-    inputs = [
-        kserve.InferInput(name=n, shape=list(a.shape), datatype="FP32", data=a.ravel().tolist())
-        for n, a, _ in case.inputs()
-    ]
-    request = kserve.InferRequest(model_name="attention", infer_inputs=inputs)
-    check(case, outputs_of(grpc_infer(door, request)), "FP32")
+    check(case, answered(door.grpc(case, as_lists=True)).outputs, "FP32")
 
 
 # ---- another model, a typo ------------------------------------------------------------------
@@ -220,21 +178,14 @@ def test_rest_another_model_or_a_typo_is_a_400(
     assert words in response.json()["error"]
 
 
-def test_kserve_rest_client_naming_another_model_is_refused(door: Door) -> None:
+def test_kserve_naming_another_model_is_refused_on_rest_and_grpc(door: Door) -> None:
     case = make_case((1, 1, 2, 4))
-    request = kserve_request(case, binary=False, outputs=("output",))
-    request.model_name = "bert"
-    with pytest.raises(httpx.HTTPStatusError) as info:
-        rest_infer(door, request)  # KServe's URL names the model in the body: attention
-    assert info.value.response.status_code == 400
-    assert "no model 'bert'" in info.value.response.text
-
-
-def test_grpc_another_model_is_not_found(door: Door) -> None:
-    case = make_case((1, 1, 2, 4))
-    request = kserve_request(case, binary=True, outputs=("output",))
-    request.model_name = "bert"
-    with pytest.raises(grpc.aio.AioRpcError) as info:
-        grpc_infer(door, request)
-    assert info.value.code() == grpc.StatusCode.NOT_FOUND
-    assert "no model 'bert'" in (info.value.details() or "")
+    # KServe's URL names the model the client is given (attention), its body `bert`.
+    rest = door.rest(case, outputs=("output",), model_name="bert")
+    assert isinstance(rest, Refused)
+    assert rest.status == 400
+    assert "no model 'bert'" in rest.text
+    grpc = door.grpc(case, outputs=("output",), model_name="bert")
+    assert isinstance(grpc, Refused)
+    assert grpc.status == "NOT_FOUND"
+    assert "no model 'bert'" in grpc.text
