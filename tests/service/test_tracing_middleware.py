@@ -1,28 +1,25 @@
-"""service.middleware.tracing around the real service (create_app, its middlewares and routes,
-in this process), its spans read back from the real SDK through an InMemorySpanExporter.
+"""The spans of the real service (create_app, its middlewares and routes, in this process),
+read back from the real SDK through an InMemorySpanExporter.
 
-The middleware wraps the app from outside, as create_app installs it (outermost): what the
-inner middlewares and the routes leave in the request's state (the request id, the tenant, the
-batch and the phases) reaches the span.
+The edge (service.middleware.access_log) makes each request's Exchange and the one recorder
+(service.access_log) turns it into the span: what the inner middlewares and the routes put in
+the Exchange (the request id, the tenant, the batch and the phases) reaches the span.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
-from typing import cast
+from collections.abc import Iterator
 
 import pytest
 from fastapi.testclient import TestClient
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
-from starlette.routing import BaseRoute
 from starlette.types import Receive, Scope, Send
 
 from service.app import create_app
 from service.middleware.access_log import AccessLogMiddleware
-from service.middleware.tracing import TracingMiddleware
 from service.tracing import PHASE_NAMES, Tracing
 from tests.support.app import small_settings
 
@@ -48,15 +45,8 @@ def tracing(exported: InMemorySpanExporter) -> Iterator[Tracing]:
 @pytest.fixture(scope="module")
 def client(tracing: Tracing) -> Iterator[TestClient]:
     """The service with one API key (tenant "team-a"), traced from outside."""
-    app = create_app(small_settings(api_keys=f"team-a={KEY}"))
-    # The routes create_app gave the access log, to name a request refused before routing.
-    (included,) = (
-        cast("Sequence[BaseRoute]", m.kwargs["included"])
-        for m in app.user_middleware
-        if cast("object", m.cls) is AccessLogMiddleware
-    )
-    traced = TracingMiddleware(app, tracing=tracing, included=included)
-    with TestClient(traced, raise_server_exceptions=False) as client:
+    app = create_app(small_settings(api_keys=f"team-a={KEY}"), tracing=tracing)
+    with TestClient(app, raise_server_exceptions=False) as client:
         deadline = time.monotonic() + 60.0
         while client.get("/readyz").status_code != 200:
             assert time.monotonic() < deadline, "the app was not ready within 60 s"
@@ -163,7 +153,8 @@ def test_an_exception_that_escapes_is_a_500_error_with_its_class(
         raise KeyError("a bug")
 
     # Without `with`: no lifespan, which this app would fail too.
-    client = TestClient(TracingMiddleware(failing, tracing=tracing), raise_server_exceptions=False)
+    edge = AccessLogMiddleware(failing, tracing=tracing)
+    client = TestClient(edge, raise_server_exceptions=False)
     assert client.get("/v1/info", headers={"traceparent": TRACEPARENT}).status_code == 500
     (failed,) = flushed(tracing, exported)
     assert failed.status.status_code is StatusCode.ERROR

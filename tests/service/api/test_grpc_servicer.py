@@ -503,9 +503,9 @@ def test_draining_answers_unavailable(slow_door: InProcessDoor) -> None:
 
 
 def test_a_call_with_a_traceparent_is_one_server_span_with_its_phases(door: InProcessDoor) -> None:
-    """Tracing on (an in-memory exporter given to the app's Tracing, which the door reads per
-    call): ModelInfer continues the caller's trace from its metadata; its phases are children;
-    a refusal is the caller's error, not the server's."""
+    """Tracing on (an in-memory exporter given to the app's Tracing and its recorder, which
+    the door hands each finished call): ModelInfer continues the caller's trace from its
+    metadata; its phases are children; a refusal is the caller's error, not the server's."""
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
     from service.tracing import Tracing
@@ -515,7 +515,7 @@ def test_a_call_with_a_traceparent_is_one_server_span_with_its_phases(door: InPr
     trace_id, parent_id = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
     traceparent = f"00-{trace_id}-{parent_id}-01"
     assert door.state is not None
-    door.state.tracing = tracing
+    door.state.tracing = door.state.recorder.tracing = tracing
     try:
         client = door.client()
         case = make_case((1, 2, 4, 8))
@@ -524,7 +524,7 @@ def test_a_call_with_a_traceparent_is_one_server_span_with_its_phases(door: InPr
         client.close()
         assert tracing.force_flush(timeout_s=10)
     finally:
-        door.state.tracing = None
+        door.state.tracing = door.state.recorder.tracing = None
     spans = exporter.get_finished_spans()
     servers = [s for s in spans if s.name == "inference.GRPCInferenceService/ModelInfer"]
     assert len(servers) == 2
