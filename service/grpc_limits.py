@@ -24,11 +24,15 @@ message each way, then the trailers), so that the door reads the message only on
 its key, and sends the answer while it still holds it:
 - `read_message`: an unkeyed call is refused before its message is read, and holds no more than
   HTTP/2's flow-control window; a keyed one waits for a read slot (`ReadSlots`: as many messages
-  being read at once as SDPA_MAX_INFLIGHT_BYTES holds messages of SDPA_MAX_BODY_BYTES, so the
-  messages being read never hold more than SDPA_MAX_INFLIGHT_BYTES) and must arrive whole within
+  being read at once as SDPA_MAX_INFLIGHT_BYTES holds messages of SDPA_MAX_BODY_BYTES twice
+  over (grpc-core's copy and Python's), so the messages being read never hold more than
+  SDPA_MAX_INFLIGHT_BYTES, beside what the ledger counts) and must arrive whole within
   SDPA_READ_TIMEOUT_S;
-- `send_answer`: the answer stays counted in flight until gRPC has handed it to the connection,
-  and a peer that reads none of it for SDPA_SEND_TIMEOUT_S is dropped (the call cancelled).
+- `send_answer`: the answer stays counted in flight until gRPC has taken it past the peer's
+  flow-control window, and a peer that reads none of it for SDPA_SEND_TIMEOUT_S is dropped: the
+  call ends as cancelled (499, `send_timeout`) and Python's copy of the answer is freed.
+  grpc.aio has no way to reset the stream, so grpc-core's copy stays queued on the connection
+  until it ends: a GOAWAY at CONNECTION_AGE_S and the close SDPA_SEND_TIMEOUT_S after it.
 Each refusal here is logged and counted (sdpa_rejected_total{reason}); grpc-core's own (a
 connection past the cap, a stream past the per-connection cap) happen below Python and are
 neither.
@@ -56,6 +60,9 @@ logger = logging.getLogger("sdpa.grpc")
 SEND_HEADROOM_BYTES: Final = 1 << 20
 # An HTTP/2 connection with no call for this long gets a GOAWAY (clients reconnect at once).
 IDLE_CONNECTION_S: Final = 300
+# A connection this old gets a GOAWAY, and is closed SDPA_SEND_TIMEOUT_S later: what bounds an
+# answer grpc-core still holds for a peer that stopped reading (send_answer frees Python's).
+CONNECTION_AGE_S: Final = 1800
 # The server pings a connection this often, and closes it when no answer comes in the timeout.
 KEEPALIVE_S: Final = 60
 KEEPALIVE_TIMEOUT_S: Final = 20
@@ -74,6 +81,8 @@ def server_options(settings: Settings) -> list[tuple[str, int]]:
         ("grpc.max_concurrent_streams", settings.grpc_max_streams),
         ("grpc.server_handshake_timeout_ms", int(settings.read_timeout_s * 1000)),
         ("grpc.max_connection_idle_ms", IDLE_CONNECTION_S * 1000),
+        ("grpc.max_connection_age_ms", CONNECTION_AGE_S * 1000),
+        ("grpc.max_connection_age_grace_ms", int(settings.send_timeout_s * 1000)),
         ("grpc.max_metadata_size", settings.max_header_bytes),
         ("grpc.keepalive_time_ms", KEEPALIVE_S * 1000),
         ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_S * 1000),
@@ -104,7 +113,9 @@ class ReadSlots:
     gRPC hands it over whole, so each read is counted as the largest it may be."""
 
     def __init__(self, *, max_inflight_bytes: int, max_body_bytes: int) -> None:
-        self.slots = max(1, max_inflight_bytes // max_body_bytes)
+        # A message being read is held twice at the end: grpc-core's buffer and the Python
+        # bytes it is copied into.
+        self.slots = max(1, max_inflight_bytes // (2 * max_body_bytes))
         self._free = asyncio.Semaphore(self.slots)
 
     async def read(self, context: Any, *, timeout_s: float, metrics: Metrics) -> bytes:
