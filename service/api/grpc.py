@@ -26,7 +26,8 @@ health apply. What this module adds is gRPC's part:
   (W3C traceparent from the metadata), as for every door: this module writes none of them.
   Every call carries `x-request-id` back in its trailing metadata (the caller's own, when sane),
   and a computed one `server-timing`, as REST's Server-Timing header (read, decode, queue, ...).
-- A `grpc-timeout` that is not gRPC's (digits and a unit) is INVALID_ARGUMENT, not INTERNAL.
+- A `grpc-timeout` grpc-core cannot parse never reaches this module: grpc-core's HPACK parser
+  ends the call INTERNAL before any handler runs (grpcio 1.85; a test pins it).
 """
 
 from __future__ import annotations
@@ -48,7 +49,6 @@ from service.api.v2 import MODEL_METADATA
 from service.errors import (
     DeadlineUnreachable,
     DeviceOutOfMemory,
-    InvalidRequest,
     MemoryBusy,
     QueueFull,
     RetryLater,
@@ -354,22 +354,11 @@ def _code(code: grpc.StatusCode) -> tuple[int, str]:
     return number, code.name
 
 
-# gRPC's grpc-timeout: up to 8 digits and a unit (hours, minutes, seconds, milli-, micro-,
-# nanoseconds), https://github.com/grpc/grpc/blob/master/doc/PROTOCOL-HTTP2.md
-_GRPC_TIMEOUT: Final = re.compile(r"[0-9]{1,8}[HMSmun]")
-
-
 def _deadline(context: aio.ServicerContext[Any, Any]) -> float | None:
     """The call's gRPC deadline as a time.monotonic() instant (None: the client set none), which
-    serving weighs with the request's `timeout` and SDPA_REQUEST_TIMEOUT_MS. A grpc-timeout that
-    is not gRPC's is refused (INVALID_ARGUMENT) instead of failing the call (INTERNAL)."""
-    for key, value in context.invocation_metadata() or ():
-        if key == "grpc-timeout" and not (
-            isinstance(value, str) and _GRPC_TIMEOUT.fullmatch(value)
-        ):
-            raise InvalidRequest(
-                "the call's grpc-timeout is not gRPC's (1 to 8 digits and a unit, H M S m u n)"
-            )
+    serving weighs with the request's `timeout` and SDPA_REQUEST_TIMEOUT_MS. (grpc-core reads
+    grpc-timeout itself and keeps it out of the metadata: one it cannot parse ends the call
+    INTERNAL in its HPACK parser before any handler runs, grpcio 1.85.)"""
     remaining_s = context.time_remaining()
     return None if remaining_s is None else time.monotonic() + remaining_s
 

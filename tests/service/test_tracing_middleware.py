@@ -8,6 +8,7 @@ the Exchange (the request id, the tenant, the batch and the phases) reaches the 
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterator
 
@@ -163,3 +164,45 @@ def test_an_exception_that_escapes_is_a_500_error_with_its_class(
     assert failed.attributes["http.response.status_code"] == 500
     assert failed.context is not None
     assert failed.context.trace_id == CALLER_TRACE
+
+
+def test_a_malformed_tracestate_is_left_out_and_never_reaches_the_log(
+    client: TestClient,
+    tracing: Tracing,
+    exported: InMemorySpanExporter,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """OpenTelemetry's propagator logs a warning quoting each tracestate member it refuses (a
+    duplicate key, a malformed member): a caller's bytes in the log, per request. The service
+    leaves such a tracestate out, whole, before the propagator sees it; the caller's trace
+    (its valid traceparent) is still continued."""
+    marker = "callerbytes"
+    duplicates = ",".join(f"{marker}{i % 3}=v{i}" for i in range(30))  # duplicate keys
+    malformed = f"{marker}=ok, {marker.upper()}=NOT A MEMBER"
+    for tracestate in (duplicates, malformed):
+        caplog.clear()
+        with caplog.at_level(logging.DEBUG):
+            headers = {"traceparent": TRACEPARENT, "tracestate": tracestate, "x-api-key": KEY}
+            assert client.get("/v1/info", headers=headers).status_code == 200
+            (span,) = flushed(tracing, exported)
+            exported.clear()
+        assert span.context is not None
+        assert span.context.trace_id == CALLER_TRACE
+        assert dict(span.context.trace_state) == {}
+        assert not [r for r in caplog.records if marker in r.getMessage().lower()]
+
+
+def test_the_trace_context_of_a_caller_the_key_check_refused_is_not_read(
+    client: TestClient, tracing: Tracing, exported: InMemorySpanExporter
+) -> None:
+    """What the span records of a caller without a valid key comes after the key check: its
+    refusal is traced, in a trace of its own, and nothing of its traceparent or tracestate."""
+    headers = {"traceparent": TRACEPARENT, "tracestate": "congo=t61rcWkgMzE"}
+    assert client.get("/v1/info", headers={**headers, "x-api-key": "wrong"}).status_code == 401
+    (refused,) = flushed(tracing, exported)
+    assert refused.attributes is not None
+    assert refused.attributes["http.response.status_code"] == 401
+    assert refused.context is not None
+    assert refused.context.trace_id != CALLER_TRACE
+    assert refused.parent is None
+    assert dict(refused.context.trace_state) == {}
