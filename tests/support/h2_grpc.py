@@ -15,6 +15,7 @@ from typing import Any
 import h2.config
 import h2.connection
 import h2.events
+import h2.exceptions
 import h2.settings
 
 INFER_PATH = "/inference.GRPCInferenceService/ModelInfer"
@@ -94,16 +95,20 @@ class RawGrpc:
         return stream_id
 
     def send(self, stream_id: int, body: bytes, *, end: bool) -> int:
-        """Send what the flow-control windows allow of `body` -> the bytes sent."""
-        allowed = min(len(body), self.conn.local_flow_control_window(stream_id))
+        """Send what the flow-control windows allow of `body` -> the bytes sent (none once the
+        server has closed the stream)."""
         sent = 0
-        size = self.conn.max_outbound_frame_size
-        while sent < allowed:
-            chunk = body[sent : min(allowed, sent + size)]
-            self.conn.send_data(stream_id, chunk)
-            sent += len(chunk)
-        if end and sent == len(body):
-            self.conn.end_stream(stream_id)
+        try:
+            allowed = min(len(body), self.conn.local_flow_control_window(stream_id))
+            size = self.conn.max_outbound_frame_size
+            while sent < allowed:
+                chunk = body[sent : min(allowed, sent + size)]
+                self.conn.send_data(stream_id, chunk)
+                sent += len(chunk)
+            if end and sent == len(body):
+                self.conn.end_stream(stream_id)
+        except h2.exceptions.StreamClosedError:
+            self.streams[stream_id].ended = True
         self.flush()
         return sent
 
@@ -111,7 +116,8 @@ class RawGrpc:
         """Send `body` as the server opens its windows, for up to `seconds` -> bytes sent."""
         give_up = time.monotonic() + seconds
         sent = 0
-        while time.monotonic() < give_up and not self.closed:
+        stream = self.streams[stream_id]
+        while time.monotonic() < give_up and not (self.closed or stream.ended or stream.reset):
             sent += self.send(stream_id, body[sent:], end=end)
             if sent == len(body):
                 break
@@ -137,7 +143,12 @@ class RawGrpc:
             if not data:
                 self.closed = True
                 return
-            for event in self.conn.receive_data(data):
+            try:
+                events = self.conn.receive_data(data)
+            except h2.exceptions.ProtocolError:  # frames after the connection ended
+                self.closed = True
+                return
+            for event in events:
                 self._handle(event)
             self.flush()
 
