@@ -86,11 +86,11 @@ class Settings(BaseSettings):
     # first byte; one that reads none of its response for send_timeout_s is dropped and its
     # result freed; a connection beyond max_connections closes the one doing least (the
     # longest with incomplete headers, else the longest idle), or gets 503 when all are busy
-    # (service.middleware.connections).
+    # (service.protocol).
     read_timeout_s: float = Field(default=15.0, gt=0.0, le=3600.0)
     send_timeout_s: float = Field(default=60.0, gt=0.0, le=3600.0)
     max_connections: int = Field(default=2048, ge=1, le=1_000_000)
-    # Below the application (service.middleware.connections): a request's line and header
+    # Below the application (service.protocol): a request's line and header
     # lines together (431 past it), how many header lines (431), and how many requests one
     # connection may have waiting unanswered before the server stops reading it (pipelining:
     # backpressure, never a 4xx).

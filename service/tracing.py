@@ -24,7 +24,7 @@ OTEL_EXPORTER_OTLP_TRACES_PROTOCOL / OTEL_EXPORTER_OTLP_PROTOCOL itself, at that
 and refuses anything but "http/protobuf" (TracingConfigError: start-up fails and says so) rather
 than send protobuf over HTTP to a collector that was told to expect gRPC.
 
-The doors' API (HTTP: service.middleware.tracing; gRPC: the servicer):
+The doors' API (the recorder, service.access_log, for both doors):
 
     tracing = Tracing.from_settings(settings)          # None when off: skip all of this
     span = tracing.start_http(method="POST", path="/v1/attention", carrier={"traceparent": ...})
