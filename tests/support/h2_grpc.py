@@ -19,6 +19,8 @@ import h2.exceptions
 import h2.settings
 
 INFER_PATH = "/inference.GRPCInferenceService/ModelInfer"
+# The most one send() hands the socket, however wide the windows: sendall stays short.
+SEND_AT_ONCE = 1 << 20
 
 
 def frame(message: bytes, *, compressed: bool = False) -> bytes:
@@ -99,7 +101,8 @@ class RawGrpc:
         server has closed the stream)."""
         sent = 0
         try:
-            allowed = min(len(body), self.conn.local_flow_control_window(stream_id))
+            window = self.conn.local_flow_control_window(stream_id)
+            allowed = min(len(body), window, SEND_AT_ONCE)
             size = self.conn.max_outbound_frame_size
             while sent < allowed:
                 chunk = body[sent : min(allowed, sent + size)]
@@ -118,7 +121,10 @@ class RawGrpc:
         sent = 0
         stream = self.streams[stream_id]
         while time.monotonic() < give_up and not (self.closed or stream.ended or stream.reset):
-            sent += self.send(stream_id, body[sent:], end=end)
+            try:
+                sent += self.send(stream_id, body[sent:], end=end)
+            except TimeoutError:  # the server has stopped reading this connection
+                break
             if sent == len(body):
                 break
             self.pump(0.02)
