@@ -17,6 +17,9 @@ The hardening issue (23):
     decode-costs, slow-bodies                              bench/attack_decode.py
     wrong-answers   ~30 s: the misleading answers (here)
     long requests sharing a deadline: bench/long_deadlines.py (old vs new batcher)
+The edge issue (40), the gRPC door:
+    grpc-trickle, grpc-gzip, grpc-crafted, grpc-never-read, grpc-reset, grpc-connections
+                                                           bench/attack_grpc.py
 
 near-limit: q = k = v of [1, 1, N, D] around the default work limit (10 s of device time),
 fused and chunked, each sent while /healthz is probed every 0.2 s; prints the status, the time,
@@ -62,7 +65,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:  # run as a script: make `bench` importable
     sys.path.insert(0, str(REPO_ROOT))
 
-from bench import attack_bodies, attack_decode, attack_protocol  # noqa: E402
+from bench import attack_bodies, attack_decode, attack_grpc, attack_protocol  # noqa: E402
 from bench.support import (  # noqa: E402
     LONG_ANALYZE,
     SMALL,
@@ -265,6 +268,7 @@ ATTACKS: dict[str, Callable[[], None]] = {
     **attack_bodies.ATTACKS,
     **attack_decode.ATTACKS,
     "wrong-answers": wrong_answers,
+    **attack_grpc.ATTACKS,
 }
 
 

@@ -4,8 +4,11 @@
 is safe, even when a replica died with the request half done. 429 (this tenant's share of the
 queue is full: the one 4xx that means "later", with its Retry-After), 502 (a proxy lost the
 replica: nginx's or Ray's answer when the one it tried died), 503 (queue full, draining), 504
-(deadline passed before compute, or a proxy's gateway timeout) and connection failures are
-retried with exponential backoff and jitter, honouring Retry-After, within
+(deadline passed before compute, or a proxy's gateway timeout), an infrastructure 500 (one
+without this service's error envelope: Ray Serve's proxy answers a request whose replica died
+with it so, ray-project/ray#47219; the service's own 500 is problem+json or v2's {"error"} and
+means a bug, never retried) and connection failures are retried with exponential backoff and
+jitter, honouring Retry-After, within
 `RetryPolicy.max_attempts` and `RetryPolicy.max_total_s`, and never once the request's own
 deadline (its timeout_ms) has passed: its answer could no longer be on time. No other 4xx is
 retried: the same request would be refused again. A client-side read timeout is not retried
@@ -66,6 +69,8 @@ class RetryPolicy:
     max_total_s: float = 60.0
     retry_statuses: frozenset[int] = frozenset({429, 502, 503, 504})
     retry_connection_errors: bool = True
+    # A 500 without this service's error envelope: a proxy's or a platform's, not our bug.
+    retry_infrastructure_500: bool = True
 
     def __post_init__(self) -> None:
         if self.max_attempts < 1:
@@ -100,9 +105,32 @@ class RetryPolicy:
         """Whether an answer with this HTTP status may be retried."""
         return status in self.retry_statuses
 
+    def should_retry_response(self, response: httpx.Response) -> bool:
+        """Whether this answer (not a 2xx) may be retried: its status, or a 500 that is not the
+        service's (`is_infrastructure_error`)."""
+        if self.should_retry_status(response.status_code):
+            return True
+        return self.retry_infrastructure_500 and is_infrastructure_error(response)
+
     def should_retry_transport(self, exc: httpx.TransportError) -> bool:
         """Whether a request that got no answer, failing with `exc`, may be retried."""
         return self.retry_connection_errors and isinstance(exc, _RETRYABLE_TRANSPORT)
+
+
+def is_infrastructure_error(response: httpx.Response) -> bool:
+    """A 500 that this service did not write: its errors are problem+json (`status` and
+    `detail`) or the Open Inference Protocol's {"error": "..."}; a proxy's 500 (Ray Serve's
+    "Internal Server Error", an HTML page) carries neither."""
+    if response.status_code != 500:
+        return False
+    try:
+        payload = response.json()
+    except (ValueError, UnicodeDecodeError):
+        return True
+    if not isinstance(payload, dict):
+        return True
+    problem = payload.get("status") == 500 and isinstance(payload.get("detail"), str)
+    return not (problem or isinstance(payload.get("error"), str))
 
 
 NO_RETRY = RetryPolicy(max_attempts=1)
@@ -188,7 +216,7 @@ class Attempts:
             return None
         else:
             error = error_from_response(result, attempts=self.count)
-            retry = self._policy.should_retry_status(result.status_code)
+            retry = self._policy.should_retry_response(result)
         delay = self._next_delay(error.retry_after_s) if retry and self._retryable else None
         if delay is not None:
             return delay

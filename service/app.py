@@ -1,9 +1,12 @@
 """create_app(settings, *, engine=None): the FastAPI application, its lifespan and its rooms.
 
-Request flow: middlewares (access log -> API key -> body limit / content type) -> a thin route
-(service.api) -> serving (prepare the request into a validated job, later encode the outcome)
--> the runtime's batcher, which runs the engine on the device thread. Errors map to responses in
-service.errors and the envelopes of service.http_errors.
+Request flow (docs/architecture.md): the protocol layer (service.protocol) -> the edge, which
+makes the request's Exchange (service.middleware.access_log) -> API key -> content encoding ->
+in-flight bytes -> body limit -> a thin route (service.api) -> serving's pipeline (decode,
+admit, queue, compute, encode) -> the runtime's batcher, which runs the engine on the device
+thread; the one recorder (service.access_log) turns the finished Exchange into the log line,
+the metrics and the span. Errors map to responses in service.errors and the envelopes of
+service.http_errors.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from service.middleware.content_encoding import ContentEncodingMiddleware
 from service.middleware.drain import ConnectionCloseWhileDrainingMiddleware
 from service.middleware.inflight import InflightBytesMiddleware, default_inflight_bytes
 from service.middleware.metrics_key import METRICS_PATHS, MetricsKeyMiddleware
-from service.middleware.tracing import TracingMiddleware
+from service.protocol import unsent_bytes
 from service.routes import OPEN_PATHS
 from service.runtime.batcher import DynamicBatcher
 from service.runtime.device import keep_intra_op_threads, resolve_device
@@ -197,7 +200,11 @@ def _lifespan(engine: Engine | None, *, device_threads: int | None) -> Any:
 
 
 def create_app(
-    settings: Settings | None = None, *, engine: Engine | None = None, own_process: bool = False
+    settings: Settings | None = None,
+    *,
+    engine: Engine | None = None,
+    own_process: bool = False,
+    tracing: Tracing | None = None,
 ) -> FastAPI:
     """The service.
 
@@ -209,6 +216,8 @@ def create_app(
             lifespan gives torch's intra-op threads to the device thread alone, and it returns
             the heap's free pages to the OS periodically, process-wide things that an app
             inside another program (a test) must not do.
+        tracing: the spans' Tracing (a test's, with an in-memory exporter); None: the one
+            the settings ask for (OTEL_TRACES_EXPORTER), or none.
 
     Returns:
         The FastAPI application; its lifespan starts the batcher and warms up the device.
@@ -232,9 +241,10 @@ def create_app(
         metrics=metrics,
         auth_enabled=bool(api_keys),
         max_inflight_bytes=max_inflight_bytes,
-        inflight=InflightBytes(max_inflight_bytes),
-        # None unless OTEL_TRACES_EXPORTER turns tracing on: then nothing below traces.
-        tracing=Tracing.from_settings(settings),
+        # Answers waiting in the protocol layer's write buffers count too.
+        inflight=InflightBytes(max_inflight_bytes, unsent=unsent_bytes),
+        # None unless OTEL_TRACES_EXPORTER turns tracing on: then the recorder makes no span.
+        tracing=tracing if tracing is not None else Tracing.from_settings(settings),
     )
     app.state.sdpa = state
     install_error_handlers(app)
@@ -273,13 +283,12 @@ def create_app(
             ApiKeyMiddleware, keys=api_keys, metrics=metrics, guarded_elsewhere=guarded
         )
     app.add_middleware(ConnectionCloseWhileDrainingMiddleware, draining=state.draining)
-    # A refusal before routing is labelled with the route it was made at (route_template).
+    # The edge, outermost: the request's Exchange, which the rooms inside fill in and the one
+    # recorder (state.recorder, the gRPC door's too) turns into the log line, the metrics and
+    # the span; its time holds every refusal. A refusal before routing is labelled with the
+    # route it was made at (route_template).
     included = [route for router in routers for route in router.routes]
-    app.add_middleware(AccessLogMiddleware, metrics=metrics, included=included)
-    if state.tracing is not None:
-        # Outermost: the span holds all of the server's time on the request, every refusal
-        # included, and reads what the others leave in scope["state"].
-        app.add_middleware(TracingMiddleware, tracing=state.tracing, included=included)
+    app.add_middleware(AccessLogMiddleware, recorder=state.recorder, included=included)
 
     def openapi() -> dict[str, Any]:
         return openapi_document(app, auth=bool(api_keys), open_paths=OPEN_PATHS)

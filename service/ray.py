@@ -13,6 +13,10 @@ Two deployments (`ingress` "retrying", the default):
 - "ingress": a thin HTTP deployment behind Ray's proxy, on the head node beside the proxy
   (proxy_location "HeadOnly", Ray's default). It reads a request whole, hands it to a replica
   through a DeploymentHandle and sends it again to another one if that replica died with it.
+  Two replicas of it (ingress_replicas): when one dies the proxy routes to the other at once;
+  the requests the dead one held get Ray's proxy's 500 (no service error envelope), which
+  sdpa_client sends again (sdpa_client.retry), so no kind of replica is a single point of
+  failure.
 `ingress=direct` serves the FastAPI app itself as Ray's ingress (serve.ingress): one hop less,
 but a replica that dies costs the requests it held a 500 from Ray's proxy.
 
@@ -150,7 +154,11 @@ class RayOptions(BaseModel):
     ingress: Literal["retrying", "direct"] = "retrying"
     # Attempts per request through the retrying ingress (1 + retries).
     attempts: int = Field(default=4, ge=1, le=len(RETRY_BACKOFF_S) + 1)
-    ingress_replicas: int = Field(default=1, ge=1, le=1000)
+    # Two by default: the proxy routes around a dead ingress replica at once, where with one it
+    # answered 503/500 until Ray had started another. A request the dying ingress replica
+    # held still fails in Ray's proxy (a 500 without this service's envelope, ray-project/ray
+    # #47219): sdpa_client retries that, as any client of a pure function may (docs/client).
+    ingress_replicas: int = Field(default=2, ge=1, le=1000)
     # The ingress sits on the head node, beside the one proxy (proxy_location "HeadOnly"): a
     # lost worker node then takes no ingress, and no request, with it. false: Ray places it.
     ingress_on_head: bool = True

@@ -1,6 +1,6 @@
 """Which path is which: the one owner of the open paths (no API key), the unmetered ones (no
-in-flight bytes), the Open Inference Protocol's, and of what a request carries in its ASGI
-scope's state between the middlewares and the routes.
+in-flight bytes, no span), and the Open Inference Protocol's. (What a request carries between
+the rooms is its Exchange: service.serving.exchange.)
 
 The middlewares (service.middleware), the routes (service.api), the error envelopes
 (service.http_errors) and the OpenAPI document read these; none of them keeps a list of its own.
@@ -54,17 +54,3 @@ def is_v2_path(path: str) -> bool:
 def envelope_of(path: str) -> Envelope:
     """The error envelope of the door that serves `path`: chosen here, once."""
     return Envelope.V2 if is_v2_path(path) else Envelope.PROBLEM
-
-
-# ---- what a request carries in scope["state"] ----------------------------------------------
-# Set by the access log (service.middleware.access_log): the request's id.
-REQUEST_ID: Final = "request_id"
-# Set by the API key check (service.middleware.auth): the tenant the key names.
-TENANT: Final = "tenant"
-# Set by the in-flight bytes (service.middleware.inflight): reserve_answer(nbytes), which raises
-# MemoryBusy (503) when the answer's estimated size would take the bytes in flight over the limit.
-RESERVE_ANSWER: Final = "reserve_answer"
-# Set by a compute route (service.api.compute): the batch it ran in, and its phases
-# (service.serving.pipeline.Phases), for the access log and the trace.
-BATCH_SIZE: Final = "batch_size"
-PHASES: Final = "phases"

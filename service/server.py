@@ -334,7 +334,7 @@ def busy_threads(timeout_s: float) -> list[threading.Thread]:
 async def linger_until_quiet() -> None:
     """Return once no connection was accepted and no request began for QUIET_S, or after
     LINGER_S (module docstring, step 2)."""
-    from service.middleware.connections import last_activity
+    from service.protocol import last_activity
 
     give_up = time.monotonic() + LINGER_S
     while (now := time.monotonic()) < give_up:
@@ -367,7 +367,7 @@ def serve(settings: Settings) -> int:
     # Imported here so that `sdpa-service healthcheck` / `analyze` never import the app.
     from service.api.deps import state_of
     from service.app import create_app
-    from service.middleware.connections import guarded_protocol
+    from service.protocol import guarded_protocol
 
     # The device thread runs Python between its kernels (the chunked path's key-block loop),
     # holding the GIL for up to the switch interval (5 ms by default) each time the event
@@ -391,7 +391,7 @@ def serve(settings: Settings) -> int:
         host=settings.host,
         port=settings.port,
         # Header, pipelining, read, send and connection bounds live in the protocol layer,
-        # which uvicorn leaves without them (service.middleware.connections).
+        # which uvicorn leaves without them (service.protocol).
         http=guarded_protocol(
             read_timeout_s=settings.read_timeout_s,
             send_timeout_s=settings.send_timeout_s,

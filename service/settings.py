@@ -41,6 +41,12 @@ class Settings(BaseSettings):
     # The Open Inference Protocol over gRPC (service.api.grpc), beside HTTP on `host`; 8001 is
     # Triton's port. 0 turns the gRPC door off.
     grpc_port: int = Field(default=8001, ge=0, le=65535)
+    # Streams (calls) one gRPC connection may have open at once (HTTP/2's
+    # SETTINGS_MAX_CONCURRENT_STREAMS; grpc's own default is unbounded): service.grpc_limits.
+    # A client that opens more at once before it has read the server's SETTINGS gets those
+    # refused (REFUSED_STREAM, never processed: UNAVAILABLE in grpc's clients); 256 leaves room
+    # for the e2e suite's 200 calls at once on one channel.
+    grpc_max_streams: int = Field(default=256, ge=1, le=1_000_000)
     # auto = cuda when available, else cpu.
     device: str = Field(default="auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")
 
@@ -80,11 +86,11 @@ class Settings(BaseSettings):
     # first byte; one that reads none of its response for send_timeout_s is dropped and its
     # result freed; a connection beyond max_connections closes the one doing least (the
     # longest with incomplete headers, else the longest idle), or gets 503 when all are busy
-    # (service.middleware.connections).
+    # (service.protocol).
     read_timeout_s: float = Field(default=15.0, gt=0.0, le=3600.0)
     send_timeout_s: float = Field(default=60.0, gt=0.0, le=3600.0)
     max_connections: int = Field(default=2048, ge=1, le=1_000_000)
-    # Below the application (service.middleware.connections): a request's line and header
+    # Below the application (service.protocol): a request's line and header
     # lines together (431 past it), how many header lines (431), and how many requests one
     # connection may have waiting unanswered before the server stops reading it (pipelining:
     # backpressure, never a 4xx).

@@ -24,7 +24,7 @@ OTEL_EXPORTER_OTLP_TRACES_PROTOCOL / OTEL_EXPORTER_OTLP_PROTOCOL itself, at that
 and refuses anything but "http/protobuf" (TracingConfigError: start-up fails and says so) rather
 than send protobuf over HTTP to a collector that was told to expect gRPC.
 
-The doors' API (HTTP: service.middleware.tracing; gRPC: the servicer):
+The doors' API (the recorder, service.access_log, for both doors):
 
     tracing = Tracing.from_settings(settings)          # None when off: skip all of this
     span = tracing.start_http(method="POST", path="/v1/attention", carrier={"traceparent": ...})
@@ -82,6 +82,7 @@ the dozen above, of bounded size.
 from __future__ import annotations
 
 import os
+import re
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -285,8 +286,11 @@ class Tracing:
         scheme: str = "http",
         http_version: str | None = None,
         client: str | None = None,
+        started: float | None = None,
     ) -> ServerSpan:
-        """The server span of one HTTP request, started now (see the module)."""
+        """The server span of one HTTP request, started now, or at `started` (a
+        time.monotonic() instant: the recorder builds a finished request's span after the fact)
+        (see the module)."""
         attributes: dict[str, AttributeValue] = {
             "http.request.method": method,
             "url.path": path,
@@ -296,7 +300,7 @@ class Tracing:
             attributes["network.protocol.version"] = http_version
         if client is not None:
             attributes["client.address"] = client
-        return self._start(method, carrier, attributes, grpc=False)
+        return self._start(method, carrier, attributes, grpc=False, started=started)
 
     def start_grpc(
         self,
@@ -305,6 +309,7 @@ class Tracing:
         carrier: Carrier = (),
         service: str = GRPC_SERVICE,
         client: str | None = None,
+        started: float | None = None,
     ) -> ServerSpan:
         """The server span of one gRPC call of `service`'s `method` ("ModelInfer"), started
         now; `carrier`: the call's invocation metadata (see the module)."""
@@ -315,14 +320,22 @@ class Tracing:
         }
         if client is not None:
             attributes["client.address"] = client
-        return self._start(f"{service}/{method}", carrier, attributes, grpc=True)
+        return self._start(f"{service}/{method}", carrier, attributes, grpc=True, started=started)
 
     def _start(
-        self, name: str, carrier: Carrier, attributes: dict[str, AttributeValue], *, grpc: bool
+        self,
+        name: str,
+        carrier: Carrier,
+        attributes: dict[str, AttributeValue],
+        *,
+        grpc: bool,
+        started: float | None = None,
     ) -> ServerSpan:
         now = self._clock()
         wall_ns = self._wall_clock_ns()
         offset_ns = wall_ns - round(now * 1e9)
+        if started is not None and started < now:
+            wall_ns = offset_ns + round(started * 1e9)
         headers = _trace_context(carrier)
         # No trace context (most requests): a root span, without the propagator's work.
         caller = self._propagator.extract(headers) if headers else self._no_context
@@ -555,14 +568,47 @@ class ServerSpan:
 
 
 def _trace_context(carrier: Carrier) -> dict[str, str]:
-    """The W3C trace context headers of `carrier`, keys lower-cased."""
+    """The W3C trace context headers of `carrier`, keys lower-cased; a tracestate that is not
+    valid W3C Trace Context left out (see _valid_tracestate)."""
     found: dict[str, str] = {}
     pairs = carrier.items() if isinstance(carrier, Mapping) else carrier
     for key, value in pairs:
         key = key.lower()
         if key in (TRACEPARENT, TRACESTATE):
             found[key] = value.decode("latin-1") if isinstance(value, bytes) else value
+    tracestate = found.get(TRACESTATE)
+    if tracestate is not None and not _valid_tracestate(tracestate):
+        del found[TRACESTATE]
     return found
+
+
+# W3C Trace Context's tracestate (https://www.w3.org/TR/trace-context/#tracestate-header):
+# at most 32 list members of key=value, 512 characters in all, keys unique.
+_TRACESTATE_MAX_CHARS: Final = 512
+_TRACESTATE_MAX_MEMBERS: Final = 32
+_TRACESTATE_MEMBER: Final = re.compile(
+    r"([a-z][_0-9a-z\-*/]{0,255}|[a-z0-9][_0-9a-z\-*/]{0,240}@[a-z][_0-9a-z\-*/]{0,13})"
+    r"=[\x20-\x2b\x2d-\x3c\x3e-\x7e]{0,255}[\x21-\x2b\x2d-\x3c\x3e-\x7e]"
+)
+
+
+def _valid_tracestate(value: str) -> bool:
+    """Whether a tracestate is valid W3C Trace Context. OpenTelemetry's propagator (1.45) logs
+    a warning quoting each member it refuses (a malformed member, a duplicate key): 8 KB of a
+    caller's bytes in the log per request. An invalid one is left out here, whole, as the
+    propagator would leave it out, before the propagator sees it."""
+    if len(value) > _TRACESTATE_MAX_CHARS:
+        return False
+    keys: set[str] = set()
+    for member in value.split(","):
+        member = member.strip(" \t")
+        if not member:
+            continue
+        match = _TRACESTATE_MEMBER.fullmatch(member)
+        if match is None or match[1] in keys:
+            return False
+        keys.add(match[1])
+    return len(keys) <= _TRACESTATE_MAX_MEMBERS
 
 
 def _service_resource(version: str) -> Resource:

@@ -1,26 +1,24 @@
-"""What the HTTP compute routes share: admit the request, read its body, bind a serving Call
-to it (its tenant, its in-flight bytes, its connection), run the serving pipeline through the
-route's door, answer. A client that leaves is logged 499.
+"""What the HTTP compute routes share: admit the request, read its body, run the serving
+pipeline through the route's door with the request's Exchange (the edge made it: its id, its
+tenant, its in-flight holding), answer. A client that leaves is logged 499.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 from fastapi import Request
 from starlette.responses import Response
 
-from service.api.deps import request_id
 from service.api.disconnect import ClientDisconnected, cancel_on_disconnect
 from service.http_errors import CLIENT_CLOSED
-from service.routes import BATCH_SIZE, PHASES, RESERVE_ANSWER, TENANT
 from service.serving import pipeline
-from service.serving.frame import admitted, bind_call
-from service.serving.pipeline import Call, Door, Served
+from service.serving.exchange import exchange_of
+from service.serving.frame import admitted
+from service.serving.pipeline import Door, Served
 from service.serving.state import AppState
-from service.tenants import ANONYMOUS
 
 A = TypeVar("A")
 
@@ -33,36 +31,18 @@ async def serve_with(
 ) -> Response:
     """The frame of every compute route, v1's and v2's: read the request, run the door that
     `door_for` makes of its body through the pipeline, and `respond` with its answer."""
-    async with admitted(state) as queued:
-        started = time.monotonic()
+    exchange = exchange_of(request.scope)
+    async with admitted(state, exchange):
         body = await request.body()
-        call = _bind(request, state, started=started, queued=queued)
+        exchange.received = time.monotonic()
         try:
-            served = await pipeline.run(door_for(body), call)
+            # A client that disconnects while its job waits takes the job out of the queue.
+            served = await cancel_on_disconnect(
+                request, pipeline.run(door_for(body), exchange, state), exchange
+            )
         except ClientDisconnected:
             return client_closed()
-    # The access log and the trace read these (service.routes).
-    setattr(request.state, BATCH_SIZE, served.phases.batch_size)
-    setattr(request.state, PHASES, served.phases)
     return respond(served)
-
-
-def _bind(request: Request, state: AppState, *, started: float, queued: Callable[[], None]) -> Call:
-    def until_gone(waiting: Awaitable[Any]) -> Awaitable[Any]:
-        # A client that disconnects while its job waits takes the job out of the queue.
-        return cancel_on_disconnect(request, waiting)
-
-    return bind_call(
-        state,
-        # The tenant the auth middleware named (service.tenants); without keys, "anonymous".
-        tenant=getattr(request.state, TENANT, ANONYMOUS),
-        request_id=request_id(request),
-        started=started,
-        received=time.monotonic(),
-        queued=queued,
-        reserve_answer=getattr(request.state, RESERVE_ANSWER, None),
-        until_gone=until_gone,
-    )
 
 
 def json_answer(served: Served[bytes]) -> Response:

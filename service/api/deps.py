@@ -6,13 +6,11 @@ create_app() stores one AppState (service.serving.state) on app.state. Routes ta
 
 from __future__ import annotations
 
-import uuid
 from typing import Annotated
 
 from fastapi import Depends, FastAPI, Request
 
 from service.metrics import Metrics
-from service.routes import REQUEST_ID
 from service.serving.state import AppState
 from service.settings import Settings
 
@@ -28,15 +26,6 @@ def state_of(app: FastAPI) -> AppState:
 async def _state_dep(request: Request) -> AppState:
     # async: FastAPI runs a sync dependency on a worker thread, a cost on every request.
     return state_of(request.app)
-
-
-def request_id(request: Request) -> str:
-    """The id the access log gave this request (a fresh one if it ran without the middleware)."""
-    rid = getattr(request.state, REQUEST_ID, None)
-    if not isinstance(rid, str):
-        rid = uuid.uuid4().hex
-        setattr(request.state, REQUEST_ID, rid)
-    return rid
 
 
 StateDep = Annotated[AppState, Depends(_state_dep)]

@@ -1,7 +1,11 @@
 """Cancel a request's pending work when its client disconnects.
 
 A client that gives up (a timeout on its side, a closed socket) should not cost device time:
-its request is dropped from the batcher's queue before compute. ASGI tells a handler about a
+its request is dropped from the batcher's queue before compute. The watcher tells the request's
+Exchange (`client_gone`); it cancels the serving task only while the Exchange says its job waits
+in the queue (`waiting`), and serving itself refuses to queue the job of a client gone while its
+body was decoded (a decoding on a worker thread is not abandoned: the in-flight bytes count it
+until it ends). ASGI tells a handler about a
 disconnect through ``receive()``: once the body was read, the next message is
 ``{"type": "http.disconnect"}``, delivered when the connection closes. So a watcher task waits
 for that message, without polling, and cancels the handler's own task when it comes.
@@ -19,11 +23,11 @@ from typing import TypeVar
 
 from starlette.requests import Request
 
+from service.serving.exchange import ClientDisconnected, Exchange
+
+__all__ = ["ClientDisconnected", "cancel_on_disconnect"]
+
 R = TypeVar("R")
-
-
-class ClientDisconnected(Exception):
-    """The client closed the connection before its answer was ready; nobody gets a response."""
 
 
 async def _wait_for_disconnect(request: Request) -> None:
@@ -35,8 +39,12 @@ async def _wait_for_disconnect(request: Request) -> None:
             return
 
 
-async def cancel_on_disconnect(request: Request, awaitable: Awaitable[R]) -> R:
+async def cancel_on_disconnect(
+    request: Request, awaitable: Awaitable[R], exchange: Exchange | None = None
+) -> R:
     """Await `awaitable`; if the client disconnects first, cancel it and raise ClientDisconnected.
+    With `exchange`, the request's: the disconnect is told to it, and cancels `awaitable` only
+    while its job waits in the queue (then, or when serving would queue it).
 
     Call it after the request body was read, from the task that serves the request. The
     awaitable's own cancellation handling (the batcher drops a queued item) runs before
@@ -55,6 +63,10 @@ async def cancel_on_disconnect(request: Request, awaitable: Awaitable[R]) -> R:
         if finished or watcher.cancelled() or watcher.exception() is not None:
             # A receive() that failed (not a disconnect) means we cannot watch: just wait.
             return
+        if exchange is not None:
+            exchange.client_gone = True
+            if not exchange.waiting:
+                return  # serving will not queue it; an answer being made is logged 499
         disconnected = True
         owner.cancel()
 

@@ -22,6 +22,7 @@ from starlette.responses import Response
 from service.errors import FieldError, InvalidRequest, ServiceError
 from service.http_errors import CLIENT_CLOSED, error_response
 from service.routes import Envelope, envelope_of
+from service.serving.exchange import exchange_of
 from service.wire.models import field_errors
 
 logger = logging.getLogger("sdpa.app")
@@ -82,12 +83,15 @@ async def _on_client_gone(request: Request, exc: Exception) -> Response:
 
 
 async def _on_unhandled(request: Request, exc: Exception) -> Response:
-    rid = getattr(request.state, "request_id", None)
+    try:
+        rid: str | None = exchange_of(request.scope).request_id
+    except LookupError:  # an app built without the edge: no id to give
+        rid = None
     logger.exception("unhandled error (request_id=%s)", rid, exc_info=exc)
     detail = "internal server error" + (f"; request id {rid}" if rid else "")
-    # Starlette runs this handler in ServerErrorMiddleware, outside the access log's send
-    # wrapper: echo the id here, so that the one response an operator must trace carries it.
-    headers = {"X-Request-ID": rid} if isinstance(rid, str) else None
+    # Starlette runs this handler in ServerErrorMiddleware, outside the edge's send wrapper:
+    # echo the id here, so that the one response an operator must trace carries it.
+    headers = {"X-Request-ID": rid} if rid is not None else None
     return _respond(request, _Status(500, detail, headers=headers))
 
 

@@ -19,28 +19,26 @@ health apply. What this module adds is gRPC's part:
   504, UNAVAILABLE while starting or shutting down; a momentary refusal says when to retry in
   its message and in the trailing metadata `retry-after` (seconds). INTERNAL only for a bug of
   ours, whose traceback goes to the log (never to the client).
-- The access log and the metrics, as the HTTP middleware writes them, with the route
-  "grpc:<Method>": sdpa_requests_total{route, status, tenant} and
-  sdpa_request_duration_seconds{route}. `status` is the HTTP status the REST door would answer
-  (200, 400, 401, 404, 413, 429, 499 for a call its client cancelled, 500, 503, 504), so the
-  rules and dashboards that read it count both doors alike; the log line adds `grpc_status`.
+- One Exchange per call (service.serving.exchange), as the HTTP edge makes one per request:
+  its route "grpc:<Method>", the HTTP status the REST door would answer (200, 400, 401, 404,
+  413, 429, 499 for a call its client cancelled, 500, 503, 504) and gRPC's own code. The one
+  recorder (service.access_log) turns it into the access-log line, the metrics and the span
+  (W3C traceparent from the metadata), as for every door: this module writes none of them.
   Every call carries `x-request-id` back in its trailing metadata (the caller's own, when sane),
   and a computed one `server-timing`, as REST's Server-Timing header (read, decode, queue, ...).
-- A server span per call when tracing is on (service.tracing: W3C traceparent from the
-  metadata), its phases as children.
+- A `grpc-timeout` grpc-core cannot parse never reaches this module: grpc-core's HPACK parser
+  ends the call INTERNAL before any handler runs (grpcio 1.85; a test pins it).
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import re
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from typing import Any, Final
 
 # No stubs for grpcio in the dev dependencies (types-grpcio): its API is typed Any here.
@@ -57,14 +55,15 @@ from service.errors import (
     ServiceError,
     ShuttingDown,
 )
+from service.grpc_limits import ReadSlots, max_concurrent_rpcs, send_answer, server_options
 from service.serving import pipeline
-from service.serving.frame import admitted, bind_call
+from service.serving.exchange import Exchange
+from service.serving.frame import admitted
 from service.serving.inflight import Holding
-from service.serving.pipeline import Call, Phases, Served
+from service.serving.pipeline import Served
 from service.serving.prepare_grpc import GrpcInferDoor
 from service.serving.state import AppState
-from service.settings import Settings
-from service.tenants import ANONYMOUS, Keyring, presented_keys, refusal
+from service.tenants import Keyring, presented_keys, refusal
 from service.version import VERSION
 from service.wire.grpc import grpc_predict_v2_pb2 as pb
 from service.wire.grpc_codec import SERVICE_NAME, UnknownModel
@@ -72,8 +71,6 @@ from service.wire.v2_errors import v2_message, v2_status
 from service.wire.v2_models import EXTENSIONS, MODEL_NAME, MODEL_VERSION, SERVER_NAME
 
 logger = logging.getLogger("sdpa.grpc")
-# The HTTP access log's logger (service.middleware.access_log writes the same fields there).
-access_logger = logging.getLogger("sdpa.access")
 
 ROUTE_PREFIX: Final = "grpc:"
 REQUEST_ID_KEY: Final = "x-request-id"
@@ -83,9 +80,6 @@ SERVER_TIMING_KEY: Final = "server-timing"
 _SANE_REQUEST_ID: Final = re.compile(r"[\x21-\x7e]{1,128}")
 # What a call its client cancelled is logged and counted as (nginx's "client closed request").
 CLIENT_CLOSED: Final = 499
-# The answer's header (model, id, parameters, outputs' names and shapes) beside the bytes that
-# SDPA_MAX_RESPONSE_BYTES bounds: a few hundred bytes, with a wide margin.
-SEND_HEADROOM_BYTES: Final = 1 << 20
 # Retry-After of a call refused because the server is starting or draining.
 _NOT_SERVING_RETRY_AFTER_S: Final = 1.0
 
@@ -178,21 +172,6 @@ def _client(context: aio.ServicerContext[Any, Any]) -> str | None:
     return peer or None
 
 
-@dataclass
-class _Record:
-    """What one call came to, for its log line, metrics and span."""
-
-    method: str
-    request_id: str
-    started: float
-    client: str | None
-    tenant: str = ANONYMOUS
-    http_status: int = 200
-    code: grpc.StatusCode = grpc.StatusCode.OK
-    phases: Phases | None = None
-    error: BaseException | None = None
-
-
 class InferenceServicer:
     """The six calls, each a coroutine over one AppState."""
 
@@ -200,124 +179,88 @@ class InferenceServicer:
         self.state = state
         keys = state.settings.tenant_keys()
         self.keyring = Keyring(keys) if keys else None
+        self.reads = ReadSlots(
+            max_inflight_bytes=state.max_inflight_bytes,
+            max_body_bytes=state.settings.max_body_bytes,
+        )
 
     # ---- the frame every call shares ---------------------------------------------------------
 
-    def _tenant(self, metadata: Sequence[tuple[str, str]]) -> str:
-        """The caller's tenant by its key; raises Unauthorized (UNAUTHENTICATED)."""
+    def _check_key(self, exchange: Exchange, metadata: Sequence[tuple[str, str]]) -> None:
+        """Name the caller's tenant by its key; raises Unauthorized (UNAUTHENTICATED)."""
         if self.keyring is None:
-            return ANONYMOUS
+            return
         presented = presented_keys(metadata)
         tenant = self.keyring.tenant_of(presented)
         if tenant is None:
+            exchange.key_refused = True
             self.state.metrics.rejected_total.labels(reason="unauthorized").inc()
             raise refusal(presented)
-        return tenant
+        exchange.tenant = tenant
 
     async def _serve(
         self,
         method: str,
         context: aio.ServicerContext[Any, Any],
-        answer: Callable[[_Record, Sequence[tuple[str, str]]], Awaitable[Any]],
+        answer: Callable[[Exchange], Awaitable[Any]],
         *,
         open_call: bool = False,
     ) -> Any:
-        """Run `answer` as call `method`: key, request id, status, log line, metrics, span."""
+        """Run `answer` as call `method`: its Exchange (key, request id, status), recorded."""
         metadata = _metadata(context)
-        record = _Record(
+        exchange = Exchange(
+            door="grpc",
             method=method,
+            path=f"/{SERVICE_NAME}/{method}",
             request_id=_request_id(metadata),
             started=time.monotonic(),
             client=_client(context),
+            trace_context=metadata,
+            route=ROUTE_PREFIX + method,
         )
-        tracing = self.state.tracing
-        span = None
-        if tracing is not None:
-            span = tracing.start_grpc(method, carrier=metadata, client=record.client)
         refused: _Refusal | None = None
         try:
             if not open_call:
-                record.tenant = self._tenant(metadata)
-            return await answer(record, metadata)
+                self._check_key(exchange, metadata)
+            return await answer(exchange)
         except ServiceError as exc:
             refused = _Refusal.of(exc)
         except asyncio.CancelledError as exc:
             # The client cancelled, or its deadline passed: gRPC answers it (nobody reads it).
-            record.http_status, record.code, record.error = (
-                CLIENT_CLOSED,
-                grpc.StatusCode.CANCELLED,
-                exc,
-            )
+            exchange.status, exchange.error = CLIENT_CLOSED, exc
+            exchange.grpc_code = _code(grpc.StatusCode.CANCELLED)
             raise
         except Exception as exc:  # a bug of ours: INTERNAL, the traceback in the log only
-            logger.exception("unhandled error in %s (request_id=%s)", method, record.request_id)
-            record.error = exc
+            logger.exception("unhandled error in %s (request_id=%s)", method, exchange.request_id)
+            exchange.error = exc
             refused = _Refusal(
                 grpc.StatusCode.INTERNAL,
-                f"internal server error; request id {record.request_id}",
+                f"internal server error; request id {exchange.request_id}",
                 500,
             )
         finally:
-            trailing = [(REQUEST_ID_KEY, record.request_id)]
+            trailing = [(REQUEST_ID_KEY, exchange.request_id)]
             if refused is not None:
                 trailing += refused.trailing
-            elif record.phases is not None:  # where its time went, as REST's Server-Timing
-                trailing.append((SERVER_TIMING_KEY, record.phases.server_timing()))
+                exchange.status, exchange.grpc_code = refused.http_status, _code(refused.code)
+            elif exchange.status is None:
+                exchange.status, exchange.grpc_code = 200, _code(grpc.StatusCode.OK)
+                if exchange.phases is not None:  # where its time went, as REST's Server-Timing
+                    trailing.append((SERVER_TIMING_KEY, exchange.phases.server_timing()))
             context.set_trailing_metadata(tuple(trailing))
-            if refused is not None:
-                record.http_status, record.code = refused.http_status, refused.code
-            self._record(record)
-            if span is not None:
-                span.end(
-                    status=record.code.value[0],
-                    tenant=record.tenant,
-                    request_id=record.request_id,
-                    batch_size=None if record.phases is None else record.phases.batch_size,
-                    phases=record.phases,
-                    error=record.error,
-                )
+            self.state.recorder.record(exchange)
         # Only a refusal gets here (every other way out returns or raises above). abort()
         # raises: gRPC ends the call with that status.
         assert refused is not None
         await context.abort(refused.code, refused.message)
         raise AssertionError("grpc.aio's abort() returned")
 
-    def _record(self, record: _Record) -> None:
-        """The access log line and the request metrics of one call."""
-        elapsed_s = time.monotonic() - record.started
-        route = ROUTE_PREFIX + record.method
-        metrics = self.state.metrics
-        metrics.requests_total.labels(
-            route=route, status=str(record.http_status), tenant=record.tenant
-        ).inc()
-        metrics.request_duration_seconds.labels(route=route).observe(elapsed_s)
-        fields: dict[str, Any] = {
-            "ts": datetime.now(UTC).isoformat(timespec="milliseconds"),
-            "request_id": record.request_id,
-            "method": "POST",  # every gRPC call is an HTTP/2 POST of its method's path
-            "route": route,
-            "status": record.http_status,
-            "grpc_status": record.code.name,
-            "tenant": record.tenant,
-            "latency_ms": round(elapsed_s * 1000.0, 3),
-            "batch_size": None if record.phases is None else record.phases.batch_size,
-            "client": record.client,
-        }
-        access_logger.info(
-            "%s %s %s %.1fms",
-            fields["method"],
-            route,
-            record.code.name,
-            fields["latency_ms"],
-            extra={"json_fields": fields},
-        )
-
     # ---- the calls -----------------------------------------------------------------------
 
     async def server_live(
         self, request: pb.ServerLiveRequest, context: aio.ServicerContext[Any, Any]
     ) -> pb.ServerLiveResponse:
-        async def answer(record: _Record, metadata: Sequence[tuple[str, str]]) -> Any:
+        async def answer(exchange: Exchange) -> Any:
             return pb.ServerLiveResponse(live=True)
 
         result: pb.ServerLiveResponse = await self._serve(
@@ -328,7 +271,7 @@ class InferenceServicer:
     async def server_ready(
         self, request: pb.ServerReadyRequest, context: aio.ServicerContext[Any, Any]
     ) -> pb.ServerReadyResponse:
-        async def answer(record: _Record, metadata: Sequence[tuple[str, str]]) -> Any:
+        async def answer(exchange: Exchange) -> Any:
             return pb.ServerReadyResponse(ready=self.state.not_ready_reason() is None)
 
         result: pb.ServerReadyResponse = await self._serve(
@@ -339,7 +282,7 @@ class InferenceServicer:
     async def model_ready(
         self, request: pb.ModelReadyRequest, context: aio.ServicerContext[Any, Any]
     ) -> pb.ModelReadyResponse:
-        async def answer(record: _Record, metadata: Sequence[tuple[str, str]]) -> Any:
+        async def answer(exchange: Exchange) -> Any:
             ours = request.name == MODEL_NAME and request.version in ("", MODEL_VERSION)
             return pb.ModelReadyResponse(ready=ours and self.state.not_ready_reason() is None)
 
@@ -349,7 +292,7 @@ class InferenceServicer:
     async def server_metadata(
         self, request: pb.ServerMetadataRequest, context: aio.ServicerContext[Any, Any]
     ) -> pb.ServerMetadataResponse:
-        async def answer(record: _Record, metadata: Sequence[tuple[str, str]]) -> Any:
+        async def answer(exchange: Exchange) -> Any:
             return pb.ServerMetadataResponse(
                 name=SERVER_NAME, version=VERSION, extensions=list(EXTENSIONS)
             )
@@ -360,7 +303,7 @@ class InferenceServicer:
     async def model_metadata(
         self, request: pb.ModelMetadataRequest, context: aio.ServicerContext[Any, Any]
     ) -> pb.ModelMetadataResponse:
-        async def answer(record: _Record, metadata: Sequence[tuple[str, str]]) -> Any:
+        async def answer(exchange: Exchange) -> Any:
             if request.name != MODEL_NAME or request.version not in ("", MODEL_VERSION):
                 raise UnknownModel(
                     f"no model {request.name[:64]!r}"
@@ -372,53 +315,52 @@ class InferenceServicer:
         result: pb.ModelMetadataResponse = await self._serve("ModelMetadata", context, answer)
         return result
 
-    async def model_infer(self, raw: bytes, context: aio.ServicerContext[Any, Any]) -> bytes:
-        """ModelInfer: the message's bytes in (parsed by the door, off the loop when large),
-        the serialized ModelInferResponse out."""
+    async def model_infer(self, requests: Any, context: aio.ServicerContext[Any, Any]) -> None:
+        """ModelInfer: the message's bytes in (read once the call has its key; parsed by the
+        door, off the loop when large), the serialized ModelInferResponse out, sent while it
+        is still counted (service.grpc_limits)."""
 
-        async def answer(record: _Record, metadata: Sequence[tuple[str, str]]) -> bytes:
+        async def answer(exchange: Exchange) -> None:
             state = self.state
             not_serving = _not_serving(state)
             if not_serving is not None:
                 raise not_serving
+            settings = state.settings
+            raw = await self.reads.read(
+                context, timeout_s=settings.read_timeout_s, metrics=state.metrics
+            )
             # The message counts against SDPA_MAX_INFLIGHT_BYTES with the HTTP door's
-            # requests, then its answer too (reserved before compute), until it is answered.
+            # requests, then its answer too (reserved before compute), until it is sent.
             holding = Holding(state.inflight, len(raw), metrics=state.metrics)
+            exchange.holding = holding
             try:
-                async with admitted(state) as queued:
-                    call = bind_call(
-                        state,
-                        tenant=record.tenant,
-                        request_id=record.request_id,
-                        # The whole message arrived before the call began: no read phase.
-                        started=record.started,
-                        received=record.started,
-                        queued=queued,
-                        reserve_answer=holding.reserve_answer,
-                    )
-                    call = _within(call, context.time_remaining(), started=record.started)
-                    served: Served[bytes] = await pipeline.run(GrpcInferDoor(raw), call)
+                exchange.deadline = _deadline(context)
+                async with admitted(state, exchange):
+                    # Its read phase was the message's read, before this.
+                    exchange.received = time.monotonic()
+                    served: Served[bytes] = await pipeline.run(GrpcInferDoor(raw), exchange, state)
+                await send_answer(
+                    context, served.answer, timeout_s=settings.send_timeout_s, metrics=state.metrics
+                )
             finally:
                 holding.release()
-            record.phases = served.phases
-            return served.answer
 
-        result: bytes = await self._serve("ModelInfer", context, answer)
-        return result
+        await self._serve("ModelInfer", context, answer)
 
 
-def _within(call: Call, remaining_s: float | None, *, started: float) -> Call:
-    """`call` whose jobs are queued with the gRPC deadline when it comes first (the pipeline
-    gives the earlier of `timeout` and SDPA_REQUEST_TIMEOUT_MS)."""
-    if remaining_s is None:
-        return call
-    grpc_deadline = started + remaining_s
-    submit = call.submit
+def _code(code: grpc.StatusCode) -> tuple[int, str]:
+    """gRPC's status code as the Exchange records it: its number and its name."""
+    number: int = code.value[0]
+    return number, code.name
 
-    async def submit_within(job: Any, deadline: float, priority: int) -> Any:
-        return await submit(job, min(deadline, grpc_deadline), priority)
 
-    return dataclasses.replace(call, submit=submit_within)
+def _deadline(context: aio.ServicerContext[Any, Any]) -> float | None:
+    """The call's gRPC deadline as a time.monotonic() instant (None: the client set none), which
+    serving weighs with the request's `timeout` and SDPA_REQUEST_TIMEOUT_MS. (grpc-core reads
+    grpc-timeout itself and keeps it out of the metadata: one it cannot parse ends the call
+    INTERNAL in its HPACK parser before any handler runs, grpcio 1.85.)"""
+    remaining_s = context.time_remaining()
+    return None if remaining_s is None else time.monotonic() + remaining_s
 
 
 def _model_metadata(metadata: Mapping[str, Any]) -> pb.ModelMetadataResponse:
@@ -476,25 +418,11 @@ def generic_handler(servicer: InferenceServicer) -> grpc.GenericRpcHandler:
             "ModelMetadata": unary(
                 servicer.model_metadata, pb.ModelMetadataRequest, pb.ModelMetadataResponse
             ),
-            "ModelInfer": grpc.unary_unary_rpc_method_handler(servicer.model_infer),
+            # Streaming on the server's side only (a unary call's bytes on the wire): the
+            # message is read after the key, the answer sent while counted (grpc_limits).
+            "ModelInfer": grpc.stream_stream_rpc_method_handler(servicer.model_infer),
         },
     )
-
-
-def server_options(settings: Settings) -> list[tuple[str, int]]:
-    """The grpc.aio server's channel options for these settings."""
-    return [
-        # gRPC sets SO_REUSEPORT by default: a second server on a port in use would share it
-        # silently, and half the calls would reach the wrong process. A port in use must fail
-        # start-up instead.
-        ("grpc.so_reuseport", 0),
-        # A message larger than SDPA_MAX_BODY_BYTES is refused by gRPC before it is read whole
-        # (RESOURCE_EXHAUSTED), as the HTTP body limit refuses a body (413).
-        ("grpc.max_receive_message_length", settings.max_body_bytes),
-        # The answer: the outputs that SDPA_MAX_RESPONSE_BYTES bounds (checked before compute)
-        # and a header beside them.
-        ("grpc.max_send_message_length", settings.max_response_bytes + SEND_HEADROOM_BYTES),
-    ]
 
 
 def grpc_address(host: str, port: int) -> str:
@@ -506,7 +434,10 @@ def build_server(state: AppState, *, host: str, port: int) -> tuple[aio.Server, 
     """A grpc.aio server of the door on host:port (port 0: one the OS picks), bound but not
     started -> (server, the bound port). Raises OSError when the port cannot be bound (in use,
     or not allowed)."""
-    server = aio.server(options=server_options(state.settings))
+    settings = state.settings
+    server = aio.server(
+        options=server_options(settings), maximum_concurrent_rpcs=max_concurrent_rpcs(settings)
+    )
     server.add_generic_rpc_handlers((generic_handler(InferenceServicer(state)),))
     address = grpc_address(host, port)
     try:

@@ -19,7 +19,7 @@ from sdpa_core import flash_kernels
 from service.api.deps import MetricsDep, StateDep
 from service.api.openapi import UNAUTHORIZED_DOC, json_ref, problem_doc
 from service.http_errors import problem_response
-from service.routes import TENANT
+from service.serving.exchange import exchange_of
 from service.serving.state import TORCH_VERSION, AppState
 from service.version import VERSION
 from service.wire.codec import FLOAT_DTYPE_NAMES, dumps
@@ -170,7 +170,7 @@ async def info(request: Request, state: StateDep) -> Response:
             },
             # A keyed caller sees its own tenant only (names, weights and backlogs are others').
             "tenants": _tenants(
-                state, viewer=getattr(request.state, TENANT, None) if state.auth_enabled else None
+                state, viewer=exchange_of(request.scope).tenant if state.auth_enabled else None
             ),
             "auth": state.auth_enabled,
         }

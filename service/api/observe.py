@@ -19,9 +19,8 @@ from starlette.responses import Response
 from service.api.deps import StateDep
 from service.api.openapi import UNAUTHORIZED_DOC, json_ref, problem_doc, request_body
 from service.errors import FieldError, PayloadTooLarge, Unavailable
-from service.routes import TENANT
+from service.serving.exchange import exchange_of
 from service.serving.frame import admitted
-from service.tenants import ANONYMOUS
 from service.wire.codec import dumps, loads_request
 from service.wire.observe import MAX_OBSERVATIONS, OBSERVE_EXAMPLE, ObserveRequest, parse_observe
 
@@ -52,8 +51,9 @@ async def observe(request: Request, state: StateDep) -> Response:
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > MAX_OBSERVE_BODY_BYTES:
         raise _too_large(int(declared))
-    async with admitted(state) as queued:
-        queued()  # nothing is queued: a drain need not wait for it past this point
+    exchange = exchange_of(request.scope)
+    async with admitted(state, exchange):
+        exchange.queued()  # nothing is queued: a drain need not wait for it past this point
         body = await request.body()
         if len(body) > MAX_OBSERVE_BODY_BYTES:
             raise _too_large(len(body))
@@ -64,8 +64,7 @@ async def observe(request: Request, state: StateDep) -> Response:
         health = state.health
         if health is None:
             raise Unavailable("not ready: the service is starting", retry_after_s=1.0)
-        tenant = getattr(request.state, TENANT, ANONYMOUS)
-        tags = [health.observe_reported(obs, tenant=tenant) for obs in parsed.observations]
+        tags = [health.observe_reported(obs, tenant=exchange.tenant) for obs in parsed.observations]
     return Response(
         content=dumps({"recorded": len(tags), "tags": tags}), media_type="application/json"
     )

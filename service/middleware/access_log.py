@@ -1,47 +1,47 @@
-"""Structured access log and request metrics: a pure ASGI middleware, the outermost of ours.
+"""The HTTP edge: a pure ASGI middleware, the outermost of ours. It makes each request's
+Exchange (service.serving.exchange) and, once the answer is sent, hands it to the one recorder
+(service.access_log: the access-log line, the metrics and the span, as for every door).
 
 For every HTTP request it
 - takes the caller's X-Request-ID when it is sane (1-128 visible ASCII characters) or makes a
-  uuid4 hex one, stores it in scope["state"]["request_id"] (routes read request.state.request_id)
-  and echoes it in the response's X-Request-ID header;
-- logs one record on logger "sdpa.access" whose `json_fields` attribute holds ts, request_id,
-  method, route, status, latency_ms, batch_size, client (service.server's JSON formatter writes
-  them as one JSON line). Never the body, the query string or any header value but the id:
-  tensors and keys cannot reach the log;
-- records sdpa_requests_total{route,status,tenant} (the tenant the auth middleware named)
-  and sdpa_request_duration_seconds{route}, labelled
-  by the route TEMPLATE (scope["route"].path, set by the router; a mounted app's mount path) so
-  that label cardinality stays bounded. A request refused before routing (401, 413, 415, the
-  in-flight 503) is labelled with the route it was refused at, found as the router would find
-  it; only requests that match no route are labelled "unmatched".
+  uuid4 hex one, puts it in the Exchange and echoes it in the response's X-Request-ID header;
+- puts the Exchange in the request's scope (service.serving.exchange.attach): the rooms inside
+  fill it in (the API key check, the in-flight bytes, the route and serving);
+- keeps the status of the response it sends: 500 when an exception escaped before one, 499
+  when the client went away before its answer reached it (the protocol layer's delivery);
+- names the route by its TEMPLATE (scope["route"].path, set by the router; a mounted app's
+  mount path), so that label cardinality stays bounded. A request refused before routing (401,
+  413, 415, the in-flight 503) is labelled with the route it was refused at, found as the
+  router would find it; only requests that match no route are labelled "unmatched".
+- leaves the probes and the metrics scrape (service.routes.UNMETERED_PATHS) untraced: machine
+  traffic every few seconds, with no caller's trace to join, which would bury the requests
+  worth following.
 """
 
 from __future__ import annotations
 
-import logging
 import re
 import time
 import uuid
 from collections.abc import Sequence
-from datetime import UTC, datetime
-from typing import Any
+from typing import TYPE_CHECKING
 
 from starlette.routing import BaseRoute, Match, Mount, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from service.access_log import CLIENT_CLOSED_STATUS, UNMATCHED_ROUTE, Recorder
 from service.metrics import Metrics
-from service.middleware.connections import DELIVERY_EXTENSION, Delivery
-from service.tenants import ANONYMOUS
+from service.protocol import DELIVERY_EXTENSION, Delivery
+from service.routes import UNMETERED_PATHS
+from service.serving.exchange import Exchange, attach
 
-ACCESS_LOGGER = "sdpa.access"
+if TYPE_CHECKING:
+    from service.tracing import Tracing
+
 REQUEST_ID_HEADER = b"x-request-id"
 # Visible ASCII only: safe to echo in a header and to write in a log line unescaped.
 _SANE_REQUEST_ID = re.compile(rb"[\x21-\x7e]{1,128}")
-# Status logged when the client went away before its answer reached it (nginx's convention).
-CLIENT_CLOSED_STATUS = 499
-UNMATCHED_ROUTE = "unmatched"
-
-logger = logging.getLogger(ACCESS_LOGGER)
+_TRACE_HEADERS = (b"traceparent", b"tracestate")
 
 
 def request_id_from(scope: Scope) -> str:
@@ -89,19 +89,30 @@ def route_template(scope: Scope, included: Sequence[BaseRoute] = ()) -> str:
 
 async def _delivered(scope: Scope) -> bool:
     """Whether the answer reached the client, where the server can tell (the guarded protocol
-    of service.middleware.connections); True elsewhere."""
+    of service.protocol); True elsewhere."""
     delivery: Delivery | None = scope.get("extensions", {}).get(DELIVERY_EXTENSION)
     return True if delivery is None else await delivery()
 
 
 class AccessLogMiddleware:
-    """One JSON access-log line and the request metrics per HTTP request."""
+    """The HTTP edge: one Exchange per HTTP request, recorded once its answer is sent.
+
+    `recorder`: the application's (AppState.recorder), the gRPC door's too; None makes one of
+    `metrics` and `tracing` (a middleware alone, in a test)."""
 
     def __init__(
-        self, app: ASGIApp, *, metrics: Metrics, included: Sequence[BaseRoute] = ()
+        self,
+        app: ASGIApp,
+        *,
+        recorder: Recorder | None = None,
+        metrics: Metrics | None = None,
+        tracing: Tracing | None = None,
+        included: Sequence[BaseRoute] = (),
     ) -> None:
         self.app = app
-        self.metrics = metrics
+        if recorder is None:
+            recorder = Recorder(metrics if metrics is not None else Metrics(), tracing)
+        self.recorder = recorder
         self.included = tuple(included)  # the routes of the included routers (route_template)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -109,17 +120,27 @@ class AccessLogMiddleware:
             await self.app(scope, receive, send)
             return
 
-        start = time.perf_counter()
-        request_id = request_id_from(scope)
-        state: dict[str, Any] = scope.setdefault("state", {})
-        state["request_id"] = request_id
-        status: int | None = None
-        encoded_id = request_id.encode("ascii")
+        client = scope.get("client")
+        headers = scope["headers"]
+        exchange = Exchange(
+            door="http",
+            method=scope["method"],
+            path=scope["path"],
+            request_id=request_id_from(scope),
+            started=time.monotonic(),
+            client=client[0] if client else None,
+            scheme=scope.get("scheme", "http"),
+            http_version=scope.get("http_version"),
+            # ASGI: header names in lower case.
+            trace_context=[(n.decode("latin-1"), v) for n, v in headers if n in _TRACE_HEADERS],
+            traced=scope["path"] not in UNMETERED_PATHS,
+        )
+        attach(scope, exchange)
+        encoded_id = exchange.request_id.encode("ascii")
 
         async def send_with_id(message: Message) -> None:
-            nonlocal status
             if message["type"] == "http.response.start":
-                status = int(message["status"])
+                exchange.status = int(message["status"])
                 headers = [
                     (name, value)
                     for name, value in message.get("headers", ())
@@ -131,50 +152,14 @@ class AccessLogMiddleware:
 
         try:
             await self.app(scope, receive, send_with_id)
-            if status is not None and not await _delivered(scope):
-                status = CLIENT_CLOSED_STATUS  # it left while its answer was being sent
-        except BaseException:
+            if exchange.status is not None and not await _delivered(scope):
+                exchange.status = CLIENT_CLOSED_STATUS  # it left while its answer was sent
+        except BaseException as exc:
             # The server answers 500 if nothing was sent yet; log what the client will see.
-            if status is None:
-                status = 500
+            exchange.error = exc
+            if exchange.status is None:
+                exchange.status = 500
             raise
         finally:
-            self._record(scope, state, request_id, status, time.perf_counter() - start)
-
-    def _record(
-        self,
-        scope: Scope,
-        state: dict[str, Any],
-        request_id: str,
-        status: int | None,
-        elapsed_s: float,
-    ) -> None:
-        final_status = CLIENT_CLOSED_STATUS if status is None else status
-        route = route_template(scope, self.included)
-        tenant = state.get("tenant", ANONYMOUS)
-        self.metrics.requests_total.labels(
-            route=route, status=str(final_status), tenant=tenant
-        ).inc()
-        self.metrics.request_duration_seconds.labels(route=route).observe(elapsed_s)
-
-        batch_size = state.get("batch_size")
-        client = scope.get("client")
-        fields: dict[str, Any] = {
-            "ts": datetime.now(UTC).isoformat(timespec="milliseconds"),
-            "request_id": request_id,
-            "method": scope.get("method", ""),
-            "route": route,
-            "status": final_status,
-            "tenant": tenant,
-            "latency_ms": round(elapsed_s * 1000.0, 3),
-            "batch_size": batch_size if isinstance(batch_size, int) else None,
-            "client": client[0] if client else None,
-        }
-        logger.info(
-            "%s %s %d %.1fms",
-            fields["method"],
-            route,
-            final_status,
-            fields["latency_ms"],
-            extra={"json_fields": fields},
-        )
+            exchange.route = route_template(scope, self.included)
+            self.recorder.record(exchange)

@@ -12,9 +12,10 @@ A request presents exactly one key: several (two X-API-Key headers, or a Bearer 
 an X-API-Key) are refused without trying any, so that one request is one guess and the refusal
 count in sdpa_rejected_total{reason="unauthorized"} counts guesses.
 
-A request whose key matched belongs to that key's tenant (service.tenants): its name goes to
-scope["state"]["tenant"], where the routes, the queue's fair shares and the access log's
-sdpa_requests_total{tenant} read it; a refused request stays "anonymous".
+A request whose key matched belongs to that key's tenant (service.tenants): its name goes into
+the request's Exchange (service.serving.exchange), where serving (the queue's fair shares) and
+the recorder (sdpa_requests_total{tenant}, the log, the span) read it; a refused request stays
+"anonymous", and is marked refused, so that nothing of its trace context is read.
 
 Keys are compared in constant time (service.tenants.Keyring), as the gRPC door compares them.
 """
@@ -27,7 +28,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from service.http_errors import service_error_response
 from service.metrics import Metrics
-from service.routes import TENANT, is_open
+from service.routes import is_open
+from service.serving.exchange import exchange_of
 from service.tenants import Keyring, presented_keys, refusal
 
 
@@ -67,10 +69,12 @@ class ApiKeyMiddleware:
             for name, value in scope.get("headers", ())
         )
         tenant = self.keyring.tenant_of(presented)
+        exchange = exchange_of(scope)
         if tenant is not None:
-            scope.setdefault("state", {})[TENANT] = tenant
+            exchange.tenant = tenant
             await self.app(scope, receive, send)
             return
+        exchange.key_refused = True
         if self.metrics is not None:
             self.metrics.rejected_total.labels(reason="unauthorized").inc()
         await service_error_response(refusal(presented))(scope, receive, send)

@@ -2,7 +2,7 @@
 
 A request holds the body it has read, what parsing that body will take, and the answer bytes it
 hands to the server until the app is done with it; after that, what its client has not taken
-yet waits in the connection's write buffer (service.middleware.connections counts those of
+yet waits in the connection's write buffer (service.protocol counts those of
 clients that fell behind; the send timeout frees a client that reads nothing).
 
 - Its declared body (Content-Length, at most SDPA_MAX_BODY_BYTES) must fit beside the bytes
@@ -27,7 +27,8 @@ clients that fell behind; the send timeout frees a client that reads nothing).
   as themselves and then their decoded bytes: the estimate is at least STRING_PEAK_RATIO times
   the JSON read. Under /v2/ with Inference-Header-Content-Length, only the JSON header is
   scanned: binary data holds no JSON.
-  The parse reservation is dropped once the request is decoded (its first reserve_answer).
+  The parse reservation is dropped once the request is decoded (serving's first
+  reserve_answer on the request's Holding).
 - Once a request is decoded, its answer's working set is reserved before it is computed, or
   the request gets that 503 (422 when it could never fit).
 
@@ -47,9 +48,10 @@ from service.errors import FieldError, InvalidRequest, MemoryBusy, PayloadTooLar
 from service.http_errors import service_error_response
 from service.metrics import Metrics
 from service.middleware.body_limit import declared_length
-from service.middleware.connections import unsent_bytes
-from service.routes import RESERVE_ANSWER, UNMETERED_PATHS, is_v2_path
-from service.serving.inflight import InflightBytes, memory_busy, too_big_alone
+from service.protocol import unsent_bytes
+from service.routes import UNMETERED_PATHS, is_v2_path
+from service.serving.exchange import exchange_of
+from service.serving.inflight import Holding, InflightBytes, memory_busy
 from service.serving.offload import INLINE_MAX_BYTES
 from service.wire.codec import occurrences
 from service.wire.lengths import parse_length
@@ -148,7 +150,8 @@ def json_prefix(scope: Scope) -> int | None:
 
 class InflightBytesMiddleware:
     """503 for new requests, and for bodies mid-stream, while the requests in flight hold more
-    than `max_bytes`."""
+    than `max_bytes`. Each request's holding (service.serving.inflight.Holding) goes into its
+    Exchange, where serving reserves the answer."""
 
     def __init__(
         self,
@@ -165,7 +168,9 @@ class InflightBytesMiddleware:
         self.max_bytes = max_bytes
         self.max_body_bytes = max_body_bytes  # SDPA_MAX_BODY_BYTES: no body reads past it
         self.metrics = metrics
-        self.ledger = ledger if ledger is not None else InflightBytes(max_bytes)
+        self.ledger = (
+            ledger if ledger is not None else InflightBytes(max_bytes, unsent=unsent_bytes)
+        )
 
     @property
     def held(self) -> int:
@@ -187,13 +192,13 @@ class InflightBytesMiddleware:
             error: ServiceError = self.body_too_big(declared, declared=True)
             await service_error_response(error)(scope, receive, send)
             return
-        if self.held + unsent_bytes() + declared > self.max_bytes:
-            error = self.busy(self.held + unsent_bytes() + declared)
+        if not self.ledger.fits(declared):
+            error = self.busy(self.ledger.in_flight(declared))
             await service_error_response(error)(scope, receive, send)
             return
 
         holding = RequestHolding(self, declared=declared, json_bytes=json_prefix(scope))
-        scope.setdefault("state", {})[RESERVE_ANSWER] = holding.reserve_answer
+        exchange_of(scope).holding = holding.holding
 
         async def counting_receive() -> Message:
             message = await receive()
@@ -208,7 +213,7 @@ class InflightBytesMiddleware:
             if message["type"] == "http.response.start":
                 response_started = True
             elif message["type"] == "http.response.body":
-                holding.handed_over(len(message.get("body", b"")))
+                holding.holding.handed_over(len(message.get("body", b"")))
             await send(message)
 
         try:
@@ -221,11 +226,7 @@ class InflightBytesMiddleware:
                 raise
             await service_error_response(exc)(scope, receive, send)
         finally:
-            holding.release()
-
-    def fits(self, growth: int) -> bool:
-        """Whether `growth` more bytes fit beside what requests and write buffers hold."""
-        return self.held + unsent_bytes() + growth <= self.max_bytes
+            holding.holding.release()
 
     def count_refusal(self) -> None:
         if self.metrics is not None:
@@ -234,16 +235,6 @@ class InflightBytesMiddleware:
     def busy(self, in_flight: int) -> MemoryBusy:
         self.count_refusal()
         return memory_busy(in_flight, self.max_bytes)
-
-    def answer_too_big(self, nbytes: int) -> InvalidRequest:
-        self.count_refusal()
-        return too_big_alone(
-            nbytes,
-            self.max_bytes,
-            holds="its body, inputs, results and encoded answer",
-            advice='ask for base64, no weights, diagnostics other than "full", or fewer queries '
-            "per request",
-        )
 
     def parse_too_big(self, body: int, parse: int) -> InvalidRequest:
         self.count_refusal()
@@ -274,9 +265,10 @@ class InflightBytesMiddleware:
 
 
 class RequestHolding:
-    """What one request holds against its middleware's limit: its body (declared, or read if
-    more), the parse estimate of the JSON read so far (until the request is decoded), and its
-    answer (reserved, or handed over if more). Every growth is checked; shrinking never is."""
+    """How one HTTP request's body grows its holding (service.serving.inflight.Holding): the
+    body declared, or read if more, and the parse estimate of the JSON read so far (until the
+    request is decoded). Every growth is checked; shrinking never is. Serving reserves the
+    answer on the same holding, through the request's Exchange."""
 
     def __init__(
         self, limit: InflightBytesMiddleware, *, declared: int, json_bytes: int | None
@@ -287,39 +279,33 @@ class RequestHolding:
         self.json_left = json_bytes  # bytes of JSON still to scan (None: the whole body)
         self.json_scanned = 0  # of them, scanned (with json_left)
         self.estimate = 0  # the parse estimate of the JSON read so far
-        self.decoded = False  # the app reserved its answer: the parsed objects are gone
-        self.answer = 0  # the answer's bytes: reserved, or handed over (whichever is more)
-        self.sent = 0
-        self.counted = 0  # what this request adds to limit.held now
         self.refusal: ServiceError | None = None  # raised from receive(), once
-        limit.held += self._total()
-        self.counted = self._total()
+        self.holding = Holding(
+            limit.ledger,
+            metrics=limit.metrics,
+            holds="its body, inputs, results and encoded answer",
+            advice='ask for base64, no weights, diagnostics other than "full", or fewer '
+            "queries per request",
+        )
+        self.holding.body = self.body()
+        self.holding.hold()
 
     def body(self) -> int:
         return max(self.received, min(self.declared, self.received + BODY_WINDOW))
 
     def parse(self) -> int:
-        if self.decoded:
-            return 0
         json_read = self.received if self.json_left is None else self.json_scanned
         strings = int(STRING_PEAK_RATIO * json_read)
         return max(0, max(self.estimate, strings) - ENVELOPE_BYTES)
-
-    def _total(self) -> int:
-        return self.body() + self.parse() + self.answer
-
-    def _hold(self) -> None:
-        total = self._total()
-        self.limit.held += total - self.counted
-        self.counted = total
 
     def arrived(self, chunk: bytes) -> None:
         """A chunk of the body was read: count it and what parsing it will hold. Raises the
         refusal when that would take the request, or all requests, past the limit."""
         if self.refusal is not None:
             raise self.refusal
+        holding = self.holding
         self.received += len(chunk)
-        if not self.decoded:
+        if not holding.decoded:
             offset = self.received - len(chunk)
             if self.json_left is None:
                 self.estimate += parse_estimate(chunk, offset=offset)
@@ -327,46 +313,21 @@ class RequestHolding:
                 self.estimate += parse_estimate(chunk[: self.json_left], offset=offset)
                 self.json_scanned += min(len(chunk), self.json_left)
                 self.json_left = max(0, self.json_left - len(chunk))
-        growth = self._total() - self.counted
+        holding.body, holding.parse = self.body(), self.parse()
+        growth = holding.total() - holding.counted
         if growth > 0:
             self.refusal = self._refusal(growth)
             if self.refusal is not None:
                 raise self.refusal
-        self._hold()
+        holding.hold()
 
     def _refusal(self, growth: int) -> ServiceError | None:
-        limit = self.limit
-        if self.body() > limit.max_bytes:
-            return limit.body_too_big(self.body(), declared=False)
-        if self.body() + self.parse() > limit.max_bytes:
-            return limit.parse_too_big(self.body(), self.parse())
-        if not limit.fits(growth):
-            return limit.busy(limit.held + unsent_bytes() + growth)
+        limit, holding = self.limit, self.holding
+        parse = 0 if holding.decoded else holding.parse
+        if holding.body > limit.max_bytes:
+            return limit.body_too_big(holding.body, declared=False)
+        if holding.body + parse > limit.max_bytes:
+            return limit.parse_too_big(holding.body, parse)
+        if not limit.ledger.fits(growth):
+            return limit.busy(limit.ledger.in_flight(growth))
         return None
-
-    def reserve_answer(self, nbytes: int) -> None:
-        """The app reserves what its answer will take before computing it (so a burst of
-        requests admitted together cannot pass the limit together), then shrinks the
-        reservation to the encoded answer. Only growth is checked. The first call also tells
-        that the request is decoded: its parse reservation is dropped."""
-        if not self.decoded:
-            self.decoded = True
-            self._hold()
-        if self.body() + nbytes > self.limit.max_bytes:
-            raise self.limit.answer_too_big(self.body() + nbytes)  # no retry would help: a 422
-        growth = nbytes - self.answer
-        if growth > 0 and not self.limit.fits(growth):
-            raise self.limit.busy(self.limit.held + unsent_bytes() + growth)
-        self.answer = max(nbytes, self.sent)
-        self._hold()
-
-    def handed_over(self, nbytes: int) -> None:
-        """Answer bytes went to the server: held until the app is done."""
-        self.sent += nbytes
-        self.answer = max(self.answer, self.sent)
-        self._hold()
-
-    def release(self) -> None:
-        """The request ended: everything it held comes back."""
-        self.limit.held -= self.counted
-        self.counted = 0

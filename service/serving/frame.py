@@ -1,6 +1,5 @@
 """What every door does around the pipeline, whatever its protocol: admit a request (counted
-in flight, refused once the drain has ended) and bind a serving Call to it, its tenant and its
-client.
+in flight, refused once the drain has ended).
 
 Once the drain has ended (AppState.stopping) the batcher takes no more work: a request still
 reading or decoding its body then can never be computed, and is answered 503 (ShuttingDown,
@@ -13,17 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import weakref
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from typing import Any, Final, TypeVar
+from typing import Any, Final
 
 from service.errors import ShuttingDown
-from service.runtime.batcher import BatchResult
-from service.runtime.jobs import Outcome, PreparedJob
-from service.serving.pipeline import Call
+from service.serving.exchange import Exchange
 from service.serving.state import AppState
-
-T = TypeVar("T")
 
 # The drain has ended when these are answered: the replica is on its way out, and a retry goes
 # to another one (or to this one once it is back).
@@ -88,46 +83,12 @@ async def _until_queued(state: AppState) -> AsyncIterator[Callable[[], None]]:
 
 
 @asynccontextmanager
-async def admitted(state: AppState) -> AsyncIterator[Callable[[], None]]:
+async def admitted(state: AppState, exchange: Exchange) -> AsyncIterator[None]:
     """One compute request, from its start until it is answered: counted in
-    sdpa_requests_in_flight, and registered until it reaches the batcher (the callable it
-    yields says so: pass it to bind_call) so that a drain ending before then answers it
-    ShuttingDown (503) rather than leaving it to the exit."""
+    sdpa_requests_in_flight, and registered until it reaches the batcher (the pipeline calls
+    `exchange.queued()` then) so that a drain ending before then answers it ShuttingDown (503)
+    rather than leaving it to the exit."""
     with state.metrics.requests_in_flight.track_inprogress():
         async with _until_queued(state) as queued:
-            yield queued
-
-
-def bind_call(
-    state: AppState,
-    *,
-    tenant: str,
-    request_id: str,
-    started: float,
-    received: float,
-    queued: Callable[[], None],
-    reserve_answer: Callable[[int], None] | None = None,
-    until_gone: Callable[[Awaitable[BatchResult[Outcome]]], Awaitable[BatchResult[Outcome]]]
-    | None = None,
-) -> Call:
-    """A serving Call for one request of `tenant`, submitting to this state's batcher.
-    `until_gone` wraps the wait for the batcher so that a client that leaves takes its job out
-    of the queue (HTTP: a disconnect watcher); a door whose client's departure cancels the
-    request's task (gRPC) needs none: the batcher drops a job whose waiter is cancelled."""
-    batcher = state.running_batcher()
-
-    async def submit(job: PreparedJob, deadline: float, priority: int) -> BatchResult[Outcome]:
-        queued()
-        queueing = batcher.submit(job, deadline=deadline, tenant=tenant, priority=priority)
-        return await (queueing if until_gone is None else until_gone(queueing))
-
-    return Call(
-        settings=state.settings,
-        cost_model=state.cost_model,
-        submit=submit,
-        request_id=request_id,
-        started=started,
-        received=received,
-        reserve_answer=reserve_answer,
-        health=None if state.health is None else state.health.for_tenant(tenant),
-    )
+            exchange.queued = queued
+            yield

@@ -186,10 +186,6 @@ class HealthMonitor:
         # Set by the app to wake the batcher's idle worker when a sample arrives.
         self.on_offer: Callable[[], None] | None = None
 
-    def for_tenant(self, tenant: str) -> TenantHealth:
-        """This monitor as one tenant's requests use it (service.serving.frame.bind_call)."""
-        return TenantHealth(self, tenant)
-
     # -- tags --------------------------------------------------------------------------------
 
     def tag_quota(self, tenant: str) -> int:
@@ -421,29 +417,6 @@ class _Heads:
     saturated: npt.NDArray[Any] | None
     sink: npt.NDArray[Any]
     logit: npt.NDArray[Any]
-
-
-@dataclass(frozen=True, slots=True)
-class TenantHealth:
-    """The monitor as one tenant's request sees it: its observations carry the tenant."""
-
-    monitor: HealthMonitor
-    tenant: str
-
-    def after_answer(
-        self,
-        prepared: PreparedJob,
-        *,
-        tag: str | None,
-        diagnostics: Diagnostics | None,
-        cost: CostModel,
-    ) -> None:
-        self.monitor.after_answer(
-            prepared, tag=tag, diagnostics=diagnostics, cost=cost, tenant=self.tenant
-        )
-
-    def count_nonfinite(self) -> None:
-        self.monitor.count_nonfinite()
 
 
 def _input_bytes(prepared: PreparedJob) -> int:

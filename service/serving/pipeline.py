@@ -1,12 +1,15 @@
 """One compute request, whichever door it came by: prepare, submit, encode, time.
 
 A door (v1's JSON, v2 REST's, v2 gRPC's) only decodes its request and encodes its answer: it
-hands run() a `Door`, which says how its bytes become a PreparedRequest (validated once, within
-every limit) and how an outcome becomes its answer. Everything between is here, the same for
-every door: the count of inputs refused for NaN/Inf, the in-flight bytes reserved before compute
-and shrunk to the answer after, the deadline and priority, the queue, the health monitor, and the
-phases' timing (Server-Timing over HTTP, child spans in a trace). sdpa_core's errors and a
-device out of memory leave as ServiceErrors, so a door words client errors from one tree.
+hands run() a `Door` and the request's Exchange (service.serving.exchange: its tenant, id,
+in-flight holding and deadline, made by the edge; run fills in the deadline, priority and
+phases, and calls nothing above it). The Door says how its bytes become a PreparedRequest
+(validated once, within every limit) and how an outcome becomes its answer. Everything between
+is here, the same for every door: the count of inputs refused for NaN/Inf, the in-flight bytes
+reserved before compute and shrunk to the answer after, the deadline and priority, the queue,
+the health monitor, and the phases' timing (Server-Timing over HTTP, child spans in a trace).
+sdpa_core's errors and a device out of memory leave as ServiceErrors, so a door words client
+errors from one tree.
 
 Bodies whose decoding, and results whose encoding, would take more than a few milliseconds run
 on a worker thread (service.serving.offload says which), a body's decoding there with the
@@ -17,7 +20,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -26,12 +28,13 @@ import torch
 from sdpa_core import NonFiniteError, SdpaError
 from service.errors import DeviceOutOfMemory, InvalidInput
 from service.runtime.batcher import BatchResult
-from service.runtime.jobs import AttentionOutcome, Outcome, PreparedJob
+from service.runtime.jobs import AttentionOutcome, Outcome
 from service.runtime.policy import CostModel
-from service.serving.health import TenantHealth
+from service.serving.exchange import ClientDisconnected, Exchange
 from service.serving.meta import response_meta
 from service.serving.offload import off_loop_if, run_decoding
 from service.serving.prepare import PreparedRequest
+from service.serving.state import AppState
 from service.settings import Settings
 from service.wire.json_arrays import PIECES, Pieces
 
@@ -40,30 +43,6 @@ logger = logging.getLogger("sdpa.serving")
 D = TypeVar("D")  # a door's decoded request
 O = TypeVar("O", bound=Outcome)  # noqa: E741  # the outcome its jobs produce
 A = TypeVar("A")  # its answer
-
-# Queue a prepared job with its deadline (time.monotonic()) and its priority level (1 the
-# highest) -> its answer. The door binds it to the batcher, to the request's tenant and to
-# the client (a client that leaves cancels the wait): service.serving.frame.bind_call.
-Submit = Callable[[PreparedJob, float, int], Awaitable[BatchResult[Outcome]]]
-
-
-@dataclass(frozen=True, slots=True)
-class Call:
-    """What the pipeline needs from the request it serves."""
-
-    settings: Settings
-    cost_model: CostModel  # the device's, for the work limit
-    submit: Submit
-    request_id: str
-    started: float  # time.monotonic() when the request began (before its body was read)
-    received: float  # time.monotonic() once its body was read
-    # reserve_answer(n): from now on the request holds n bytes besides its body (the in-flight
-    # limit). Growing the reservation raises a 503 ServiceError when it does not fit; it is
-    # called with the working set before compute and shrunk to the answer once encoded. None
-    # where nothing counts them.
-    reserve_answer: Callable[[int], None] | None = None
-    # Attention health (service.serving.health): observes diagnostics, samples the rest.
-    health: TenantHealth | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,10 +123,12 @@ class Door(Protocol[D, O, A]):
         ...
 
 
-def _deadline(request: PreparedRequest, call: Call) -> float:
-    """time.monotonic() instant by which the request must have left the queue."""
-    ms = call.settings.request_timeout_ms if request.timeout_ms is None else request.timeout_ms
-    return call.started + ms / 1000.0
+def _deadline(request: PreparedRequest, exchange: Exchange, settings: Settings) -> float:
+    """time.monotonic() instant by which the request must have left the queue: the earlier of
+    its `timeout` (or SDPA_REQUEST_TIMEOUT_MS) from its start and the door's own deadline."""
+    ms = settings.request_timeout_ms if request.timeout_ms is None else request.timeout_ms
+    deadline = exchange.started + ms / 1000.0
+    return deadline if exchange.deadline is None else min(deadline, exchange.deadline)
 
 
 def invalid_input(exc: SdpaError) -> InvalidInput:
@@ -155,32 +136,44 @@ def invalid_input(exc: SdpaError) -> InvalidInput:
     return InvalidInput.from_core(exc)
 
 
-async def _decode(door: Door[D, O, A], call: Call) -> D:
+async def _decode(door: Door[D, O, A], state: AppState) -> D:
     """The door's request decoded (off the loop unless cheap); NaN/Inf refusals counted."""
     inline = door.decode_inline()
     try:
         # Off the loop, big lists of numbers are parsed in pieces: the parser and numpy hold
         # the GIL, and so the loop, only a piece at a time.
         return await run_decoding(
-            inline, door.decode, call.settings, call.cost_model, pieces=None if inline else PIECES
+            inline, door.decode, state.settings, state.cost_model, pieces=None if inline else PIECES
         )
     except NonFiniteError as exc:
-        if call.health is not None:
-            call.health.count_nonfinite()
+        if state.health is not None:
+            state.health.count_nonfinite()
         raise invalid_input(exc) from exc
     except SdpaError as exc:
         raise invalid_input(exc) from exc
 
 
 async def _computed(
-    request: PreparedRequest, call: Call, kind: type[O]
+    request: PreparedRequest, exchange: Exchange, state: AppState, kind: type[O]
 ) -> tuple[O, BatchResult[Outcome]]:
     """Queue the prepared job and wait for its outcome and the batch it ran in."""
-    if call.reserve_answer is not None and request.working_bytes:
-        call.reserve_answer(request.working_bytes)
-    priority = request.priority or call.settings.default_priority
+    holding = exchange.holding
+    if holding is not None and request.working_bytes:
+        holding.reserve_answer(request.working_bytes)
+    exchange.deadline = _deadline(request, exchange, state.settings)
+    exchange.priority = request.priority or state.settings.default_priority
+    batcher = state.running_batcher()
+    if exchange.client_gone:  # it left while its body was decoded: nothing to queue
+        raise ClientDisconnected("the client disconnected before its request was queued")
+    exchange.queued()  # from here on the batcher's drain answers it
+    exchange.waiting = True  # a client that leaves now takes its job out of the queue
     try:
-        batch = await call.submit(request.prepared, _deadline(request, call), priority)
+        batch = await batcher.submit(
+            request.prepared,
+            deadline=exchange.deadline,
+            tenant=exchange.tenant,
+            priority=exchange.priority,
+        )
     except SdpaError as exc:  # refused on the device (a budget known only there)
         raise invalid_input(exc) from exc
     except torch.OutOfMemoryError as exc:
@@ -190,25 +183,29 @@ async def _computed(
             "the device ran out of memory; retry later, or send a smaller request",
             retry_after_s=1.0,
         ) from exc
+    finally:
+        exchange.waiting = False
     outcome = batch.value
     if not isinstance(outcome, kind):  # the engine answered another job kind: our bug, a 500
         raise TypeError(f"engine returned {type(outcome).__name__} for a {kind.__name__} job")
     return outcome, batch
 
 
-async def run(door: Door[D, O, A], call: Call) -> Served[A]:
-    """Serve one request through `door`: decode, queue, compute, encode -> its answer, timed."""
-    decoded_request = await _decode(door, call)
+async def run(door: Door[D, O, A], exchange: Exchange, state: AppState) -> Served[A]:
+    """Serve one request through `door`: decode, queue, compute, encode -> its answer, timed.
+    Its deadline, priority and phases go into `exchange`; the answer's in-flight bytes are
+    reserved on its holding."""
+    decoded_request = await _decode(door, state)
     request = door.prepared(decoded_request)
     decoded = time.monotonic()
-    outcome, batch = await _computed(request, call, door.outcome_type)
+    outcome, batch = await _computed(request, exchange, state, door.outcome_type)
     computed = time.monotonic()
     meta = response_meta(
         batch,
         device=outcome.device,
         dtype=request.prepared.spec.dtype,
         compute_ms=outcome.compute_ms,
-        request_id=call.request_id,
+        request_id=exchange.request_id,
     )
     answer = await off_loop_if(
         not door.encode_inline(outcome, decoded_request),
@@ -220,19 +217,21 @@ async def run(door: Door[D, O, A], call: Call) -> Served[A]:
     path = backend = None
     if isinstance(outcome, AttentionOutcome):
         path, backend = outcome.result.path, outcome.result.backend
-        if call.reserve_answer is not None and request.working_bytes:
+        if exchange.holding is not None and request.working_bytes:
             # The inputs, results and encoder's copy are gone: the answer is what is left.
-            call.reserve_answer(door.answer_bytes(answer))
-        if call.health is not None:
-            call.health.after_answer(
+            exchange.holding.reserve_answer(door.answer_bytes(answer))
+        if state.health is not None:
+            state.health.after_answer(
                 request.prepared,
                 tag=request.tag,
                 diagnostics=outcome.result.diagnostics,
-                cost=call.cost_model,
+                cost=state.cost_model,
+                tenant=exchange.tenant,
             )
+    received = exchange.received if exchange.received is not None else exchange.started
     phases = Phases(
-        started=call.started,
-        received=call.received,
+        started=exchange.started,
+        received=received,
         decoded=decoded,
         computed=computed,
         encoded=time.monotonic(),
@@ -242,4 +241,5 @@ async def run(door: Door[D, O, A], call: Call) -> Served[A]:
         path=path,
         backend=backend,
     )
+    exchange.phases = phases
     return Served(answer=answer, phases=phases)

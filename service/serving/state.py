@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Final
 
 import torch
 
+from service.access_log import Recorder
 from service.metrics import Metrics
 from service.runtime.batcher import DynamicBatcher
 from service.runtime.engine import Engine
@@ -58,6 +59,12 @@ class AppState:
     # takes no more work, so a request still reading or decoding its body can never be
     # computed; it is answered 503 at once rather than left to be cancelled by the exit.
     stopping: asyncio.Event = field(default_factory=asyncio.Event)
+    # The one recorder (service.access_log): every door's finished requests, as the access-log
+    # line, the metrics and the span.
+    recorder: Recorder = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.recorder = Recorder(self.metrics, self.tracing)
 
     def draining(self) -> bool:
         """True once the service began shutting down (the batcher refuses new work)."""

@@ -41,8 +41,9 @@ from google.protobuf.message import DecodeError  # type: ignore[import-untyped, 
 
 from service.errors import MAX_LOC_TEXT, FieldError, InvalidRequest, ServiceError, clip
 from service.wire.grpc import grpc_predict_v2_pb2 as pb
+from service.wire.models import MAX_RANK, MAX_UNKNOWN_FIELDS
 from service.wire.number_lists import NumberArray
-from service.wire.v2_models import INPUT_DATATYPES, MODEL_NAME, MODEL_VERSION
+from service.wire.v2_models import INPUT_DATATYPES, MAX_OUTPUTS, MODEL_NAME, MODEL_VERSION
 
 SERVICE_NAME: Final = "inference.GRPCInferenceService"
 
@@ -103,20 +104,86 @@ class DecodedRequest:
 
 
 def decode_infer_request(raw: bytes) -> DecodedRequest:
-    """The serialized ModelInferRequest, or InvalidRequest when protobuf cannot parse it."""
+    """The serialized ModelInferRequest, or InvalidRequest when protobuf cannot parse it or it
+    holds more entries than a request can use (`_Counts`, `_check_nested_counts`): the counts
+    are read from the wire before protobuf builds a message and before any Python walks one."""
     split = _split_raw_contents(raw)
     try:
         if split is None:  # anything unusual: protobuf parses it all, and judges it
             message: pb.ModelInferRequest = pb.ModelInferRequest.FromString(raw)
-            return DecodedRequest(message, tuple(message.raw_input_contents))
-        rest, contents = split
-        return DecodedRequest(pb.ModelInferRequest.FromString(rest), contents)
+            decoded = DecodedRequest(message, tuple(message.raw_input_contents))
+        else:
+            rest, contents = split
+            decoded = DecodedRequest(pb.ModelInferRequest.FromString(rest), contents)
     except DecodeError as exc:
         raise _invalid(
             f"the request is not a valid inference.ModelInferRequest (protobuf): {exc}",
             "request",
             kind="protobuf",
         ) from None
+    _check_nested_counts(decoded.message)
+    return decoded
+
+
+# The most entries each repeated field of a ModelInferRequest may hold (on the wire, before
+# protobuf parses it): an input or raw entry per input the model has, MAX_OUTPUTS outputs,
+# MAX_PARAMETERS parameters in any parameters map (the models refuse a request past its known
+# parameters and MAX_UNKNOWN_FIELDS unknown ones anyway), one of each singular field (a client's
+# serializer writes each once), MAX_UNKNOWN_FIELDS fields of numbers the message does not have
+# (REST's rule for unknown fields; fewer are ignored, as protobuf ignores them). A message of
+# 2.5 million empty inputs (12.6 MB) cost 18 s of CPU and 1.6 GB before it was refused.
+MAX_PARAMETERS: Final = 32
+# The kinds of the refusals of messages protobuf would parse (fuzz/grpc_infer.py allows them).
+BEYOND_PROTOBUF: Final = ("too_many_entries", "protobuf_group")
+_REPEATS: Final[dict[int, tuple[str, int]]] = {
+    1: ("model_name", 1),
+    2: ("model_version", 1),
+    3: ("id", 1),
+    4: ("parameters", MAX_PARAMETERS),
+    5: ("inputs", len(INPUT_DATATYPES)),
+    6: ("outputs", MAX_OUTPUTS),
+    7: ("raw_input_contents", len(INPUT_DATATYPES)),
+}
+
+
+def _too_many(field: str, limit: int, *where: str | int) -> InvalidRequest:
+    what = "fields of numbers ModelInferRequest does not have" if field == "unknown" else field
+    return _invalid(
+        f"the request holds more than {limit} {what}: a request of this model has at most {limit}",
+        *(where or (field,)),
+        kind="too_many_entries",
+    )
+
+
+class _Counts:
+    """How many of each top-level field a message has held so far; refuses one too many."""
+
+    def __init__(self) -> None:
+        self.seen: dict[int, int] = {}
+
+    def add(self, field: int) -> None:
+        count = self.seen.get(field, 0) + 1
+        self.seen[field] = count
+        name, limit = _REPEATS.get(field, ("unknown", 0))
+        if name == "unknown":
+            unknown = sum(n for f, n in self.seen.items() if f not in _REPEATS)
+            if unknown > MAX_UNKNOWN_FIELDS:
+                raise _too_many("unknown", MAX_UNKNOWN_FIELDS, "request")
+        elif count > limit:
+            raise _too_many(name, limit)
+
+
+def _check_nested_counts(message: pb.ModelInferRequest) -> None:
+    """Each input's and output's parameters and shape, counted (len() of protobuf's containers:
+    no walk) before the codec reads them in Python."""
+    for index, tensor in enumerate(message.inputs):
+        if len(tensor.parameters) > MAX_PARAMETERS:
+            raise _too_many("parameters", MAX_PARAMETERS, "inputs", index, "parameters")
+        if len(tensor.shape) > MAX_RANK:
+            raise _too_many("dimensions in a shape", MAX_RANK, "inputs", index, "shape")
+    for index, output in enumerate(message.outputs):
+        if len(output.parameters) > MAX_PARAMETERS:
+            raise _too_many("parameters", MAX_PARAMETERS, "outputs", index, "parameters")
 
 
 # ModelInferRequest.raw_input_contents: field 7, length-delimited.
@@ -124,6 +191,8 @@ _RAW_INPUT_FIELD: Final = 7
 _LENGTH_DELIMITED: Final = 2
 # Bytes a fixed-size field's value takes, by wire type (1: 64-bit, 5: 32-bit).
 _FIXED_BYTES: Final = {1: 8, 5: 4}
+# A group's start and end (wire types 3 and 4).
+_GROUP: Final = (3, 4)
 
 
 def _read_varint(raw: bytes, at: int) -> tuple[int, int] | None:
@@ -141,10 +210,13 @@ def _read_varint(raw: bytes, at: int) -> tuple[int, int] | None:
 def _split_raw_contents(raw: bytes) -> tuple[bytes, tuple[memoryview, ...]] | None:
     """(the message's other fields, its raw_input_contents as views of `raw`), read from the
     top-level fields' tags and lengths alone; None for anything but plain well-formed fields
-    (groups, truncation, a bad varint), which protobuf's parser then judges."""
+    (groups, truncation, a bad varint), which protobuf's parser then judges. Raises
+    InvalidRequest at the first field past its count (_Counts), so the walk is bounded by
+    the counts, whatever the message's size."""
     view = memoryview(raw)
     others: list[memoryview] = []
     contents: list[memoryview] = []
+    counts = _Counts()
     at, size = 0, len(raw)
     while at < size:
         start = at
@@ -153,6 +225,7 @@ def _split_raw_contents(raw: bytes) -> tuple[bytes, tuple[memoryview, ...]] | No
             return None
         tag, at = key
         field, wire = tag >> 3, tag & 7
+        counts.add(field)
         if wire == 0:
             value = _read_varint(raw, at)
             if value is None:
@@ -170,7 +243,16 @@ def _split_raw_contents(raw: bytes) -> tuple[bytes, tuple[memoryview, ...]] | No
             at += _FIXED_BYTES[wire]
             if at > size:
                 return None
-        else:  # groups (3, 4), or no wire type at all
+        elif wire in _GROUP:
+            # proto3 has none, and protobuf would skip an unknown one and parse on, past the
+            # counts above.
+            raise _invalid(
+                f"the request is not a valid inference.ModelInferRequest: field {field} is a "
+                "protobuf group, which this message has none of",
+                "request",
+                kind="protobuf_group",
+            )
+        else:  # no wire type at all: protobuf's parser stops there, with its own message
             return None
         others.append(view[start:at])
     return b"".join(others), tuple(contents)
@@ -261,10 +343,22 @@ def _input_entry(
         "datatype": tensor.datatype,
         "shape": list(tensor.shape),
     }
-    parameters = _parameters(
-        tensor.parameters, label=f"{label}: parameter", rest_only="binary_data_size"
-    )
+    parameters = _parameters(tensor.parameters, label=f"{label}: parameter")
+    # KServe's SDK (InferRequest.to_grpc, kserve 0.21) keeps REST's binary_data_size on an input
+    # whose bytes it sends in raw_input_contents: taken when it says that entry's length.
+    said = parameters.pop("binary_data_size", None)
     has_contents = any(len(getattr(tensor.contents, field)) for field in _ALL_CONTENTS)
+    if said is not None and (raw is None or said != len(raw)):
+        where = "no entry" if raw is None else f"{len(raw)} bytes"
+        raise _invalid(
+            f"{label}: parameter 'binary_data_size' is {said!r} but raw_input_contents holds "
+            f"{where} for it; over gRPC the bytes travel in raw_input_contents (the parameter "
+            "may be left out)",
+            "inputs",
+            name,
+            "parameters",
+            "binary_data_size",
+        )
     if raw is not None:
         if has_contents:
             raise _invalid(

@@ -7,7 +7,10 @@ service.wire.v2_codec decodes them with numpy. No torch here.
 
 Unknown fields and unknown request parameters are refused (a typo such as "casual" must never
 be silently ignored), except the protocol's own parameters that a client sends on its own
-(binary_data_output, timeout, priority).
+(binary_data_output, timeout, priority) and the request fields the Open Inference Protocol's
+clients send beside the URL's model: `id`, `model_name` and `model_version` (KServe's SDK puts
+`model_name` in every body, InferRequest.to_rest in kserve 0.21), accepted where they name this
+model; another model is refused (a 400 naming the field: the URL was this model's).
 """
 
 from __future__ import annotations
@@ -16,7 +19,8 @@ from collections.abc import Iterable, Mapping
 from itertools import islice
 from typing import Annotated, Any, Final, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic_core import PydanticCustomError
 
 from service.errors import (
     MAX_LISTED_ERRORS,
@@ -151,6 +155,14 @@ class InferRequest(RequestModel):
     """POST /v2/models/attention/infer: the JSON body, or the JSON header of a binary one."""
 
     id: str | None = Field(default=None, max_length=256)
+    model_name: str | None = Field(
+        default=None,
+        description=f"As KServe's SDK sends it: absent, null or {MODEL_NAME!r} (the URL's model).",
+    )
+    model_version: str | None = Field(
+        default=None,
+        description=f"Absent, null, empty or {MODEL_VERSION!r}.",
+    )
     parameters: RequestParameters | None = None
     inputs: list[InferInput] = Field(min_length=1, max_length=len(INPUT_DATATYPES))
     outputs: list[RequestedOutput] | None = Field(
@@ -160,6 +172,32 @@ class InferRequest(RequestModel):
         "answer); absent: output (and the per-row statistics with diagnostics full), never the "
         "weights.",
     )
+
+    @field_validator("model_name")
+    @classmethod
+    def _this_model(cls, name: str | None) -> str | None:
+        if name is not None and name != MODEL_NAME:
+            raise PydanticCustomError(
+                "unknown_model",
+                "no model {name}: this server serves the model {ours}",
+                {"name": repr(clip(name, MAX_LOC_TEXT)), "ours": repr(MODEL_NAME)},
+            )
+        return name
+
+    @field_validator("model_version")
+    @classmethod
+    def _this_version(cls, version: str | None) -> str | None:
+        if version not in (None, "", MODEL_VERSION):
+            raise PydanticCustomError(
+                "unknown_model",
+                "no version {version} of the model {ours}: it has version {one}",
+                {
+                    "version": repr(clip(version or "", MAX_LOC_TEXT)),
+                    "ours": repr(MODEL_NAME),
+                    "one": repr(MODEL_VERSION),
+                },
+            )
+        return version
 
 
 # ---- responses (documentation and schema checks) -------------------------------------------

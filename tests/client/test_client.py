@@ -568,6 +568,45 @@ def test_a_proxys_502_is_retried_a_4xx_never() -> None:
         assert len(calls) == 1, status
 
 
+def test_an_infrastructure_500_is_retried_the_services_own_never() -> None:
+    # Ray Serve's proxy answers a request whose replica died with it "500 Internal Server
+    # Error" in plain text (ray-project/ray#47219): no envelope of this service, so not our bug,
+    # and the computation is pure: sent again. The service's own 500 (problem+json, or v2's
+    # {"error"}) is a bug of ours: never.
+    for infrastructure in (
+        httpx.Response(500, text="Internal Server Error"),
+        httpx.Response(500, text="<html><body>500</body></html>"),
+        httpx.Response(500, json=["not", "ours"]),
+    ):
+        calls: list[httpx.Request] = []
+        handler = sequence(infrastructure, ok_attention(calls), calls=calls)
+        sleeps = Sleeps()
+        with client_for(handler, sleep=sleeps) as client:
+            client.attention(*small_qkv())
+        assert len(calls) == 2
+        assert len(sleeps.delays) == 1
+    ours = (
+        problem(500, "Internal server error"),
+        httpx.Response(500, json={"error": "internal server error; request id 7"}),
+    )
+    for answer in ours:
+        calls = []
+        handler = sequence(answer, calls=calls)
+        with client_for(handler, sleep=Sleeps()) as client, pytest.raises(SDPAServerError):
+            client.attention(*small_qkv())
+        assert len(calls) == 1
+    # A policy may turn it off.
+    calls = []
+    handler = sequence(httpx.Response(500, text="Internal Server Error"), calls=calls)
+    policy = RetryPolicy(retry_infrastructure_500=False)
+    with (
+        client_for(handler, sleep=Sleeps(), retry=policy) as client,
+        pytest.raises(SDPAServerError),
+    ):
+        client.attention(*small_qkv())
+    assert len(calls) == 1
+
+
 def test_no_retry_once_the_requests_own_deadline_has_passed() -> None:
     clock = [0.0]
     calls: list[httpx.Request] = []

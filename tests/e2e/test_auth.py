@@ -19,7 +19,10 @@ from starlette.responses import PlainTextResponse
 from starlette.routing import Route
 
 from service.metrics import Metrics
+from service.middleware.access_log import AccessLogMiddleware
 from service.middleware.auth import ApiKeyMiddleware
+from service.serving.exchange import exchange_of
+from service.tenants import ANONYMOUS
 from tests.support.live_server import LiveServer, live_server
 
 KEYS = ("k-alpha-7d1f0c", "k-beta-93be22")
@@ -159,13 +162,15 @@ def test_without_keys_everything_is_open(tmp_path: Path) -> None:
 # --- the middleware alone, in-process (a tiny Starlette app: fast, no torch) -------------------
 
 
-def _app(metrics: Metrics) -> ApiKeyMiddleware:
+def _app(metrics: Metrics) -> AccessLogMiddleware:
     async def echo(request: Request) -> PlainTextResponse:
-        # The tenant the middleware named, for the routes behind it.
-        return PlainTextResponse(f"{request.url.path} {getattr(request.state, 'tenant', '-')}")
+        # The tenant the middleware named in the request's Exchange, for the rooms behind it.
+        tenant = exchange_of(request.scope).tenant
+        return PlainTextResponse(f"{request.url.path} {'-' if tenant == ANONYMOUS else tenant}")
 
     inner = Starlette(routes=[Route("/{path:path}", echo, methods=["GET", "POST"])])
-    return ApiKeyMiddleware(inner, keys={"a": "team-a", "bb": "team-b"}, metrics=metrics)
+    keyed = ApiKeyMiddleware(inner, keys={"a": "team-a", "bb": "team-b"}, metrics=metrics)
+    return AccessLogMiddleware(keyed, metrics=Metrics())  # the edge makes the Exchange
 
 
 def test_middleware_header_handling() -> None:

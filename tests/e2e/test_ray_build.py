@@ -73,6 +73,7 @@ def test_build_reads_string_args_as_serve_run_passes_them() -> None:
     assert ingress.func_or_class is RetryingIngress
     assert ingress.ray_actor_options["resources"] == {"node:__internal_head__": 0.001}
     assert ingress.init_args[1] == 4  # attempts
+    assert ingress.num_replicas == 2  # the proxy routes around a dead one
 
 
 def test_direct_ingress_is_the_app_itself() -> None:

@@ -1,9 +1,12 @@
-"""service.ray on a real three-node Ray cluster on loopback (issue 28): three replicas answer
-as the float64 reference says, from at least two nodes, and a replica killed (ray.kill) and
-then a worker node lost (its raylet and workers SIGKILLed) under a closed loop of sdpa_client
-cost the client no request: Ray replaces what died, and the retrying ingress sends again what a
-dead replica dropped; nor do the replicas Ray stops in a redeploy (they drain). The client never
-retries here (NO_RETRY): what it sees is Ray's doing.
+"""service.ray on a real three-node Ray cluster on loopback (issues 28 and 40): three replicas
+answer as the float64 reference says, from at least two nodes, and every kind of replica the
+app has killed in turn under a closed loop of sdpa_client at its default retries (a computing
+replica, then one of the two ingress replicas, each while it holds requests), then a worker
+node lost (its raylet and workers SIGKILLed), cost the client no request: Ray replaces what
+died (the replica counts come back), the retrying ingress sends again what a dead computing
+replica dropped, and the client sends again what a dead ingress replica dropped (Ray's proxy
+answers those 500 without the service's envelope: ray-project/ray#47219); nor do the replicas
+Ray stops in a redeploy (they drain).
 
 About two minutes on two loaded cores; skipped without ray (`pip install sdpa-service[ray]`).
 Run with `-s` to see the figures.
@@ -34,6 +37,7 @@ from tests.support.v2_cases import Case, assert_close, expected, make_case, mask
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
 REPLICAS = 3
+INGRESSES = 2  # service.ray's default ingress_replicas
 # Strings, as `serve run service.ray:build num_replicas=3 ...` passes them. No kernel compile:
 # a replica started after a death warms up in seconds (tests/e2e/test_kernel.py tests it).
 ARGS = {
@@ -71,7 +75,8 @@ class Load:
         give_up = time.monotonic() + LOAD_MAX_S
 
         def loop() -> None:
-            with SDPAClient(self.url, retry=NO_RETRY, timeout=60) as client:
+            # sdpa_client's default retries (RetryPolicy()): what its users get.
+            with SDPAClient(self.url, timeout=60) as client:
                 while not self.stop.is_set() and time.monotonic() < give_up:
                     if len(self.answered_at) + len(self.failures) >= LOAD_MAX_REQUESTS:
                         return
@@ -182,6 +187,24 @@ def test_three_replicas_answer_from_two_nodes_and_lose_nothing_when_one_dies(
         print(f"killed replica replaced in {took:.1f} s; {retried_after_kill} requests resent")
         time.sleep(2.0)
 
+        # An ingress replica holding requests dies: the proxy routes to the other one, the
+        # requests the dead one held come back to the client as Ray's 500, and it sends them
+        # again; Ray starts another ingress replica.
+        ingresses = cluster.wait_for_running(INGRESSES, timeout_s=RESTORE_S, deployment="ingress")
+        ingress = busy(ingresses)
+        ingress_killed_at = time.monotonic()
+        ray.kill(ray.get_actor(ingress["actor_name"], namespace="serve"), no_restart=True)
+        give_up = time.monotonic() + RESTORE_S
+        while True:
+            ingresses = cluster.running(deployment="ingress")
+            names = {r["actor_name"] for r in ingresses}
+            if len(ingresses) == INGRESSES and ingress["actor_name"] not in names:
+                break
+            assert time.monotonic() < give_up, f"the ingress not restored: {ingresses}"
+            time.sleep(0.2)
+        print(f"killed ingress replica replaced in {time.monotonic() - ingress_killed_at:.1f} s")
+        time.sleep(2.0)
+
         # A worker node whose replica holds requests is lost, every process of it at once: its
         # replicas' and then its raylet and the rest (remove_node alone SIGKILLs the raylet, and
         # a replica whose raylet died may still finish what it holds before it notices).
@@ -206,6 +229,7 @@ def test_three_replicas_answer_from_two_nodes_and_lose_nothing_when_one_dies(
         status = serve.status().applications["default"]
         assert status.status == "RUNNING"
         assert status.deployments["sdpa"].replica_states.get("RUNNING") == REPLICAS
+        assert status.deployments["ingress"].replica_states.get("RUNNING") == INGRESSES
 
         # A redeploy with two replicas: Ray stops replicas (a new deploy of the Python API is a
         # new code version, so it replaces them all, one by one); a stopped replica drains (its
@@ -227,7 +251,8 @@ def test_three_replicas_answer_from_two_nodes_and_lose_nothing_when_one_dies(
     # Each death dropped requests, and the ingress sent them again: no request was lost to luck.
     assert retried_after_kill > 0
     assert retried_after_loss > retried_after_kill
-    # The load ran through both deaths and the redeploy.
-    assert load.answered_between(killed_at, lost_at) > 0
+    # The load ran through every death and the redeploy.
+    assert load.answered_between(killed_at, ingress_killed_at) > 0
+    assert load.answered_between(ingress_killed_at, lost_at) > 0
     assert load.answered_between(lost_at, scaled_at) > 0
     assert load.answered_between(scaled_at, ended) > 0

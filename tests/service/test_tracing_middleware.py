@@ -1,28 +1,26 @@
-"""service.middleware.tracing around the real service (create_app, its middlewares and routes,
-in this process), its spans read back from the real SDK through an InMemorySpanExporter.
+"""The spans of the real service (create_app, its middlewares and routes, in this process),
+read back from the real SDK through an InMemorySpanExporter.
 
-The middleware wraps the app from outside, as create_app installs it (outermost): what the
-inner middlewares and the routes leave in the request's state (the request id, the tenant, the
-batch and the phases) reaches the span.
+The edge (service.middleware.access_log) makes each request's Exchange and the one recorder
+(service.access_log) turns it into the span: what the inner middlewares and the routes put in
+the Exchange (the request id, the tenant, the batch and the phases) reaches the span.
 """
 
 from __future__ import annotations
 
+import logging
 import time
-from collections.abc import Iterator, Sequence
-from typing import cast
+from collections.abc import Iterator
 
 import pytest
 from fastapi.testclient import TestClient
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
-from starlette.routing import BaseRoute
 from starlette.types import Receive, Scope, Send
 
 from service.app import create_app
 from service.middleware.access_log import AccessLogMiddleware
-from service.middleware.tracing import TracingMiddleware
 from service.tracing import PHASE_NAMES, Tracing
 from tests.support.app import small_settings
 
@@ -48,15 +46,8 @@ def tracing(exported: InMemorySpanExporter) -> Iterator[Tracing]:
 @pytest.fixture(scope="module")
 def client(tracing: Tracing) -> Iterator[TestClient]:
     """The service with one API key (tenant "team-a"), traced from outside."""
-    app = create_app(small_settings(api_keys=f"team-a={KEY}"))
-    # The routes create_app gave the access log, to name a request refused before routing.
-    (included,) = (
-        cast("Sequence[BaseRoute]", m.kwargs["included"])
-        for m in app.user_middleware
-        if cast("object", m.cls) is AccessLogMiddleware
-    )
-    traced = TracingMiddleware(app, tracing=tracing, included=included)
-    with TestClient(traced, raise_server_exceptions=False) as client:
+    app = create_app(small_settings(api_keys=f"team-a={KEY}"), tracing=tracing)
+    with TestClient(app, raise_server_exceptions=False) as client:
         deadline = time.monotonic() + 60.0
         while client.get("/readyz").status_code != 200:
             assert time.monotonic() < deadline, "the app was not ready within 60 s"
@@ -163,7 +154,8 @@ def test_an_exception_that_escapes_is_a_500_error_with_its_class(
         raise KeyError("a bug")
 
     # Without `with`: no lifespan, which this app would fail too.
-    client = TestClient(TracingMiddleware(failing, tracing=tracing), raise_server_exceptions=False)
+    edge = AccessLogMiddleware(failing, tracing=tracing)
+    client = TestClient(edge, raise_server_exceptions=False)
     assert client.get("/v1/info", headers={"traceparent": TRACEPARENT}).status_code == 500
     (failed,) = flushed(tracing, exported)
     assert failed.status.status_code is StatusCode.ERROR
@@ -172,3 +164,45 @@ def test_an_exception_that_escapes_is_a_500_error_with_its_class(
     assert failed.attributes["http.response.status_code"] == 500
     assert failed.context is not None
     assert failed.context.trace_id == CALLER_TRACE
+
+
+def test_a_malformed_tracestate_is_left_out_and_never_reaches_the_log(
+    client: TestClient,
+    tracing: Tracing,
+    exported: InMemorySpanExporter,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """OpenTelemetry's propagator logs a warning quoting each tracestate member it refuses (a
+    duplicate key, a malformed member): a caller's bytes in the log, per request. The service
+    leaves such a tracestate out, whole, before the propagator sees it; the caller's trace
+    (its valid traceparent) is still continued."""
+    marker = "callerbytes"
+    duplicates = ",".join(f"{marker}{i % 3}=v{i}" for i in range(30))  # duplicate keys
+    malformed = f"{marker}=ok, {marker.upper()}=NOT A MEMBER"
+    for tracestate in (duplicates, malformed):
+        caplog.clear()
+        with caplog.at_level(logging.DEBUG):
+            headers = {"traceparent": TRACEPARENT, "tracestate": tracestate, "x-api-key": KEY}
+            assert client.get("/v1/info", headers=headers).status_code == 200
+            (span,) = flushed(tracing, exported)
+            exported.clear()
+        assert span.context is not None
+        assert span.context.trace_id == CALLER_TRACE
+        assert dict(span.context.trace_state) == {}
+        assert not [r for r in caplog.records if marker in r.getMessage().lower()]
+
+
+def test_the_trace_context_of_a_caller_the_key_check_refused_is_not_read(
+    client: TestClient, tracing: Tracing, exported: InMemorySpanExporter
+) -> None:
+    """What the span records of a caller without a valid key comes after the key check: its
+    refusal is traced, in a trace of its own, and nothing of its traceparent or tracestate."""
+    headers = {"traceparent": TRACEPARENT, "tracestate": "congo=t61rcWkgMzE"}
+    assert client.get("/v1/info", headers={**headers, "x-api-key": "wrong"}).status_code == 401
+    (refused,) = flushed(tracing, exported)
+    assert refused.attributes is not None
+    assert refused.attributes["http.response.status_code"] == 401
+    assert refused.context is not None
+    assert refused.context.trace_id != CALLER_TRACE
+    assert refused.parent is None
+    assert dict(refused.context.trace_state) == {}

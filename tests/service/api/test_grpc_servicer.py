@@ -32,6 +32,7 @@ from service.runtime.engine import Engine
 from service.runtime.jobs import Outcome, PreparedJob
 from service.serving.state import AppState
 from service.settings import Settings
+from service.wire.grpc import grpc_predict_v2_pb2 as pb
 from tests.support.app import small_settings
 from tests.support.v2_cases import Case, assert_close, expected, make_case, mask_cases
 
@@ -507,9 +508,9 @@ def test_draining_answers_unavailable(slow_door: InProcessDoor) -> None:
 
 
 def test_a_call_with_a_traceparent_is_one_server_span_with_its_phases(door: InProcessDoor) -> None:
-    """Tracing on (an in-memory exporter given to the app's Tracing, which the door reads per
-    call): ModelInfer continues the caller's trace from its metadata; its phases are children;
-    a refusal is the caller's error, not the server's."""
+    """Tracing on (an in-memory exporter given to the app's Tracing and its recorder, which
+    the door hands each finished call): ModelInfer continues the caller's trace from its
+    metadata; its phases are children; a refusal is the caller's error, not the server's."""
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
     from service.tracing import Tracing
@@ -519,7 +520,7 @@ def test_a_call_with_a_traceparent_is_one_server_span_with_its_phases(door: InPr
     trace_id, parent_id = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
     traceparent = f"00-{trace_id}-{parent_id}-01"
     assert door.state is not None
-    door.state.tracing = tracing
+    door.state.tracing = door.state.recorder.tracing = tracing
     try:
         client = door.client()
         case = make_case((1, 2, 4, 8))
@@ -528,7 +529,7 @@ def test_a_call_with_a_traceparent_is_one_server_span_with_its_phases(door: InPr
         client.close()
         assert tracing.force_flush(timeout_s=10)
     finally:
-        door.state.tracing = None
+        door.state.tracing = door.state.recorder.tracing = None
     spans = exporter.get_finished_spans()
     servers = [s for s in spans if s.name == "inference.GRPCInferenceService/ModelInfer"]
     assert len(servers) == 2
@@ -584,3 +585,58 @@ def test_a_bug_is_internal_with_the_request_id_and_the_door_keeps_serving(
         assert_close(infer(client, good, headers={}).as_numpy("output"), expected(good).output,
                      "FP32")  # fmt: skip
         client.close()
+
+
+# ---- a malformed deadline -------------------------------------------------------------------
+
+
+def raw_infer_status(port: int, grpc_timeout: str) -> tuple[str | None, str | None]:
+    """A ModelInfer of a message with no inputs by hand (h2 on a socket: grpc's client sends no
+    malformed grpc-timeout) -> (grpc-status, grpc-message) of its answer."""
+    import socket
+    import struct
+
+    import h2.config
+    import h2.connection
+    import h2.events
+
+    conn = h2.connection.H2Connection(
+        h2.config.H2Configuration(client_side=True, header_encoding="utf-8")
+    )
+    conn.initiate_connection()
+    headers = [
+        (":method", "POST"), (":scheme", "http"), (":authority", f"127.0.0.1:{port}"),
+        (":path", "/inference.GRPCInferenceService/ModelInfer"),
+        ("content-type", "application/grpc"), ("te", "trailers"),
+        ("grpc-timeout", grpc_timeout), *AUTH.items(),
+    ]  # fmt: skip
+    conn.send_headers(1, headers)
+    message = pb.ModelInferRequest(model_name="attention").SerializeToString()
+    conn.send_data(1, struct.pack(">?I", False, len(message)) + message, end_stream=True)
+    answer: dict[str, str] = {}
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(conn.data_to_send())
+        while "grpc-status" not in answer:
+            data = sock.recv(1 << 16)
+            assert data, "the server closed the connection without a status"
+            for event in conn.receive_data(data):
+                if isinstance(event, h2.events.ResponseReceived | h2.events.TrailersReceived):
+                    answer.update(dict(event.headers))
+            sock.sendall(conn.data_to_send())
+    return answer.get("grpc-status"), answer.get("grpc-message")
+
+
+def test_grpc_core_itself_answers_a_grpc_timeout_it_cannot_parse(door: InProcessDoor) -> None:
+    """The contract this door lives with (grpcio 1.85): grpc-core's HPACK parser refuses a
+    grpc-timeout it cannot parse ("abc", no unit, a sign) and ends the call INTERNAL before any
+    Python runs, and it keeps grpc-timeout out of the metadata a handler sees: no handler of
+    ours can answer it INVALID_ARGUMENT. Should an upgrade change that, this fails. A
+    well-formed one reaches the request's validation (no inputs: INVALID_ARGUMENT)."""
+    for value in ("abc", "5", "-1S"):
+        status, message = raw_infer_status(door.port, value)
+        assert status == str(grpc.StatusCode.INTERNAL.value[0]), value
+        assert message == "Error parsing 'grpc-timeout' metadata", value
+    status, message = raw_infer_status(door.port, "10S")
+    assert status == str(grpc.StatusCode.INVALID_ARGUMENT.value[0])
+    assert message is not None
+    assert "inputs" in message

@@ -18,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from starlette.types import Receive, Scope, Send
 
 from service.app import create_app
+from service.middleware.access_log import AccessLogMiddleware
 from service.middleware.inflight import BODY_WINDOW, InflightBytesMiddleware, parse_estimate
 from service.serving.offload import INLINE_MAX_BYTES
 from service.wire.lengths import BEYOND_ANY_LIMIT, parse_length
@@ -582,7 +583,7 @@ def test_a_refusal_that_escapes_the_app_still_reaches_the_client() -> None:
 
     async def scenario() -> None:
         streamed, read = await call(
-            limited,
+            AccessLogMiddleware(limited),  # the edge, which makes the request's Exchange
             chunked_scope("/v1/attention"),
             [
                 {"type": "http.request", "body": b" " * 4000, "more_body": True},

@@ -112,7 +112,7 @@ def test_v2_many_unknown_fields_are_one_error_at_the_top_in_parameters_and_in_an
     exc = v2_refusal({"inputs": V2_INPUTS, **unknown(90_000)})
     assert [e.msg for e in exc.errors] == [
         "request: 90,000 unknown fields ('x0', 'x1', 'x2', ...); this object takes id, "
-        "parameters, inputs, outputs"
+        "model_name, model_version, parameters, inputs, outputs"
     ]
     exc = v2_refusal({"inputs": V2_INPUTS, "parameters": unknown(90_000)})
     ((error),) = exc.errors

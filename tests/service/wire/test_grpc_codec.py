@@ -316,11 +316,33 @@ def test_rest_binary_parameters_are_refused_over_grpc() -> None:
     request.parameters["binary_data_output"].bool_param = True
     assert "parameter 'binary_data_output' is REST's binary" in _detail(request)
     request = _good()
-    request.inputs[0].parameters["binary_data_size"].int64_param = 4
-    assert "input 'q': parameter 'binary_data_size' is REST's" in _detail(request)
-    request = _good()
     request.outputs.add(name="output").parameters["binary_data"].bool_param = True
     assert "output 'output': parameter 'binary_data'" in _detail(request)
+
+
+def test_binary_data_size_saying_the_raw_entrys_length_is_taken() -> None:
+    """KServe's SDK (kserve 0.21's InferRequest.to_grpc) keeps REST's binary_data_size on an
+    input whose bytes travel in raw_input_contents: taken when it is that entry's length."""
+    request = _good()
+    size = len(request.raw_input_contents[0])  # [2, 3, 4, 8] FP32: 768 bytes
+    assert size == 2 * 3 * 4 * 8 * 4
+    request.inputs[0].parameters["binary_data_size"].int64_param = size
+    payload, tensors = _grpc_decode(request.SerializeToString())
+    assert payload["inputs"][0]["parameters"] == {"binary_data_size": size}
+    assert tensors["q"].shape == (2, 3, 4, 8)
+    request.inputs[0].parameters["binary_data_size"].int64_param = 4
+    assert (
+        "input 'q': parameter 'binary_data_size' is 4 but raw_input_contents holds 768 bytes"
+        in _detail(request)
+    )
+    contents = _grpc_request(_inputs("FP32")[:3])
+    del contents.raw_input_contents[:]
+    for tensor, (_, arr, _) in zip(contents.inputs, _inputs("FP32")[:3], strict=True):
+        tensor.contents.fp32_contents.extend(arr.ravel().tolist())
+    contents.inputs[1].parameters["binary_data_size"].int64_param = 768
+    assert "input 'k': parameter 'binary_data_size' is 768 but raw_input_contents holds no" in (
+        _detail(contents)
+    )
 
 
 def test_a_parameter_without_a_value() -> None:
@@ -499,3 +521,70 @@ def test_prepare_grpc_infer_refuses_only_with_client_errors() -> None:
         else:
             outcomes["ok"] += 1
     assert outcomes["refused"] > 100, outcomes
+
+
+# ---- counts, read from the wire before protobuf parses the message -------------------------
+
+
+def _field(number: int, payload: bytes = b"") -> bytes:
+    """A length-delimited field, as protobuf writes it (lengths under 128 here)."""
+    assert len(payload) < 128
+    return bytes([number << 3 | 2, len(payload)]) + payload
+
+
+def test_two_and_a_half_million_empty_inputs_are_refused_by_their_count() -> None:
+    raw = _good().SerializeToString() + _field(5) * 2_500_000  # 12.5 MB of empty inputs
+    error = _refused(raw)
+    assert isinstance(error, InvalidRequest)
+    assert error.detail == (
+        "the request holds more than 6 inputs: a request of this model has at most 6"
+    )
+
+
+@pytest.mark.parametrize(
+    ("number", "payload", "words"),
+    [
+        (6, b"", "more than 64 outputs"),
+        (7, b"", "more than 6 raw_input_contents"),
+        (4, _field(1, b"x"), "more than 32 parameters"),
+        (3, b"id", "more than 1 id"),
+        (1, b"attention", "more than 1 model_name"),
+    ],
+)
+def test_each_repeated_field_has_a_count(number: int, payload: bytes, words: str) -> None:
+    raw = _good().SerializeToString() + _field(number, payload) * 100
+    assert words in _refused(raw).detail
+
+
+def test_up_to_eight_unknown_fields_are_ignored_and_nine_refused() -> None:
+    good = _good().SerializeToString()
+    payload, _ = _grpc_decode(good + _field(15, b"?") * 8)  # field 15: none in the message
+    assert [entry["name"] for entry in payload["inputs"]] == ["q", "k", "v"]
+    detail = _refused(good + _field(15, b"?") * 5 + _field(12, b"") * 4).detail
+    assert detail == (
+        "the request holds more than 8 fields of numbers ModelInferRequest does not have: a "
+        "request of this model has at most 8"
+    )
+
+
+def test_a_group_is_refused_before_protobuf_skips_it() -> None:
+    # A start-group tag of field 20 (wire type 3), then what protobuf would skip and parse on.
+    tag = 20 << 3 | 3  # 163: a two-byte varint
+    raw = bytes([tag & 0x7F | 0x80, tag >> 7]) + _good().SerializeToString()
+    detail = _refused(raw).detail
+    assert "field 20 is a protobuf group, which this message has none of" in detail
+
+
+def test_an_inputs_parameters_and_shape_and_an_outputs_parameters_are_counted() -> None:
+    request = _good()
+    for index in range(33):
+        request.inputs[1].parameters[f"p{index}"].int64_param = index
+    assert _detail(request).startswith("the request holds more than 32 parameters")
+    request = _good()
+    request.inputs[0].shape.extend([1] * 7)
+    assert "more than 6 dimensions in a shape" in _detail(request)
+    request = _good()
+    output = request.outputs.add(name="output")
+    for index in range(33):
+        output.parameters[f"p{index}"].bool_param = True
+    assert "more than 32 parameters" in _detail(request)

@@ -1,6 +1,6 @@
 """The protocol layer in process, with an in-memory transport (no socket, no server).
 
-First the contract: what service.middleware.connections and service.server rely on in uvicorn
+First the contract: what service.protocol and service.server rely on in uvicorn
 0.54, httptools 0.9 (llhttp) and anyio, private attributes included. If an upgrade changes one of
 these, a test here fails before a server misbehaves (pyproject.toml pins the ranges checked).
 Then GuardedHttpToolsProtocol's own bounds, driven byte by byte: header bytes and lines, the
@@ -35,13 +35,12 @@ from uvicorn.server import ServerState
 from service.errors import ServiceError, problem_payload
 from service.metrics import Metrics
 from service.middleware.access_log import AccessLogMiddleware
-from service.middleware.connections import (
+from service.protocol import GuardedHttpToolsProtocol, guarded_protocol
+from service.protocol.framing import (
     FREE_CHUNKS,
     MAX_CHUNK_SIZE_LINE,
     MIN_CHUNK_AVERAGE,
     ChunkedBodyEnd,
-    GuardedHttpToolsProtocol,
-    guarded_protocol,
 )
 from service.server import UVICORN_SHUTDOWN_PAUSE_S
 from service.settings import Settings
