@@ -15,7 +15,6 @@ from fastapi import APIRouter, Request
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.responses import PlainTextResponse, Response
 
-from sdpa_core import flash_kernels
 from service.api.deps import MetricsDep, StateDep
 from service.api.openapi import UNAUTHORIZED_DOC, json_ref, problem_doc
 from service.http_errors import problem_response
@@ -136,7 +135,7 @@ async def info(request: Request, state: StateDep) -> Response:
             "device": state.device_name(),
             "torch_version": TORCH_VERSION,
             "diagnostics_kernel": state.diagnostics_kernel,
-            "kernels": {kernel.name: kernel.as_dict() for kernel in flash_kernels()},
+            "kernels": state.flash_kernels(),
             "dtypes": list(FLOAT_DTYPE_NAMES),
             "limits": {
                 "max_body_bytes": settings.max_body_bytes,

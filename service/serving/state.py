@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Final
 
 import torch
 
+from sdpa_core import flash_kernels
 from service.access_log import Recorder
 from service.metrics import Metrics
 from service.runtime.batcher import DynamicBatcher
@@ -65,6 +66,11 @@ class AppState:
 
     def __post_init__(self) -> None:
         self.recorder = Recorder(self.metrics, self.tracing)
+
+    def flash_kernels(self) -> dict[str, dict[str, object]]:
+        """The flash path's kernels this process has, each with whether it runs and why not
+        (/v1/info's "kernels"): the doors read sdpa_core's registry through here."""
+        return {kernel.name: kernel.as_dict() for kernel in flash_kernels()}
 
     def draining(self) -> bool:
         """True once the service began shutting down (the batcher refuses new work)."""
