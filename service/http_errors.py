@@ -16,7 +16,7 @@ from starlette.responses import JSONResponse
 from starlette.types import Receive, Scope, Send
 
 from service.errors import PROBLEM_JSON, FieldError, ServiceError, clip, problem_payload
-from service.routes import Envelope, envelope_of
+from service.routes import Envelope, envelope_of, route_path
 from service.wire.v2_errors import v2_message, v2_status
 
 # Status logged for a client that went away before its answer (nginx's "client closed request").
@@ -72,7 +72,8 @@ class ServiceErrorResponse:
         self.exc = exc
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        response = error_response(self.exc, envelope_of(scope.get("path", "")))
+        path = route_path(scope) if "path" in scope else ""
+        response = error_response(self.exc, envelope_of(path))
         await response(scope, receive, send)
 
 

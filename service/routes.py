@@ -8,8 +8,9 @@ The middlewares (service.middleware), the routes (service.api), the error envelo
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from enum import Enum
-from typing import Final
+from typing import Any, Final
 
 from service.wire.v2_models import MODEL_NAME, MODEL_VERSION
 
@@ -31,6 +32,21 @@ OPEN_PREFIXES: Final = ("/static/",)
 # Exempt from the in-flight bytes (service.middleware.inflight): the probes and the metrics
 # scrape must answer however full the server is.
 UNMETERED_PATHS: Final = PROBE_PATHS | {"/metrics"}
+
+
+def route_path(scope: Mapping[str, Any]) -> str:
+    """The path the app's router matches: scope["path"] less the scope's root_path (an app
+    mounted under a prefix, or behind Ray's route prefix, sees the whole path in "path").
+    Every rule of this module is about routes, so a middleware asks with this, never with
+    scope["path"] itself: otherwise /prefix/metrics would pass a check made for /metrics.
+    The same rule as Starlette's router (starlette._utils.get_route_path, 0.4x)."""
+    path: str = scope["path"]
+    root: str = scope.get("root_path", "")
+    if not root or not path.startswith(root):
+        return path
+    if path == root:
+        return ""
+    return path[len(root) :] if path[len(root)] == "/" else path
 
 
 def is_open(path: str) -> bool:

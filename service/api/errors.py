@@ -21,7 +21,7 @@ from starlette.responses import Response
 
 from service.errors import FieldError, InvalidRequest, ServiceError
 from service.http_errors import CLIENT_CLOSED, error_response
-from service.routes import Envelope, envelope_of
+from service.routes import Envelope, envelope_of, route_path
 from service.serving.exchange import exchange_of
 from service.wire.models import field_errors
 
@@ -44,7 +44,7 @@ class _Status(ServiceError):
 
 
 def _respond(request: Request, exc: ServiceError) -> Response:
-    return error_response(exc, envelope_of(request.url.path))
+    return error_response(exc, envelope_of(route_path(request.scope)))
 
 
 async def _on_service_error(request: Request, exc: Exception) -> Response:
@@ -57,7 +57,7 @@ async def _on_request_validation(request: Request, exc: Exception) -> Response:
     raw = exc.errors()
     errors: list[FieldError] = field_errors(raw, prefix=())
     detail = f"{len(raw)} invalid field(s)" if raw else "invalid request"
-    if envelope_of(request.url.path) is Envelope.V2 and errors:
+    if envelope_of(route_path(request.scope)) is Envelope.V2 and errors:
         detail = errors[0].msg  # v2's one message: the first field's
         errors = []
     return _respond(request, InvalidRequest(detail, errors=errors))
@@ -66,7 +66,7 @@ async def _on_request_validation(request: Request, exc: Exception) -> Response:
 async def _on_http_exception(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, StarletteHTTPException)
     detail = str(exc.detail)
-    if exc.status_code == 404 and envelope_of(request.url.path) is Envelope.V2:
+    if exc.status_code == 404 and envelope_of(route_path(request.scope)) is Envelope.V2:
         detail = (
             f"no such resource: {request.url.path} (this server serves the model "
             "'attention', version '1')"

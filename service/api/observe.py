@@ -18,7 +18,7 @@ from starlette.responses import Response
 
 from service.api.deps import StateDep
 from service.api.openapi import UNAUTHORIZED_DOC, json_ref, problem_doc, request_body
-from service.errors import FieldError, PayloadTooLarge, Unavailable
+from service.errors import FieldError, PayloadTooLarge, ShuttingDown, Unavailable
 from service.serving.exchange import exchange_of
 from service.serving.frame import admitted
 from service.wire.codec import dumps, loads_request
@@ -51,9 +51,12 @@ async def observe(request: Request, state: StateDep) -> Response:
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > MAX_OBSERVE_BODY_BYTES:
         raise _too_large(int(declared))
+    if state.draining():
+        # As a compute request is refused once the drain began: a report arriving now would
+        # be recorded into series the last scrape may never read.
+        raise ShuttingDown("the service is shutting down", retry_after_s=1.0)
     exchange = exchange_of(request.scope)
     async with admitted(state, exchange):
-        exchange.queued()  # nothing is queued: a drain need not wait for it past this point
         body = await request.body()
         if len(body) > MAX_OBSERVE_BODY_BYTES:
             raise _too_large(len(body))
@@ -64,6 +67,9 @@ async def observe(request: Request, state: StateDep) -> Response:
         health = state.health
         if health is None:
             raise Unavailable("not ready: the service is starting", retry_after_s=1.0)
+        # Nothing is queued: from here a drain need not wait for it. Until here (the body, the
+        # parse) a drain that ends answers it 503, as it does a compute request not yet queued.
+        exchange.queued()
         tags = [health.observe_reported(obs, tenant=exchange.tenant) for obs in parsed.observations]
     return Response(
         content=dumps({"recorded": len(tags), "tags": tags}), media_type="application/json"

@@ -32,7 +32,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from service.access_log import CLIENT_CLOSED_STATUS, UNMATCHED_ROUTE, Recorder
 from service.metrics import Metrics
 from service.protocol import DELIVERY_EXTENSION, Delivery
-from service.routes import UNMETERED_PATHS
+from service.routes import UNMETERED_PATHS, route_path
 from service.serving.exchange import Exchange, attach
 
 if TYPE_CHECKING:
@@ -133,7 +133,7 @@ class AccessLogMiddleware:
             http_version=scope.get("http_version"),
             # ASGI: header names in lower case.
             trace_context=[(n.decode("latin-1"), v) for n, v in headers if n in _TRACE_HEADERS],
-            traced=scope["path"] not in UNMETERED_PATHS,
+            traced=route_path(scope) not in UNMETERED_PATHS,
         )
         attach(scope, exchange)
         encoded_id = exchange.request_id.encode("ascii")

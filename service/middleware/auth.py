@@ -28,7 +28,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from service.http_errors import service_error_response
 from service.metrics import Metrics
-from service.routes import is_open
+from service.routes import is_open, route_path
 from service.serving.exchange import exchange_of
 from service.tenants import Keyring, presented_keys, refusal
 
@@ -58,8 +58,8 @@ class ApiKeyMiddleware:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if (
             scope["type"] != "http"
-            or is_open(scope["path"])
-            or scope["path"] in self.guarded_elsewhere
+            or is_open(route_path(scope))
+            or route_path(scope) in self.guarded_elsewhere
         ):
             await self.app(scope, receive, send)
             return

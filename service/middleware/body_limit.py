@@ -25,7 +25,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from service.errors import FieldError, PayloadTooLarge, ServiceError, UnsupportedMediaType
 from service.http_errors import service_error_response
 from service.metrics import Metrics
-from service.routes import is_v2_path
+from service.routes import is_v2_path, route_path
 from service.wire.lengths import parse_length
 
 _BODY_METHODS: Final = frozenset({"POST", "PUT", "PATCH"})
@@ -80,7 +80,7 @@ def _advice(scope: Scope, start: bytes) -> str:
     """What the caller can do about a body over the limit, from what it sent: the path (v1 or
     v2), v2's binary framing header, and for v1 the start of the body when some of it was read
     (a refusal on Content-Length alone reads none: then the advice names both cases)."""
-    if is_v2_path(scope["path"]):
+    if is_v2_path(route_path(scope)):
         # Triton's binary extension: the JSON header's length is declared, raw bytes follow.
         if _header(scope, b"inference-header-content-length") is not None:
             return ADVICE_V2_BINARY
@@ -149,7 +149,7 @@ class BodyLimitMiddleware:
         # v2 (Open Inference Protocol) bodies may carry binary tensor data after their JSON
         # header, and its clients declare them as application/octet-stream or not at all: the
         # route reads the framing from Inference-Header-Content-Length instead.
-        v2 = is_v2_path(scope["path"])
+        v2 = is_v2_path(route_path(scope))
         if not v2 and not is_json_content_type(content_type) and reaches_a_route(scope):
             shown = content_type.decode("latin-1")[:100] or "none"
             msg = f"request bodies must be JSON (Content-Type: application/json); got {shown}"

@@ -49,7 +49,7 @@ from service.http_errors import service_error_response
 from service.metrics import Metrics
 from service.middleware.body_limit import declared_length
 from service.protocol import unsent_bytes
-from service.routes import UNMETERED_PATHS, is_v2_path
+from service.routes import UNMETERED_PATHS, is_v2_path, route_path
 from service.serving.exchange import exchange_of
 from service.serving.inflight import Holding, InflightBytes, memory_busy
 from service.serving.offload import INLINE_MAX_BYTES
@@ -140,7 +140,7 @@ def json_prefix(scope: Scope) -> int | None:
     """How many leading bytes of the body are JSON: a v2 request's Inference-Header-Content-Length
     (the rest is binary data), else None (all of it). Not a number: None, and the route refuses
     the request once read."""
-    if not is_v2_path(scope["path"]):
+    if not is_v2_path(route_path(scope)):
         return None
     for name, value in scope["headers"]:
         if name == V2_HEADER_LENGTH:
@@ -182,7 +182,7 @@ class InflightBytesMiddleware:
         self.ledger.held = value
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in UNMETERED_PATHS:
+        if scope["type"] != "http" or route_path(scope) in UNMETERED_PATHS:
             await self.app(scope, receive, send)
             return
         # A declared body that does not fit now is refused before any of it is read (module

@@ -16,6 +16,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from service.errors import Unauthorized
 from service.http_errors import service_error_response
 from service.metrics import Metrics
+from service.routes import route_path
 from service.tenants import Keyring, presented_keys
 
 METRICS_PATHS: Final = frozenset({"/metrics"})
@@ -30,7 +31,7 @@ class MetricsKeyMiddleware:
         self.metrics = metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] not in METRICS_PATHS:
+        if scope["type"] != "http" or route_path(scope) not in METRICS_PATHS:
             await self.app(scope, receive, send)
             return
         presented = presented_keys(
