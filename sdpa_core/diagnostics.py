@@ -295,51 +295,55 @@ def _rows(rs: RowStats) -> _Rows:
     )
 
 
-def _per_head(rows: _Rows, *, scale: float) -> PerHeadStats:
-    """The summary's statistics per head, [..., H] (float64; masked_rows int64)."""
+def _summarized(rows: _Rows, *, scale: float) -> tuple[DiagnosticsSummary, PerHeadStats]:
+    """The summary's scalars and its statistics per head, from one reduction over the rows.
+
+    The per-head sums are taken once; the summary pools them (Chan's merge again, now of the
+    heads' (n, mean, M2)), so its cost is a fixed handful of torch calls whatever the number of
+    fields, and every number reaches the host in one transfer (one sync on CUDA). What follows
+    that transfer is done on Python floats (IEEE float64 arithmetic, as torch's)."""
     sums = rows.table.sum(-1)  # [len(_TABLE), ..., H]
-    means = (sums[_MEANS] / sums[_ACTIVE].clamp(min=1.0)).unbind(0)  # over active rows
     # Chan's parallel merge of per-row (n_i, mean_i, M2_i), written in closed form:
     # n = sum n_i, mean = sum n_i mean_i / n, M2 = sum M2_i + sum n_i (mean_i - mean)^2.
     n_safe = sums[_N].clamp(min=1.0)
     mean = sums[_N_MEAN] / n_safe
     spread = (rows.count * (rows.score_mean - mean.unsqueeze(-1)).square()).sum(-1)
-    variance = (sums[_M2] + spread) / n_safe
-    return PerHeadStats(
+    m2 = sums[_M2] + spread
+    abs_max = rows.score_abs_max.amax(-1)
+    # One transfer: every per-head sum, then each head's M2, mean and max |score|.
+    heads_t = torch.cat([sums, torch.stack([m2, mean, abs_max])])
+    heads = heads_t.reshape(len(_TABLE) + 3, -1).tolist()
+    *totals, m2_h, mean_h, abs_max_h = heads
+    n_h = totals[_N]
+    sum_of = [sum(row) for row in totals]  # [len(_TABLE)]: pooled over every head
+    active = sum_of[_ACTIVE]  # an exact count: a sum of 0s and 1s in float64
+    denom = max(active, 1.0)
+    n_total = max(sum_of[_N], 1.0)
+    mean_v = sum_of[_N_MEAN] / n_total
+    spread_v = sum(n * (m - mean_v) ** 2 for n, m in zip(n_h, mean_h, strict=True))
+    variance_v = (sum(m2_h) + spread_v) / n_total
+    summary = DiagnosticsSummary(
+        **{
+            name: total / denom
+            for name, total in zip(_ROW_MEAN_FIELDS, sum_of[_MEANS], strict=True)
+        },
+        score_mean_raw=mean_v,
+        score_variance_raw=variance_v,
+        score_variance_scaled=(scale * scale) * variance_v,
+        score_abs_max_scaled=abs(scale) * max(abs_max_h, default=0.0),
+        masked_rows=rows.active.numel() - int(active),
+    )
+    variance = m2 / n_safe
+    means = (sums[_MEANS] / sums[_ACTIVE].clamp(min=1.0)).unbind(0)  # over active rows
+    per_head = PerHeadStats(
         **dict(zip(_ROW_MEAN_FIELDS, means, strict=True)),
         score_mean_raw=mean,
         score_variance_raw=variance,
         score_variance_scaled=(scale * scale) * variance,
-        score_abs_max_scaled=abs(scale) * rows.score_abs_max.amax(-1),
+        score_abs_max_scaled=abs(scale) * abs_max,
         masked_rows=(~rows.active).sum(-1),
     )
-
-
-def _summary(rows: _Rows, *, scale: float) -> DiagnosticsSummary:
-    """The summary's scalars: _per_head's formulas, pooled over every row at once. One host
-    transfer for every number (one sync on CUDA); what follows the sums is done on those
-    Python floats (IEEE float64 arithmetic, as torch's)."""
-    table = rows.table
-    sums = table.sum(dim=tuple(range(1, table.dim())))  # [len(_TABLE)]
-    # The pooled score mean is needed on the device, for the spread's second pass.
-    mean = sums[_N_MEAN] / sums[_N].clamp(min=1.0)
-    spread = (rows.count * (rows.score_mean - mean).square()).sum()
-    tail = torch.stack([mean, spread, rows.score_abs_max.amax()])
-    *totals, mean_v, spread_v, abs_max = torch.cat([sums, tail]).tolist()
-    active = totals[_ACTIVE]  # an exact count: a sum of 0s and 1s in float64
-    denom = max(active, 1.0)
-    variance = (totals[_M2] + spread_v) / max(totals[_N], 1.0)
-    return DiagnosticsSummary(
-        **{
-            name: total / denom
-            for name, total in zip(_ROW_MEAN_FIELDS, totals[_MEANS], strict=True)
-        },
-        score_mean_raw=mean_v,
-        score_variance_raw=variance,
-        score_variance_scaled=(scale * scale) * variance,
-        score_abs_max_scaled=abs(scale) * abs_max,
-        masked_rows=rows.active.numel() - int(active),
-    )
+    return summary, per_head
 
 
 def summarize(
@@ -359,8 +363,7 @@ def summarize(
             got=repr(level),
         )
     rows = _rows(row_stats)
-    summary = _summary(rows, scale=scale)
-    per_head = _per_head(rows, scale=scale)
+    summary, per_head = _summarized(rows, scale=scale)
 
     per_row = None
     if level == "full":
