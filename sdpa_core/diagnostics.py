@@ -277,7 +277,7 @@ def _rows(rs: RowStats) -> _Rows:
             normalized,
             torch.where(active, ent.exp(), 0.0),  # effective keys
             mw,
-            (mw >= SATURATION_THRESHOLD).to(torch.float64),  # 0 on masked rows: mw is 0 there
+            mw >= SATURATION_THRESHOLD,  # 0 on masked rows: mw is 0 there (stack: float64)
             sink,
             grad,
             jac,
@@ -307,7 +307,7 @@ def _summarized(rows: _Rows, *, scale: float) -> tuple[DiagnosticsSummary, PerHe
     # n = sum n_i, mean = sum n_i mean_i / n, M2 = sum M2_i + sum n_i (mean_i - mean)^2.
     n_safe = sums[_N].clamp(min=1.0)
     mean = sums[_N_MEAN] / n_safe
-    spread = (rows.count * (rows.score_mean - mean.unsqueeze(-1)).square()).sum(-1)
+    spread = torch.linalg.vecdot((rows.score_mean - mean.unsqueeze(-1)).square(), rows.count)
     m2 = sums[_M2] + spread
     abs_max = rows.score_abs_max.amax(-1)
     # One transfer: every per-head sum, then each head's M2, mean and max |score|.
