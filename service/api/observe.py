@@ -103,6 +103,7 @@ router.add_api_route(
         200: _ANSWER,
         401: UNAUTHORIZED_DOC,
         413: problem_doc("The body is over 16 MiB."),
+        415: problem_doc("The body is not declared as JSON (Content-Type: application/json)."),
         422: problem_doc(
             "A field is malformed, out of range or not finite; errors[].loc names it."
         ),

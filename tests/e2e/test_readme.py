@@ -46,6 +46,7 @@ PAGES_RUN = (
 # Pages with blocks that cannot run here, and where they are checked instead.
 PAGES_NOT_RUN = {
     "docs/api/v2-rest.md": "tests/e2e/test_v2_readme.py runs its tritonclient example",
+    "docs/architecture.md": "the house's tree, no command: tests/service/test_layout.py checks it",
     "docs/client/tap.md": "a model and batches of your own; tests/e2e/test_tap_minilm.py taps one",
     "docs/monitoring.md": "make monitor runs until stopped: tests/e2e/test_monitor.py runs it",
     "docs/operations/container.md": "docker and buildah: tests/deploy/test_container.py",
