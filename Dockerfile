@@ -99,9 +99,14 @@ FROM deps AS build
 # cpp_extension and the ninja from the venv; the runtime stage carries the built library alone:
 # 0.4 MB, where a compiler at warm-up would add g++ (about 250 MB installed on Debian 12) and
 # torch's headers (62 MB) to the image.
+# torch's extension headers include Python.h: the official python images carry it, a base whose
+# Python is Debian's (the stand-in base of scripts/make-stand-in-base.sh) needs python3-dev.
 # hadolint ignore=DL3008
-RUN apt-get update \
-    && apt-get install -y --no-install-recommends g++ \
+RUN include="$(python -c 'import sysconfig; print(sysconfig.get_paths()["include"])')" \
+    && headers="" \
+    && { [ -e "${include}/Python.h" ] || headers="python3-dev"; } \
+    && apt-get update \
+    && apt-get install -y --no-install-recommends g++ ${headers:+"$headers"} \
     && rm -rf /var/lib/apt/lists/*
 
 # The code last. --no-deps: everything it needs is in the venv. --target /opt/app: the package
