@@ -764,7 +764,7 @@ def test_open_capture_reads_a_file_sdpa_tap_wrote(
                 "--model",
                 str(minilm.get_model_path()),
                 "--text",
-                str(lines),
+                f"@{lines}",  # a file of sentences, one per line (the text itself without @)
                 "--out",
                 str(path),
             ]
