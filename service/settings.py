@@ -147,7 +147,9 @@ class Settings(BaseSettings):
     # one. Heads at index health_max_heads and beyond are not exported per head (0: no
     # per-head series), so 256 tags cost at most 256 x (128 + 3 x 64) = 81,920 series.
     health_sample_rate: float = Field(default=0.01, ge=0.0, le=1.0)
-    health_sink_tokens: int = Field(default=4, ge=0, le=1 << 20)
+    # At most 64: sinks are the first few tokens (StreamingLLM keeps 4), and with key padding
+    # the flash path scores the sink keys apart, [B, H, N_q, sink_tokens] floats per call.
+    health_sink_tokens: int = Field(default=4, ge=0, le=64)
     health_max_tags: int = Field(default=256, ge=1, le=10_000)
     health_max_heads: int = Field(default=64, ge=0, le=1024)
 
