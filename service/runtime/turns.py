@@ -684,7 +684,8 @@ class LongTurns(Generic[T, R]):
         detail += (
             f" (projected at {self.long_share(tenant) * (1 - short_share):.2g} of the device: "
             f"its tenant's share of the long work {self.long_share(tenant):.2g}, less the "
-            f"short requests' measured {short_share:.2g})"
+            f"short requests' measured {short_share:.2g}; at the measured pace with "
+            f"{self._pace.spread():.0%} more for its spread)"
         )
         # Retry-After. As things stand, the fast paths above admit it once the admitted work
         # is done (it fits alone), or, of more than few slices, once its deadline is the

@@ -5,10 +5,10 @@ d_k 64: eight slices of SDPA_SLICE_MS) are sent at once, with a timeout_ms in th
 ratio to one request's device time (1.5 s to 0.38 s): three could meet it one after the
 other, four could not. Taking turns without regard to deadlines, all eight progressed
 together and none finished (the issue measured 0 of 8); ordered and admitted by deadline
-(service.runtime.batcher: Deadlines of long items), at least three answer 200, the others
-503 with Retry-After at once or 504, never 500. The bounds are loose
-(CI runs two test workers on two cores); the figures are in bench/long_deadlines.py. Run with
-`-s` to see them.
+(service.runtime.turns: Deadlines of long items), at least one answers 200 (three on a steady
+machine: the test says why), the others 503 with Retry-After at once or 504, never 500. The
+bounds are loose (CI runs two test workers on two cores); the figures are in
+bench/long_deadlines.py. Run with `-s` to see them.
 """
 
 from __future__ import annotations
@@ -112,6 +112,7 @@ def one_round(server: LiveServer) -> list[Answer]:
         f"\none request {one_s:.3f} s of device time, timeout {timeout_s:.3f} s: "
         + ", ".join(f"{a.status} in {a.seconds:.2f} s" for a in in_order)
         + f"; refused by deadline: {refused:.0f}"
+        + "".join(f"\n  {a.detail}" for a in answers if a.status == 503)[:400]
     )
     statuses = [answer.status for answer in answers]
     assert set(statuses) <= {200, 503, 504}, answers
@@ -132,17 +133,23 @@ def one_round(server: LiveServer) -> list[Answer]:
 def test_eight_long_requests_sharing_a_deadline_three_could_meet_in_order(
     server: LiveServer,
 ) -> None:
-    """timeout_ms = 3.95 requests' device time: three in order fit, four do not. At least
-    two answer 200 (each within its deadline plus a loose second), every other one a 503
-    with Retry-After (counted as deadline_unreachable) or a 504, none a 500. Admission keeps a
-    margin for the spread of the tiles' measured pace (service.runtime.pace: two standard
-    deviations), so the third, which fits with 25% to spare only at the mean pace, is admitted
-    on a steady machine and refused on one whose pace swings (CI: two test workers on two
-    cores). Taking turns as before this admission, 0 of 8 finished in every round of
-    bench/long_deadlines.py. A second round when the first finished fewer than three: the
-    figure printed is what the admission did on this machine."""
+    """timeout_ms = 3.95 requests' device time: three in order fit at the mean pace, four do
+    not. Every answer is a 200 within its deadline (plus a loose second), a 503 at once with
+    Retry-After (counted as deadline_unreachable) or a 504, none a 500; and at least one is a 200
+    (taking turns as before this admission, 0 of 8 finished in every round of
+    bench/long_deadlines.py).
+
+    How many more are admitted is the machine's, not the test's, to say: admission keeps a
+    margin for the spread of the measured pace (service.runtime.pace: two standard deviations
+    of a quarter second's pace, at most 100%), so the second and third are admitted where that
+    spread is under 97% and 32% (2 and 3 times one request's time, by 1 + spread, within 3.95
+    times it) and refused where it is more. On a quiet machine three
+    answer; under CI's two test workers on two cores the spread reached its cap and one did, in
+    both rounds (the refusals say the spread they counted: run with -s). The first always fits:
+    at twice the mean pace it takes half its deadline. A second round when the first finished
+    fewer than three."""
     finished = [sum(answer.status == 200 for answer in one_round(server))]
     if finished[0] < 3:
         finished.append(sum(answer.status == 200 for answer in one_round(server)))
-    assert max(finished) >= 2, finished
+    assert max(finished) >= 1, finished
     assert "Traceback" not in server.log()
