@@ -297,6 +297,7 @@ class Metrics:
         self.nonfinite_inputs_total = Counter(
             "sdpa_nonfinite_inputs_total",
             "Requests refused because an input held NaN or Inf.",
+            ["tenant"],
             registry=reg,
         )
         self.health_observations_total = Counter(

@@ -312,9 +312,9 @@ class HealthMonitor:
             for gauge, value in zip(gauges, (entropy[head], sink[head], logit[head]), strict=True):
                 gauge.labels(tag, tenant, label).set(value)
 
-    def count_nonfinite(self) -> None:
-        """A request was refused for NaN/Inf in an input."""
-        self._metrics.nonfinite_inputs_total.inc()
+    def count_nonfinite(self, tenant: str) -> None:
+        """A request of `tenant` was refused for NaN/Inf in an input."""
+        self._metrics.nonfinite_inputs_total.labels(tenant=tenant).inc()
 
     def after_answer(
         self,

@@ -136,8 +136,9 @@ def invalid_input(exc: SdpaError) -> InvalidInput:
     return InvalidInput.from_core(exc)
 
 
-async def _decode(door: Door[D, O, A], state: AppState) -> D:
-    """The door's request decoded (off the loop unless cheap); NaN/Inf refusals counted."""
+async def _decode(door: Door[D, O, A], state: AppState, tenant: str) -> D:
+    """The door's request decoded (off the loop unless cheap); NaN/Inf refusals counted for
+    `tenant`."""
     inline = door.decode_inline()
     try:
         # Off the loop, big lists of numbers are parsed in pieces: the parser and numpy hold
@@ -147,7 +148,7 @@ async def _decode(door: Door[D, O, A], state: AppState) -> D:
         )
     except NonFiniteError as exc:
         if state.health is not None:
-            state.health.count_nonfinite()
+            state.health.count_nonfinite(tenant)
         raise invalid_input(exc) from exc
     except SdpaError as exc:
         raise invalid_input(exc) from exc
@@ -195,7 +196,7 @@ async def run(door: Door[D, O, A], exchange: Exchange, state: AppState) -> Serve
     """Serve one request through `door`: decode, queue, compute, encode -> its answer, timed.
     Its deadline, priority and phases go into `exchange`; the answer's in-flight bytes are
     reserved on its holding."""
-    decoded_request = await _decode(door, state)
+    decoded_request = await _decode(door, state, exchange.tenant)
     request = door.prepared(decoded_request)
     decoded = time.monotonic()
     outcome, batch = await _computed(request, exchange, state, door.outcome_type)

@@ -282,14 +282,14 @@ def test_a_64_character_tag_is_fine(capped_server: LiveServer) -> None:
 
 def test_nonfinite_inputs_are_counted(capped_server: LiveServer) -> None:
     url = capped_server.url
-    before = value(scrape(url), "sdpa_nonfinite_inputs_total")
+    before = value(scrape(url), "sdpa_nonfinite_inputs_total", tenant="anonymous")
     body = scores_request([UNIFORM])
     q = np.zeros((1, 1, 3, 2))
     q[0, 0, 1, 0] = np.nan
     body["q"] = b64(q)
     response = post(url, body)
     assert response.status_code == 422
-    assert value(scrape(url), "sdpa_nonfinite_inputs_total") == before + 1
+    assert value(scrape(url), "sdpa_nonfinite_inputs_total", tenant="anonymous") == before + 1
 
 
 def test_process_and_in_flight_metrics_are_exported(capped_server: LiveServer) -> None:
