@@ -66,6 +66,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Hashable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
 from prometheus_client import Gauge
@@ -88,6 +89,8 @@ __all__ = [
     "FEW_SLICES",
     "MAX_RUNNING_LONG",
     "BatchResult",
+    "BatcherConfig",
+    "BatcherPolicy",
     "DynamicBatcher",
     "Resumable",
 ]
@@ -135,41 +138,67 @@ def _shut_down_while_running() -> ShuttingDown:
     )
 
 
+@dataclass(frozen=True, slots=True)
+class BatcherPolicy(Generic[T, R]):
+    """How the batcher reads an item (the engine's BatchPolicy and cost model give these):
+    its group (items of one group may share a batch), its cost (a batch grows while its items'
+    costs add up to at most max_batch_cost: Ray Serve's batch_size_fn; BentoML #3859, a count
+    alone lets a batch of large requests exhaust memory), its estimated device seconds (the
+    backlog, Retry-After, and which items are long: service.runtime.pace; one unit each
+    without it), and how a long item starts its run of about `tiles` tiles on the device
+    thread (without it, every item is short)."""
+
+    group_key: Callable[[T], Hashable]
+    batch_cost: Callable[[T], float] | None = None
+    work_seconds: Callable[[T], float] | None = None
+    start_long: Callable[[T, int], Resumable[R]] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class BatcherConfig:
+    """The batcher's bounds (the settings give them: DESIGN.md). max_batch_cost: in the
+    policy's batch_cost units (None: no bound); slice_s: a long item's tile and the most short
+    work between two tiles (None: every item is short); tenant_weights: the configured
+    tenants (each finds room in the queue) and their fair-share weights; tenant_queue_share:
+    the share of max_queue one tenant may hold."""
+
+    max_batch_size: int
+    max_queue: int
+    max_batch_delay_s: float = 0.0
+    max_batch_cost: float | None = None
+    slice_s: float | None = None
+    tenant_weights: Mapping[str, float] = field(default_factory=dict)
+    tenant_queue_share: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.slice_s is not None and self.slice_s <= 0:
+            raise ValueError(f"slice_s must be > 0, got {self.slice_s}")
+        if self.max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
+        if self.max_queue < 1:
+            raise ValueError(f"max_queue must be >= 1, got {self.max_queue}")
+        if self.max_batch_delay_s < 0:
+            raise ValueError(f"max_batch_delay_s must be >= 0, got {self.max_batch_delay_s}")
+        if not 0.0 < self.tenant_queue_share <= 1.0:
+            raise ValueError(f"tenant_queue_share must be in (0, 1], got {self.tenant_queue_share}")
+        if any(not (MIN_WEIGHT <= w <= MAX_WEIGHT) for w in self.tenant_weights.values()):
+            raise ValueError(f"tenant weights must be within [{MIN_WEIGHT}, {MAX_WEIGHT}]")
+
+
 class DynamicBatcher(Generic[T, R]):
     """Groups submitted items into batches and runs them one batch at a time on one thread."""
 
     def __init__(
         self,
         run_batch: Callable[[Sequence[T]], Sequence[R | BaseException]],
+        policy: BatcherPolicy[T, R],
+        config: BatcherConfig,
         *,
-        group_key: Callable[[T], Hashable],
-        max_batch_size: int,
-        max_batch_delay_s: float,
-        max_queue: int,
         metrics: Metrics | None = None,
-        batch_cost: Callable[[T], float] | None = None,
-        max_batch_cost: float | None = None,
         idle_work: Callable[[], Callable[[], None] | None] | None = None,
-        work_seconds: Callable[[T], float] | None = None,
-        slice_s: float | None = None,
-        start_long: Callable[[T, int], Resumable[R]] | None = None,
         clock: Callable[[], float] = time.monotonic,
         call_at: Callable[[float, Callable[[], None]], Cancellable] | None = None,
-        tenant_weights: Mapping[str, float] | None = None,
-        tenant_queue_share: float = 1.0,
     ) -> None:
-        if slice_s is not None and slice_s <= 0:
-            raise ValueError(f"slice_s must be > 0, got {slice_s}")
-        if max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
-        if max_queue < 1:
-            raise ValueError(f"max_queue must be >= 1, got {max_queue}")
-        if max_batch_delay_s < 0:
-            raise ValueError(f"max_batch_delay_s must be >= 0, got {max_batch_delay_s}")
-        if not 0.0 < tenant_queue_share <= 1.0:
-            raise ValueError(f"tenant_queue_share must be in (0, 1], got {tenant_queue_share}")
-        if any(not (MIN_WEIGHT <= w <= MAX_WEIGHT) for w in (tenant_weights or {}).values()):
-            raise ValueError(f"tenant weights must be within [{MIN_WEIGHT}, {MAX_WEIGHT}]")
         self._run_batch = run_batch
         # The one time source: deadlines are its instants, and the pace, the backlog and the
         # long items' projections are measured on it (a test injects a clock it steps).
@@ -178,31 +207,30 @@ class DynamicBatcher(Generic[T, R]):
         # event loop, whose clock may run apart from `clock`; a test's fake clock fires them
         # itself as it steps.
         self._call_at = call_at
-        self._group_key = group_key
-        self._max_batch_size = max_batch_size
-        self._max_batch_delay_s = max_batch_delay_s
-        self._max_queue = max_queue
-        self._tenant_queue_share = tenant_queue_share
+        self._group_key = policy.group_key
+        self._max_batch_size = config.max_batch_size
+        self._max_batch_delay_s = config.max_batch_delay_s
+        self._max_queue = config.max_queue
+        self._tenant_queue_share = config.tenant_queue_share
         # The configured tenants (each finds room in the queue: _tenant_refusal).
-        self._tenant_names = frozenset(tenant_weights or ())
+        self._tenant_names = frozenset(config.tenant_weights)
         self._metrics = metrics
-        # Optional size accounting beyond the count (Ray Serve's batch_size_fn; BentoML #3859:
-        # a count alone lets a batch of large requests exhaust memory): a batch grows while the
-        # sum of its items' costs stays within max_batch_cost; its first item always goes.
-        self._batch_cost = batch_cost
-        self._max_batch_cost = math.inf if max_batch_cost is None else max_batch_cost
+        # A batch grows while its items' costs add up to at most max_batch_cost (BatcherPolicy);
+        # its first item always goes.
+        self._batch_cost = policy.batch_cost
+        self._max_batch_cost = math.inf if config.max_batch_cost is None else config.max_batch_cost
         # Work that runs on the device thread only while nothing is queued (the health
         # monitor's sampled summaries): asked for one call at a time, each awaited before the
         # queue is looked at again, so it delays a new arrival by one call at most.
         self._idle_work = idle_work
         # An item's estimated device seconds, for the backlog (service.runtime.pace).
-        self._work_seconds = work_seconds
+        self._work_seconds = policy.work_seconds
         # Long items run in slices (service.runtime.turns); without both, every item is short.
-        self._slice_s = slice_s if start_long is not None else None
-        self._start_long = start_long
+        self._start_long = policy.start_long
+        self._slice_s = config.slice_s if policy.start_long is not None else None
 
         self._queue: WorkQueue[T, R] = WorkQueue(
-            weights=tenant_weights, on_change=self._queue_changed
+            weights=config.tenant_weights, on_change=self._queue_changed
         )
         for name in self._tenant_names:  # known from the start: the long shares count them
             self._queue.tenant(name)

@@ -22,7 +22,14 @@ import pytest
 from service.errors import DeadlineExceeded, DeadlineUnreachable, ShuttingDown
 from service.metrics import Metrics
 from service.runtime import turns as turns_module
-from service.runtime.batcher import FEW_SLICES, MAX_RUNNING_LONG, BatchResult, DynamicBatcher
+from service.runtime.batcher import (
+    FEW_SLICES,
+    MAX_RUNNING_LONG,
+    BatcherConfig,
+    BatcherPolicy,
+    BatchResult,
+    DynamicBatcher,
+)
 from tests.service.runtime.test_batcher import FAR, deadline_in, rejected, run, until
 
 TILE_S = 0.02  # real seconds one fake tile takes
@@ -90,14 +97,11 @@ def make(
 ) -> DynamicBatcher[str, str]:
     return DynamicBatcher(
         device.run_batch,
-        group_key=lambda item: item[0],
-        max_batch_size=32,
-        max_batch_delay_s=0.0,
-        max_queue=64,
+        BatcherPolicy(
+            group_key=lambda item: item[0], work_seconds=work, start_long=device.start_long
+        ),
+        BatcherConfig(max_batch_size=32, max_queue=64, slice_s=slice_s),
         metrics=metrics,
-        work_seconds=work,
-        slice_s=slice_s,
-        start_long=device.start_long,
         clock=clock,
     )
 
@@ -196,9 +200,12 @@ def test_short_batches_between_tiles_stop_after_one_slice_of_measured_time() -> 
     device = SlowShorts()
 
     b = DynamicBatcher(
-        device.run_batch, group_key=lambda item: item[0], max_batch_size=1,
-        max_batch_delay_s=0.0, max_queue=64, work_seconds=under_counted, slice_s=SLICE_S,
-        start_long=device.start_long,
+        device.run_batch,
+        BatcherPolicy(
+            group_key=lambda item: item[0], work_seconds=under_counted,
+            start_long=device.start_long,
+        ),
+        BatcherConfig(max_batch_size=1, max_queue=64, slice_s=SLICE_S),
     )  # fmt: skip
     # (30 tiles: were the sleeps to overshoot, one short a gap still ends before the long item)
     run(twenty_shorts_behind_a_long_item(b, device, slices=30))

@@ -16,7 +16,7 @@ import pytest
 
 from service.errors import DeadlineExceeded, DeadlineUnreachable, QueueFull, TenantQueueFull
 from service.metrics import Metrics
-from service.runtime.batcher import BatchResult, DynamicBatcher
+from service.runtime.batcher import BatcherConfig, BatcherPolicy, BatchResult, DynamicBatcher
 from service.runtime.queue import Item, State, WorkQueue
 from tests.support.fake_clock import FakeClock
 
@@ -195,9 +195,12 @@ def batcher(
     metrics: Metrics | None = None, weights: dict[str, float] | None = None,
 ) -> DynamicBatcher[str, str]:  # fmt: skip
     return DynamicBatcher(
-        device, group_key=lambda item: item[0], max_batch_size=8, max_batch_delay_s=0.0,
-        max_queue=max_queue, metrics=metrics, clock=clock, call_at=clock.call_at,
-        tenant_queue_share=share, tenant_weights=weights,
+        device, BatcherPolicy(group_key=lambda item: item[0]),
+        BatcherConfig(
+            max_batch_size=8, max_queue=max_queue, tenant_queue_share=share,
+            tenant_weights=weights or {},
+        ),
+        metrics=metrics, clock=clock, call_at=clock.call_at,
     )  # fmt: skip
 
 
@@ -364,10 +367,14 @@ def tiled_batcher(
     device: TiledDevice, clock: FakeClock, weights: dict[str, float] | None = None
 ) -> DynamicBatcher[str, str]:
     return DynamicBatcher(
-        device.run_batch, group_key=lambda item: item[0], max_batch_size=64,
-        max_batch_delay_s=0.0, max_queue=512, clock=clock, call_at=clock.call_at,
-        work_seconds=work_of, slice_s=SLICE, start_long=device.start_long,
-        tenant_weights=weights,
+        device.run_batch,
+        BatcherPolicy(
+            group_key=lambda item: item[0], work_seconds=work_of, start_long=device.start_long
+        ),
+        BatcherConfig(
+            max_batch_size=64, max_queue=512, slice_s=SLICE, tenant_weights=weights or {}
+        ),
+        clock=clock, call_at=clock.call_at,
     )  # fmt: skip
 
 
