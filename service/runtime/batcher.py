@@ -609,9 +609,8 @@ class DynamicBatcher(Generic[T, R]):
             # drain() timed out while this batch was on the device: its items get ShuttingDown
             # now; _answer_batch, should it still come, finds them answered.
             for pending in batch:
-                if self._queue.owes_answer(pending):
+                if self._queue.answer(pending, _shut_down_while_running()):
                     self._reject("shutting_down")
-                    self._queue.answer(pending, _shut_down_while_running())
             self._in_flight = []
             raise
         self._in_flight = []
@@ -666,10 +665,13 @@ class DynamicBatcher(Generic[T, R]):
             self._queue.tenant(long.pending.tenant).running -= 1
         self._set_depth()
 
-    def _end_longs(self, error: Callable[[], BaseException]) -> None:
-        """Answer every long item still running with error() and forget them all."""
+    def _end_longs(self, error: Callable[[], BaseException], *, rejected: str = "") -> None:
+        """Answer every long item still running with error() and forget them all; each answer
+        that reaches its client is counted as rejected for that reason, if one is given."""
         for long in list(self._turns.longs.values()):
-            self._queue.answer(long.pending, error())  # (not one answered already)
+            # (not one answered already: answer() answers nothing DONE)
+            if self._queue.answer(long.pending, error()) and rejected:
+                self._reject(rejected)
             self._end_long(long)
 
     def _left_alone(self, long: Long[T, R]) -> bool:
@@ -680,10 +682,8 @@ class DynamicBatcher(Generic[T, R]):
         pending = long.pending
         if pending.future.cancelled():
             reason = "disconnected"
-        elif not self._queue.owes_answer(pending):  # the deadline timer answered it
-            reason = "deadline"
-        elif pending.deadline <= self._clock():
-            self._expire(pending)
+        elif not self._queue.awaited(pending) or pending.deadline <= self._clock():
+            self._expire(pending)  # (it answers nothing the timer answered already)
             reason = "deadline"
         else:
             return False
@@ -702,10 +702,7 @@ class DynamicBatcher(Generic[T, R]):
             await self._take_turn()
         except asyncio.CancelledError:
             self._in_flight = []
-            for long in self._turns.longs.values():
-                if self._queue.owes_answer(long.pending):
-                    self._reject("shutting_down")
-            self._end_longs(_shut_down_while_running)
+            self._end_longs(_shut_down_while_running, rejected="shutting_down")
             raise
 
     async def _take_turn(self) -> None:

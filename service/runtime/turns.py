@@ -141,7 +141,7 @@ from dataclasses import dataclass
 from typing import Generic, NamedTuple, Protocol, TypeVar
 
 from service.runtime.pace import MAX_RETRY_AFTER_S, Pace, ShortStream
-from service.runtime.queue import FEW_SLICES, Entry, Item, State, Tenant, WorkQueue
+from service.runtime.queue import FEW_SLICES, Entry, Item, Tenant, WorkQueue
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -273,8 +273,8 @@ class Waiting:
         self.left_s += entry[2].work * self.per_work
 
     def _first(self, heap: list[Entry]) -> Entry | None:
-        joined = self._joined
-        while heap and (heap[0][1] in joined or heap[0][2].state is not State.QUEUED):
+        joined, queued = self._joined, WorkQueue.is_queued
+        while heap and (heap[0][1] in joined or not queued(heap[0][2])):
             heapq.heappop(heap)
         return heap[0] if heap else None
 
@@ -545,7 +545,7 @@ class LongTurns(Generic[T, R]):
             pending = long.pending
             if tenant is not None and pending.tenant != tenant.name:
                 continue
-            if not self._queue.owes_answer(pending) or pending.future.cancelled():
+            if not self._queue.awaited(pending):
                 continue  # dropped at its next turn
             rate = per_work.get(pending.tenant)
             if rate is None:
@@ -783,7 +783,7 @@ class LongTurns(Generic[T, R]):
         names: dict[str, int] = {}
         for seq, long in self.longs.items():
             pending = long.pending
-            if self._queue.owes_answer(pending) and not pending.future.cancelled():
+            if self._queue.awaited(pending):
                 names.setdefault(pending.tenant, seq)
         if not names:
             return None

@@ -165,6 +165,28 @@ def test_each_item_is_answered_exactly_once(q: Queue) -> None:
     assert gone.state is State.DONE
 
 
+def test_the_queue_says_who_is_awaited_and_queued_so_no_caller_reads_a_state(q: Queue) -> None:
+    """awaited: not answered and the client still there; is_queued: not taken nor dropped.
+    By hand through each move: queued, taken, answered; queued, withdrawn; taken, client gone."""
+    item = q.add("a0", "A")
+    assert q.queue.is_queued(item)
+    assert q.queue.awaited(item)
+    q.queue.take(item, now=0.0)
+    assert not q.queue.is_queued(item)
+    assert q.queue.awaited(item)
+    q.queue.answer(item, "A0")
+    assert not q.queue.awaited(item)
+    dropped = q.add("a1", "A")
+    assert q.queue.withdraw(dropped) is True
+    assert not q.queue.is_queued(dropped)
+    assert q.queue.awaited(dropped)
+    assert q.queue.withdraw(dropped) is False  # withdrawn once only
+    left = q.add("a2", "A")
+    q.queue.take(left, now=0.0)
+    left.future.cancel()  # the client left while it ran: nobody awaits it, unanswered
+    assert not q.queue.awaited(left)
+
+
 # -- the batcher on a fake clock -------------------------------------------------------------
 
 
