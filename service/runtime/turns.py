@@ -125,10 +125,10 @@ the tenant's share (refused for its own tenant's long work, a 429; else 503). Th
 to the tenant whose virtual time is least (service.runtime.queue: the same shares as the short
 batches; tiles charge it), and among that tenant's items by the rules above; the short batches
 of another tenant run before the tile while their tenant's virtual time is not past the tile's
-tenant's, up to the measured time the tile tenant's share leaves them (the batcher). (Before,
-the shares gave way wherever they would cost a running item its deadline: a tenant keeping
-tight deadlines held another's short requests to 1.0 s and its long ones to 3 completions in
-57 s.)
+tenant's, up to the measured time the tile tenant's share leaves them
+(service.runtime.long_runs). (Before, the shares gave way wherever they would cost a running
+item its deadline: a tenant keeping tight deadlines held another's short requests to 1.0 s and
+its long ones to 3 completions in 57 s.)
 """
 
 from __future__ import annotations
@@ -239,8 +239,8 @@ class Share(NamedTuple):
 class Waiting:
     """The queued long items as one projection sees them: copies of the batcher's heaps of
     entries (all of them, and those of few slices), whose items are taken in the order the
-    worker's _next_long takes them; entries of items no longer queued are skipped, as the
-    worker skips them. Work in device seconds at per_work, deadlines in seconds from origin.
+    worker takes them (LongTurns.next_long); entries of items no longer queued are skipped, as
+    the worker skips them. Work in device seconds at per_work, deadlines in seconds from origin.
     """
 
     __slots__ = (
@@ -302,8 +302,8 @@ class Turns:
     """A projection of the long items' tiles (module docstring), for their admission and for
     the choice of a tile. One running item has the device at a time: the earliest deadline
     (``by_deadline``) or the least work left, the oldest first on ties; the queued items join
-    as the worker's _next_long takes them (the earliest deadline, the oldest on ties, while
-    fewer than MAX_RUNNING_LONG run, else the earliest of few slices while fewer than twice as
+    as the worker takes them (LongTurns.next_long: the earliest deadline, the oldest on ties,
+    while fewer than MAX_RUNNING_LONG run, else the earliest of few slices while fewer than twice as
     many), and may then take the device; each item stops at its deadline (abandoned, or
     dropped while queued). An item that cannot finish by its deadline even alone, when it
     joins, holds its place until its deadline and never has the device. Tiles are taken as
@@ -640,9 +640,9 @@ class LongTurns(Generic[T, R]):
             if turns.missed <= turns.hopeless:
                 return True  # (those could not finish even alone: missed without it too)
             if baseline is None:
-                # What the worker does without it (_whose_turn): the least work left first
-                # while that meets every deadline that can be met alone, else the earliest
-                # deadline first. (Against the latter alone, an item only the former saves
+                # What the worker does without it (LongTurns.whose_turn): the least work left
+                # first while that meets every deadline that can be met alone, else the
+                # earliest deadline first. (Against the latter alone, an item only the former saves
                 # was lost already, and a new one could take the places that saved it.)
                 baseline = project(None, _PROJECTED_LONGS, by_deadline=False)
                 if baseline.exhausted or baseline.missed - baseline.hopeless:
