@@ -148,8 +148,11 @@ def _lifespan(engine: Engine | None, *, device_threads: int | None) -> Any:
                 # warm-up): the backlog behind Retry-After and sdpa_backlog_seconds.
                 work_seconds=lambda prepared: state.cost_model.seconds(*job_work(prepared)),
                 # A request of more than one slice of that work runs alone in tiles, between
-                # which its deadline and client are checked and short batches run.
+                # which its deadline and client are checked and short batches run: sdpa_core's
+                # run, stepped as it is; each tile observed, the result made the Outcome.
                 start_long=running.start_long,
+                note_tile=running.note_tile,
+                finish_long=running.finish_long,
             ),
             BatcherConfig(
                 max_batch_size=settings.max_batch_size,

@@ -70,7 +70,7 @@ import math
 import time
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Generic, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 from prometheus_client import Gauge
 
@@ -102,6 +102,7 @@ __all__ = [
 T = TypeVar("T")
 R = TypeVar("R")
 V = TypeVar("V")
+RunT = TypeVar("RunT", bound=Resumable[Any])
 
 logger = logging.getLogger("sdpa.batcher")
 
@@ -137,19 +138,25 @@ def _queued_too_long() -> DeadlineExceeded:
 
 
 @dataclass(frozen=True, slots=True)
-class BatcherPolicy(Generic[T, R]):
+class BatcherPolicy(Generic[T, R, RunT]):
     """How the batcher reads an item (the engine's BatchPolicy and cost model give these):
     its group (items of one group may share a batch), its cost (a batch grows while its items'
     costs add up to at most max_batch_cost: Ray Serve's batch_size_fn; BentoML #3859, a count
     alone lets a batch of large requests exhaust memory), its estimated device seconds (the
     backlog, Retry-After, and which items are long: service.runtime.pace; one unit each
     without it), and how a long item starts its run of about `tiles` tiles on the device
-    thread (without it, every item is short)."""
+    thread (without it, every item is short): its run, of type RunT (sdpa_core's TiledRun, as
+    it is: service.runtime.turns.Resumable)."""
 
     group_key: Callable[[T], Hashable]
     batch_cost: Callable[[T], float] | None = None
     work_seconds: Callable[[T], float] | None = None
-    start_long: Callable[[T, int], Resumable[R]] | None = None
+    start_long: Callable[[T, int], RunT] | None = None
+    # The item's answer of its finished run's result and the device seconds its tiles took,
+    # on the device thread (None: the result itself); and what is noted of each tile of a run
+    # with its seconds (the engine's compute metric). An error of either is the item's answer.
+    finish_long: Callable[[T, Any, float], R] | None = None
+    note_tile: Callable[[RunT, float], None] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,7 +196,7 @@ class DynamicBatcher(Generic[T, R]):
     def __init__(
         self,
         run_batch: Callable[[Sequence[T]], Sequence[R | BaseException]],
-        policy: BatcherPolicy[T, R],
+        policy: BatcherPolicy[T, R, Any],
         config: BatcherConfig,
         *,
         metrics: Metrics | None = None,
@@ -243,7 +250,8 @@ class DynamicBatcher(Generic[T, R]):
             )  # fmt: skip
             self._longs = LongRuns(
                 self._turns, self._queue, self._pace, self._device, around,
-                slice_s=config.slice_s, start_long=policy.start_long, clock=clock,
+                slice_s=config.slice_s, start_long=policy.start_long,
+                finish_long=policy.finish_long, note_tile=policy.note_tile, clock=clock,
                 metrics=metrics,
             )  # fmt: skip
         # What the worker took off the queue and has not answered yet: its error path answers

@@ -25,7 +25,7 @@ import functools
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from service.errors import ShuttingDown
 from service.metrics import Metrics
@@ -74,10 +74,13 @@ class LongRuns(Generic[T, R]):
         around: Around[T, R],
         *,
         slice_s: float,
-        start_long: Callable[[T, int], Resumable[R]],
+        start_long: Callable[[T, int], Resumable[Any]],
+        finish_long: Callable[[T, Any, float], R] | None = None,
+        note_tile: Callable[[Any, float], None] | None = None,
         clock: Callable[[], float],
         metrics: Metrics | None,
     ) -> None:
+        """start_long, finish_long, note_tile: BatcherPolicy's (service.runtime.batcher)."""
         self._turns = turns
         self._queue = queue
         self._pace = pace
@@ -85,6 +88,8 @@ class LongRuns(Generic[T, R]):
         self._around = around
         self._slice_s = slice_s
         self._start_long = start_long
+        self._finish_long = finish_long
+        self._note_tile = note_tile
         self._clock = clock
         self._metrics = metrics
 
@@ -182,7 +187,7 @@ class LongRuns(Generic[T, R]):
             finished, seconds = await asyncio.wrap_future(
                 self._device.submit(functools.partial(self._step, long))
             )
-        except Exception as exc:  # start_long or step() raised: a bug of ours, this item's 500
+        except Exception as exc:  # a bug of ours (_step answers the run's own errors): a 500
             logger.exception("a long item's tile failed")
             self._queue.answer(long.pending, exc)
             self._end(long)
@@ -191,7 +196,6 @@ class LongRuns(Generic[T, R]):
             self._pace.stop_running()
         # What the tile did, by the run's own measure of its progress; once finished, all
         # the estimate left over is done too (the pace learns from it either way).
-        assert long.run is not None
         left_before = long.left_work + tile_work
         left_now = work * (1.0 - long.share_done())
         long.left_work = 0.0 if finished else min(left_before, left_now)  # never grows
@@ -200,6 +204,7 @@ class LongRuns(Generic[T, R]):
             # chunked path's reports 1 before its last tile): counted as done, such an item
             # read as finished in the projections, and a soak's long requests ended 504 one
             # tile short of their end while analyses admitted beside them took the device.
+            assert long.run is not None  # (a run that did not start has ended)
             tile = min(left_before, work / max(1, long.run.tiles_total))
             long.left_work = max(long.left_work, tile)
         done = left_before - long.left_work
@@ -211,7 +216,8 @@ class LongRuns(Generic[T, R]):
         self._turns.stream.note_turn(short_s, seconds)
         if not finished:
             return  # its next turn looks at its deadline and client first
-        outcome = long.run.outcome()
+        outcome = long.outcome
+        assert outcome is not None  # (_step sets it as the run ends)
         self._end(long)
         # (not one answered just after its deadline's 504, or whose client left: answer()
         # answers nothing DONE)
@@ -262,8 +268,33 @@ class LongRuns(Generic[T, R]):
     def _step(self, long: Long[T, R]) -> tuple[bool, float]:
         """One tile of a long item, on the device thread (its run starts at the first).
         -> (done, its seconds), timed here: on the loop the time would also hold however long
-        the loop took to come back to it (a busy loop made the pace look several times slow)."""
+        the loop took to come back to it (a busy loop made the pace look several times slow).
+
+        The run is stepped as it is (sdpa_core's TiledRun: no wrapper): an error of its start,
+        of a tile or of its result ends it, and is the item's own answer (a bad option, the
+        whole result's overflow check, the device out of memory), never an exception out of
+        here. Once done, finish_long makes the answer on this thread (a copy back to the host
+        belongs here), with the seconds its tiles took; note_tile is told each tile's."""
         started = self._clock()
-        if long.run is None:
-            long.run = self._start_long(long.pending.item, long.planned_tiles)
-        return long.run.step(self._slice_s), self._clock() - started
+        try:
+            if long.run is None:
+                long.run = self._start_long(long.pending.item, long.planned_tiles)
+            run = long.run
+            done = run.step(self._slice_s)
+        except Exception as exc:
+            long.outcome = exc
+            return True, self._clock() - started
+        seconds = self._clock() - started
+        long.compute_s += seconds
+        if self._note_tile is not None:
+            self._note_tile(run, seconds)
+        if done:
+            try:
+                result = run.result()
+                finish = self._finish_long
+                long.outcome = (
+                    result if finish is None else finish(long.pending.item, result, long.compute_s)
+                )
+            except Exception as exc:
+                long.outcome = exc
+        return done, self._clock() - started

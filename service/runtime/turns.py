@@ -5,7 +5,8 @@ Long requests run in slices
 ---------------------------
 With ``slice_s`` and ``start_long``, an item whose estimated work exceeds one slice (at the
 measured pace, below) is *long*: it runs alone, as a resumable run of about that many tiles
-(``start_long(item, tiles)``, called on the device thread; each ``step()`` computes one tile),
+(``start_long(item, tiles)``, called on the device thread; each ``step()`` computes one tile;
+``finish_long`` makes the item's answer of the finished run),
 the pace's correction of the cost model bounded to 4x either way for the plan
 (service.runtime.pace.plan_tiles: unbounded, small tiles' fixed costs fed back into the pace).
 Up to MAX_RUNNING_LONG long items run at once and share the device tile by tile, the queued
@@ -138,7 +139,7 @@ import math
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Generic, NamedTuple, Protocol, TypeVar
+from typing import Any, Generic, NamedTuple, Protocol, TypeVar
 
 from service.runtime.pace import MAX_RETRY_AFTER_S, Pace, ShortStream
 from service.runtime.queue import FEW_SLICES, Entry, Item, Tenant, WorkQueue
@@ -174,9 +175,11 @@ _SEARCHED_LONGS = 128
 
 
 class Resumable(Protocol[R_co]):
-    """A long item's run: step(budget_s) computes one tile (about budget_s seconds where the
-    run can tell) on the device thread and says whether the run is done (it never raises: a
-    failure ends the run with outcome() that error)."""
+    """A long item's run, as the runtime steps it (sdpa_core's TiledRun, AttentionRun or
+    AnalysisRun, is one as it is: no wrapper between). step(budget_s) computes one tile (about
+    budget_s seconds where the run can tell) on the device thread and says whether the run is
+    done; result() is its result once done. An error either raises ends the run: it is the
+    item's own answer (service.runtime.long_runs)."""
 
     @property
     def tiles_total(self) -> int: ...
@@ -192,18 +195,21 @@ class Resumable(Protocol[R_co]):
 
     def step(self, budget_s: float) -> bool: ...
 
-    def outcome(self) -> R_co | BaseException: ...
+    def result(self) -> R_co: ...
 
 
 class Long(Generic[T, R]):
-    """A long item taken off the queue: its run (started at its first tile) and its estimated
-    work not yet done, beyond the tile on the device."""
+    """A long item taken off the queue: its run (started at its first tile), its estimated
+    work not yet done beyond the tile on the device, the device seconds its tiles took, and
+    its answer once its run ended (its result, or the error that ended it)."""
 
-    __slots__ = ("left_work", "pending", "planned_tiles", "run")
+    __slots__ = ("compute_s", "left_work", "outcome", "pending", "planned_tiles", "run")
 
     def __init__(self, pending: Item[T, R], planned_tiles: int | None = None) -> None:
         self.pending = pending
-        self.run: Resumable[R] | None = None
+        self.run: Resumable[Any] | None = None
+        self.outcome: R | BaseException | None = None
+        self.compute_s = 0.0
         self.left_work = pending.work
         # The tiles its run is planned in (Pace.plan_tiles); its slices, pending.tiles, count
         # for joining and admission.

@@ -167,7 +167,7 @@ class Run:
         workload._arrive_due()
         return done
 
-    def outcome(self) -> str | BaseException:
+    def result(self) -> str:
         return self.name
 
 

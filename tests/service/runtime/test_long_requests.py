@@ -2,7 +2,7 @@
 client leaves, with short batches run between tiles (against a fake device whose long runs
 step through real time, so each test controls what is queued between two tiles).
 
-The engine's side (JobRun: real tiles of sdpa_core, their results equal to one call) is in
+The engine's side (sdpa_core's runs stepped as they are: their results equal to one call) is in
 test_engine.py; a real server in tests/e2e/test_long_requests_live.py.
 """
 
@@ -76,9 +76,9 @@ class FakeRun:
     def share_done(self) -> float:
         return self.tiles_done / self.tiles_total
 
-    def outcome(self) -> str | BaseException:
+    def result(self) -> str:
         if self.item.startswith("Lerr"):
-            return ValueError(self.item)
+            raise ValueError(self.item)
         return f"{self.item} in {self.tiles_done} tiles"
 
 
@@ -687,7 +687,7 @@ class ClockedRun:
             return True
         return False
 
-    def outcome(self) -> str | BaseException:
+    def result(self) -> str:
         return f"{self.item} in {self.tiles_done} tiles"
 
 

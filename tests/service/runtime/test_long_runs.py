@@ -27,7 +27,8 @@ SLICE = 0.1
 
 
 class Run:
-    """A long item's run of `tiles` tiles; each step takes one slice on the fake clock."""
+    """A long item's run of `tiles` tiles; each step takes one slice on the fake clock. An
+    item named 'Lstep...' fails at its second step, 'Lresult...' in result()."""
 
     def __init__(self, clock: FakeClock, name: str, tiles: int) -> None:
         self.clock, self.name, self.tiles_total, self.tiles_done = clock, name, tiles, 0
@@ -38,17 +39,21 @@ class Run:
 
     def step(self, budget_s: float) -> bool:
         self.clock.now += SLICE  # (the loop awaits the device thread meanwhile)
+        if self.name.startswith("Lstep") and self.tiles_done == 1:
+            raise ValueError(f"{self.name}'s tile failed")
         self.tiles_done += 1
         return self.tiles_done == self.tiles_total
 
-    def outcome(self) -> str | BaseException:
+    def result(self) -> str:
+        if self.name.startswith("Lresult"):
+            raise ValueError(f"{self.name}'s result overflowed")
         return self.name.upper()
 
 
 class Driving:
     """LongRuns over a real queue, pace and turns, and a recording Around."""
 
-    def __init__(self, metrics: Metrics | None = None) -> None:
+    def __init__(self, metrics: Metrics | None = None, *, finishing: bool = False) -> None:
         self.clock = FakeClock()
         self.queue: WorkQueue[str, str] = WorkQueue()
         self.pace = Pace(self.clock)
@@ -58,6 +63,7 @@ class Driving:
         self.shorts: list[list[str]] = []
         self.dropped: list[str] = []
         self.expired: list[str] = []
+        self.noted: list[tuple[str, float]] = []
         around: Around[str, str] = Around(
             take_batch=self.take_batch, execute=self.execute, drop_expired=self.drop,
             expire=self.expire, changed=lambda: None,
@@ -65,12 +71,22 @@ class Driving:
         self.longs = LongRuns(
             self.turns, self.queue, self.pace, self.device, around, slice_s=SLICE,
             start_long=self.start_long, clock=self.clock, metrics=metrics,
+            finish_long=self.finish if finishing else None,
+            note_tile=self.note if finishing else None,
         )  # fmt: skip
         self.loop = asyncio.get_running_loop()
 
     def start_long(self, item: str, tiles: int) -> Run:
+        if item.startswith("Lstart"):
+            raise MemoryError(f"{item} does not fit on the device")
         run = self.runs[item] = Run(self.clock, item, tiles)
         return run
+
+    def finish(self, item: str, result: str, seconds: float) -> str:
+        return f"{result} in {seconds:.2f} s"
+
+    def note(self, run: Run, seconds: float) -> None:
+        self.noted.append((run.name, seconds))
 
     def add(self, name: str, work: float, deadline: float, tenant: str = "A") -> Item[str, str]:
         item: Item[str, str] = Item(
@@ -215,3 +231,55 @@ def test_a_drain_that_cancels_a_turn_answers_the_running_items_shutting_down() -
     run(main())
     rejected = metrics.registry.get_sample_value("sdpa_rejected_total", {"reason": "shutting_down"})
     assert rejected == 2.0
+
+
+def test_the_run_is_stepped_as_it_is_each_tile_noted_and_finish_makes_the_answer() -> None:
+    """finish_long gets the run's result and its tiles' seconds summed (3 tiles of 0.1 s on
+    the fake clock: 0.30 s), note_tile each tile's seconds (0.1, three times)."""
+
+    async def main() -> None:
+        d = Driving(finishing=True)
+        d.device.start()
+        try:
+            long = d.add("L1", 0.3, deadline=60.0)
+            for _ in range(3):
+                await d.longs.turn()
+            assert long.future.result().value == "L1 in 0.30 s"
+            assert [name for name, _ in d.noted] == ["L1"] * 3
+            assert [seconds for _, seconds in d.noted] == pytest.approx([SLICE] * 3)
+        finally:
+            d.device.shutdown()
+
+    run(main())
+
+
+@pytest.mark.parametrize(
+    ("name", "error", "tiles"),
+    [("Lstart", MemoryError, 0), ("Lstep", ValueError, 1), ("Lresult", ValueError, 3)],
+)
+def test_an_error_of_a_runs_start_tile_or_result_is_the_items_own_answer(
+    name: str, error: type[Exception], tiles: int
+) -> None:
+    """The run is stepped as it is, so its errors come out of it: whichever of its start, a
+    tile or its result raises, that error is the item's answer, its place is freed, and the
+    turns go on (the next item is answered too)."""
+
+    async def main() -> None:
+        d = Driving(finishing=True)
+        d.device.start()
+        try:
+            failing = d.add(name, 0.3, deadline=60.0)
+            after = d.add("L2", 0.3, deadline=60.0)
+            for _ in range(8):
+                if not d.longs.due():
+                    break
+                await d.longs.turn()
+            assert type(failing.future.exception()) is error
+            assert (d.runs[name].tiles_done if name in d.runs else 0) == tiles
+            assert after.future.result().value == "L2 in 0.30 s"
+            assert not d.turns.longs
+            assert d.queue.tenant("A").running == 0
+        finally:
+            d.device.shutdown()
+
+    run(main())

@@ -372,7 +372,7 @@ class TiledRun:
         self.tiles_done += 1
         return self.tiles_done == self.tiles_total
 
-    def outcome(self) -> str | BaseException:
+    def result(self) -> str:
         return self.name
 
 
