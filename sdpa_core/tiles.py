@@ -318,8 +318,18 @@ class TiledRun(ABC, Generic[ResultT]):
         budget_s (on the CPU, a path of key blocks): stop the tile's key blocks once this many
         seconds went by (at least one block), and go on from there at the next step, so a
         step lasts about budget_s whatever the cost model estimated. On a GPU the host only
-        queues the kernels, so it is ignored there.
+        queues the kernels, so it cannot stop them there: a step given a budget returns once
+        its kernels are done instead, so that the scheduler that times it (the service's
+        runtime, which steps this run as it is) measures the tile's device time, not its
+        launch (run() gives none: it does not wait between tiles).
         """
+        done = self._step(budget_s)
+        device = self._inputs.q4.device
+        if budget_s is not None and device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return done
+
+    def _step(self, budget_s: float | None) -> bool:
         if self.done:
             return True
         per_pass = len(self._tiles)

@@ -37,7 +37,7 @@ from service.middleware.inflight import InflightBytesMiddleware, default_infligh
 from service.middleware.metrics_key import METRICS_PATHS, MetricsKeyMiddleware
 from service.protocol import unsent_bytes
 from service.routes import OPEN_PATHS
-from service.runtime.batcher import DynamicBatcher
+from service.runtime.batcher import BatcherConfig, BatcherPolicy, DynamicBatcher
 from service.runtime.device import keep_intra_op_threads, resolve_device
 from service.runtime.engine import Engine
 from service.runtime.heap import TRIM_EVERY_S, heap_trimmer, trim_heap_every
@@ -139,29 +139,36 @@ def _lifespan(engine: Engine | None, *, device_threads: int | None) -> Any:
         policy = running.policy
         batcher: Batcher = DynamicBatcher(
             running.run_batch,
-            group_key=policy.group_key,
-            # The batcher cuts batches by the engine's cost (padded score bytes) as well as by
-            # count, so it never takes more than the engine runs in one call.
-            batch_cost=policy.batch_cost,
-            max_batch_cost=policy.max_batch_cost,
-            max_batch_size=settings.max_batch_size,
-            max_batch_delay_s=settings.max_batch_delay_ms / 1000.0,
-            max_queue=settings.max_queue,
-            # Fair shares across tenants (service.runtime.queue), and each one's queue share.
-            tenant_weights={
-                name: settings.tenant_weights.get(name, 1.0) for name in settings.tenant_names()
-            },
-            tenant_queue_share=settings.queue_share(),
+            BatcherPolicy(
+                group_key=policy.group_key,
+                # The batcher cuts batches by the engine's cost (padded score bytes) as well as
+                # by count, so it never takes more than the engine runs in one call.
+                batch_cost=policy.batch_cost,
+                # Each request's estimated device seconds (the cost model, recalibrated at
+                # warm-up): the backlog behind Retry-After and sdpa_backlog_seconds.
+                work_seconds=lambda prepared: state.cost_model.seconds(*job_work(prepared)),
+                # A request of more than one slice of that work runs alone in tiles, between
+                # which its deadline and client are checked and short batches run: sdpa_core's
+                # run, stepped as it is; each tile observed, the result made the Outcome.
+                start_long=running.start_long,
+                note_tile=running.note_tile,
+                finish_long=running.finish_long,
+            ),
+            BatcherConfig(
+                max_batch_size=settings.max_batch_size,
+                max_queue=settings.max_queue,
+                max_batch_delay_s=settings.max_batch_delay_ms / 1000.0,
+                max_batch_cost=policy.max_batch_cost,
+                slice_s=settings.slice_ms / 1000.0,
+                # Fair shares across tenants (service.runtime.queue), and each one's queue share.
+                tenant_weights={
+                    name: settings.tenant_weights.get(name, 1.0) for name in settings.tenant_names()
+                },
+                tenant_queue_share=settings.queue_share(),
+            ),
             metrics=state.metrics,
             # Sampled health summaries run on the device only while nothing is queued.
             idle_work=health.next_sample,
-            # Each request's estimated device seconds (the cost model, recalibrated at warm-up):
-            # the backlog behind Retry-After and sdpa_backlog_seconds.
-            work_seconds=lambda prepared: state.cost_model.seconds(*job_work(prepared)),
-            # A request of more than one slice of that work runs alone in tiles, between which
-            # its deadline and client are checked and short batches run.
-            slice_s=settings.slice_ms / 1000.0,
-            start_long=running.start_long,
         )
         health.on_offer = batcher.wake
         state.engine = running

@@ -47,9 +47,12 @@ The rooms
 ---------
 - service.runtime.queue: the items, their groups, tenants and priorities, and their answers;
 - service.runtime.turns: the turns of long items, run in slices, and their admission by deadline;
+- service.runtime.long_runs: the long items running, one tile a turn with the short batches
+  before it;
 - service.runtime.pace: the measured pace, the backlog and Retry-After;
 - service.runtime.device_thread: the one thread that drives the device;
-- here: submit, the deadline timers, the worker that takes batches and tiles, and the drain.
+- here: submit, the deadline timers, the worker that takes short batches and turns, the drain,
+  and the backlog gauges.
 
 Time (deadlines, the pace, the projections) comes from one ``clock``, time.monotonic unless
 another is given; the deadline timers run on the event loop's clock (the same one by default)
@@ -66,7 +69,8 @@ import logging
 import math
 import time
 from collections.abc import Callable, Hashable, Mapping, Sequence
-from typing import Generic, Protocol, TypeVar
+from dataclasses import dataclass, field
+from typing import Any, Generic, Protocol, TypeVar
 
 from prometheus_client import Gauge
 
@@ -79,15 +83,18 @@ from service.errors import (
 )
 from service.metrics import Metrics
 from service.runtime.device_thread import DeviceThread
+from service.runtime.long_runs import Around, LongRuns, shut_down_while_running
 from service.runtime.pace import DEFAULT_RETRY_AFTER_S, Pace, retry_after
-from service.runtime.queue import FEW_SLICES, BatchResult, Item, Tenant, WorkQueue
-from service.runtime.turns import MAX_RUNNING_LONG, Long, LongTurns, Resumable
+from service.runtime.queue import FEW_SLICES, BatchResult, Item, WorkQueue
+from service.runtime.turns import MAX_RUNNING_LONG, LongTurns, Resumable
 from service.tenants import ANONYMOUS, MAX_WEIGHT, MIN_WEIGHT
 
 __all__ = [
     "FEW_SLICES",
     "MAX_RUNNING_LONG",
     "BatchResult",
+    "BatcherConfig",
+    "BatcherPolicy",
     "DynamicBatcher",
     "Resumable",
 ]
@@ -95,6 +102,7 @@ __all__ = [
 T = TypeVar("T")
 R = TypeVar("R")
 V = TypeVar("V")
+RunT = TypeVar("RunT", bound=Resumable[Any])
 
 logger = logging.getLogger("sdpa.batcher")
 
@@ -129,10 +137,57 @@ def _queued_too_long() -> DeadlineExceeded:
     )
 
 
-def _shut_down_while_running() -> ShuttingDown:
-    return ShuttingDown(
-        "the service shut down while the request ran", retry_after_s=DEFAULT_RETRY_AFTER_S
-    )
+@dataclass(frozen=True, slots=True)
+class BatcherPolicy(Generic[T, R, RunT]):
+    """How the batcher reads an item (the engine's BatchPolicy and cost model give these):
+    its group (items of one group may share a batch), its cost (a batch grows while its items'
+    costs add up to at most max_batch_cost: Ray Serve's batch_size_fn; BentoML #3859, a count
+    alone lets a batch of large requests exhaust memory), its estimated device seconds (the
+    backlog, Retry-After, and which items are long: service.runtime.pace; one unit each
+    without it), and how a long item starts its run of about `tiles` tiles on the device
+    thread (without it, every item is short): its run, of type RunT (sdpa_core's TiledRun, as
+    it is: service.runtime.turns.Resumable)."""
+
+    group_key: Callable[[T], Hashable]
+    batch_cost: Callable[[T], float] | None = None
+    work_seconds: Callable[[T], float] | None = None
+    start_long: Callable[[T, int], RunT] | None = None
+    # The item's answer of its finished run's result and the device seconds its tiles took,
+    # on the device thread (None: the result itself); and what is noted of each tile of a run
+    # with its seconds (the engine's compute metric). An error of either is the item's answer.
+    finish_long: Callable[[T, Any, float], R] | None = None
+    note_tile: Callable[[RunT, float], None] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class BatcherConfig:
+    """The batcher's bounds (service.settings gives them). max_batch_cost: in the
+    policy's batch_cost units (None: no bound); slice_s: a long item's tile and the most short
+    work between two tiles (None: every item is short); tenant_weights: the configured
+    tenants (each finds room in the queue) and their fair-share weights; tenant_queue_share:
+    the share of max_queue one tenant may hold."""
+
+    max_batch_size: int
+    max_queue: int
+    max_batch_delay_s: float = 0.0
+    max_batch_cost: float | None = None
+    slice_s: float | None = None
+    tenant_weights: Mapping[str, float] = field(default_factory=dict)
+    tenant_queue_share: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.slice_s is not None and self.slice_s <= 0:
+            raise ValueError(f"slice_s must be > 0, got {self.slice_s}")
+        if self.max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
+        if self.max_queue < 1:
+            raise ValueError(f"max_queue must be >= 1, got {self.max_queue}")
+        if self.max_batch_delay_s < 0:
+            raise ValueError(f"max_batch_delay_s must be >= 0, got {self.max_batch_delay_s}")
+        if not 0.0 < self.tenant_queue_share <= 1.0:
+            raise ValueError(f"tenant_queue_share must be in (0, 1], got {self.tenant_queue_share}")
+        if any(not (MIN_WEIGHT <= w <= MAX_WEIGHT) for w in self.tenant_weights.values()):
+            raise ValueError(f"tenant weights must be within [{MIN_WEIGHT}, {MAX_WEIGHT}]")
 
 
 class DynamicBatcher(Generic[T, R]):
@@ -141,35 +196,14 @@ class DynamicBatcher(Generic[T, R]):
     def __init__(
         self,
         run_batch: Callable[[Sequence[T]], Sequence[R | BaseException]],
+        policy: BatcherPolicy[T, R, Any],
+        config: BatcherConfig,
         *,
-        group_key: Callable[[T], Hashable],
-        max_batch_size: int,
-        max_batch_delay_s: float,
-        max_queue: int,
         metrics: Metrics | None = None,
-        batch_cost: Callable[[T], float] | None = None,
-        max_batch_cost: float | None = None,
         idle_work: Callable[[], Callable[[], None] | None] | None = None,
-        work_seconds: Callable[[T], float] | None = None,
-        slice_s: float | None = None,
-        start_long: Callable[[T, int], Resumable[R]] | None = None,
         clock: Callable[[], float] = time.monotonic,
         call_at: Callable[[float, Callable[[], None]], Cancellable] | None = None,
-        tenant_weights: Mapping[str, float] | None = None,
-        tenant_queue_share: float = 1.0,
     ) -> None:
-        if slice_s is not None and slice_s <= 0:
-            raise ValueError(f"slice_s must be > 0, got {slice_s}")
-        if max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
-        if max_queue < 1:
-            raise ValueError(f"max_queue must be >= 1, got {max_queue}")
-        if max_batch_delay_s < 0:
-            raise ValueError(f"max_batch_delay_s must be >= 0, got {max_batch_delay_s}")
-        if not 0.0 < tenant_queue_share <= 1.0:
-            raise ValueError(f"tenant_queue_share must be in (0, 1], got {tenant_queue_share}")
-        if any(not (MIN_WEIGHT <= w <= MAX_WEIGHT) for w in (tenant_weights or {}).values()):
-            raise ValueError(f"tenant weights must be within [{MIN_WEIGHT}, {MAX_WEIGHT}]")
         self._run_batch = run_batch
         # The one time source: deadlines are its instants, and the pace, the backlog and the
         # long items' projections are measured on it (a test injects a clock it steps).
@@ -178,37 +212,48 @@ class DynamicBatcher(Generic[T, R]):
         # event loop, whose clock may run apart from `clock`; a test's fake clock fires them
         # itself as it steps.
         self._call_at = call_at
-        self._group_key = group_key
-        self._max_batch_size = max_batch_size
-        self._max_batch_delay_s = max_batch_delay_s
-        self._max_queue = max_queue
-        self._tenant_queue_share = tenant_queue_share
+        self._group_key = policy.group_key
+        self._max_batch_size = config.max_batch_size
+        self._max_batch_delay_s = config.max_batch_delay_s
+        self._max_queue = config.max_queue
+        self._tenant_queue_share = config.tenant_queue_share
         # The configured tenants (each finds room in the queue: _tenant_refusal).
-        self._tenant_names = frozenset(tenant_weights or ())
+        self._tenant_names = frozenset(config.tenant_weights)
         self._metrics = metrics
-        # Optional size accounting beyond the count (Ray Serve's batch_size_fn; BentoML #3859:
-        # a count alone lets a batch of large requests exhaust memory): a batch grows while the
-        # sum of its items' costs stays within max_batch_cost; its first item always goes.
-        self._batch_cost = batch_cost
-        self._max_batch_cost = math.inf if max_batch_cost is None else max_batch_cost
+        # A batch grows while its items' costs add up to at most max_batch_cost (BatcherPolicy);
+        # its first item always goes.
+        self._batch_cost = policy.batch_cost
+        self._max_batch_cost = math.inf if config.max_batch_cost is None else config.max_batch_cost
         # Work that runs on the device thread only while nothing is queued (the health
         # monitor's sampled summaries): asked for one call at a time, each awaited before the
         # queue is looked at again, so it delays a new arrival by one call at most.
         self._idle_work = idle_work
         # An item's estimated device seconds, for the backlog (service.runtime.pace).
-        self._work_seconds = work_seconds
+        self._work_seconds = policy.work_seconds
         # Long items run in slices (service.runtime.turns); without both, every item is short.
-        self._slice_s = slice_s if start_long is not None else None
-        self._start_long = start_long
+        self._slice_s = config.slice_s if policy.start_long is not None else None
 
         self._queue: WorkQueue[T, R] = WorkQueue(
-            weights=tenant_weights, on_change=self._queue_changed
+            weights=config.tenant_weights, on_change=self._queue_changed
         )
         for name in self._tenant_names:  # known from the start: the long shares count them
             self._queue.tenant(name)
         self._pace = Pace(clock)
         self._device = DeviceThread()
         self._turns: LongTurns[T, R] = LongTurns(self._queue, self._pace, clock)
+        # The driving of the long items (service.runtime.long_runs), turn by turn.
+        self._longs: LongRuns[T, R] | None = None
+        if policy.start_long is not None and config.slice_s is not None:
+            around = Around(
+                take_batch=self._take_batch, execute=self._execute,
+                drop_expired=self._drop_expired, expire=self._expire, changed=self._set_depth,
+            )  # fmt: skip
+            self._longs = LongRuns(
+                self._turns, self._queue, self._pace, self._device, around,
+                slice_s=config.slice_s, start_long=policy.start_long,
+                finish_long=policy.finish_long, note_tile=policy.note_tile, clock=clock,
+                metrics=metrics,
+            )  # fmt: skip
         # What the worker took off the queue and has not answered yet: its error path answers
         # these, so that nothing taken is ever left unanswered.
         self._in_flight: list[Item[T, R]] = []
@@ -384,6 +429,13 @@ class DynamicBatcher(Generic[T, R]):
                 ),
             )
 
+    def _drop_expired(self, pending: Item[T, R]) -> None:
+        """A queued item whose deadline passed (the worker came to it before its timer): out
+        of the queue, never computed, 504."""
+        self._queue.remove(pending)
+        self._reject("deadline")
+        self._break(pending, _queued_too_long())
+
     def _break(self, pending: Item[T, R], error: DeadlineExceeded) -> None:
         """Answer an admitted item 504: a promise broken, counted by tenant
         (sdpa_broken_admissions_total; not when nobody was listening)."""
@@ -460,9 +512,7 @@ class DynamicBatcher(Generic[T, R]):
             ):
                 break
             if pending.deadline <= now:
-                self._queue.remove(pending)
-                self._reject("deadline")
-                self._break(pending, _queued_too_long())
+                self._drop_expired(pending)
                 continue
             self._queue.take(pending, now)
             batch.append(pending)
@@ -504,8 +554,8 @@ class DynamicBatcher(Generic[T, R]):
                 await self._arrival.wait()
                 continue
             try:
-                if self._turns.longs or self._turns.next_long() is not None:
-                    await self._advance_longs()
+                if self._longs is not None and self._longs.due():
+                    await self._longs.turn()
                     continue
                 if self._max_batch_delay_s > 0:
                     await self._wait_for_batch_to_grow()
@@ -520,7 +570,8 @@ class DynamicBatcher(Generic[T, R]):
                 for pending in self._in_flight:
                     self._queue.answer(pending, exc)
                 self._in_flight = []
-                self._end_longs(functools.partial(_twin, exc))
+                if self._longs is not None:
+                    self._longs.end_all(functools.partial(_twin, exc))
 
     async def _run_idle(self, fn: Callable[[], None]) -> None:
         """One piece of idle work on the device thread; its failure is logged, never raised."""
@@ -581,9 +632,8 @@ class DynamicBatcher(Generic[T, R]):
             # drain() timed out while this batch was on the device: its items get ShuttingDown
             # now; _answer_batch, should it still come, finds them answered.
             for pending in batch:
-                if self._queue.owes_answer(pending):
+                if self._queue.answer(pending, shut_down_while_running()):
                     self._reject("shutting_down")
-                    self._queue.answer(pending, _shut_down_while_running())
             self._in_flight = []
             raise
         self._in_flight = []
@@ -610,191 +660,6 @@ class DynamicBatcher(Generic[T, R]):
             return
         if not device_done.done():
             device_done.set_result(seconds)
-
-    # -- long items ------------------------------------------------------------------------
-
-    def _begin_long(self, pending: Item[T, R]) -> None:
-        """Take a queued long item off the queue; it runs beside those running."""
-        now = self._clock()
-        if pending.deadline <= now:
-            self._queue.remove(pending)
-            self._reject("deadline")
-            self._break(pending, _queued_too_long())
-            return
-        self._queue.take(pending, now)
-        # The pace may have moved while it waited: its tiles are counted at this one.
-        pending.tiles = max(1, self._pace.tiles_for(pending.work, self._slice_s))
-        if self._metrics is not None:
-            self._metrics.batch_size.observe(1)
-            self._metrics.queue_wait_seconds.observe(pending.queue_s)
-        assert self._slice_s is not None  # long items exist only with a slice
-        planned = self._pace.plan_tiles(pending.work, self._slice_s)
-        self._turns.longs[pending.seq] = Long(pending, planned)
-        self._queue.tenant(pending.tenant).running += 1
-
-    def _end_long(self, long: Long[T, R]) -> None:
-        """Forget a long item and its run (what it held on the device goes with it)."""
-        if self._turns.longs.pop(long.pending.seq, None) is not None:
-            self._queue.tenant(long.pending.tenant).running -= 1
-        self._set_depth()
-
-    def _end_longs(self, error: Callable[[], BaseException]) -> None:
-        """Answer every long item still running with error() and forget them all."""
-        for long in list(self._turns.longs.values()):
-            self._queue.answer(long.pending, error())  # (not one answered already)
-            self._end_long(long)
-
-    def _left_alone(self, long: Long[T, R]) -> bool:
-        """Whether a running long item lost its reason to run: its deadline passed (the timer
-        answered it, or answers it now: a timer runs late on a busy loop, and on the loop's
-        clock, which need not be the batcher's) or its client left. Then its run is dropped
-        and counted."""
-        pending = long.pending
-        if pending.future.cancelled():
-            reason = "disconnected"
-        elif not self._queue.owes_answer(pending):  # the deadline timer answered it
-            reason = "deadline"
-        elif pending.deadline <= self._clock():
-            self._expire(pending)
-            reason = "deadline"
-        else:
-            return False
-        if self._metrics is not None:
-            self._metrics.abandoned_total.labels(reason=reason).inc()
-        self._queue.close_unheard(pending)
-        self._end_long(long)
-        return True
-
-    async def _advance_longs(self) -> None:
-        """One turn: drop the long items nobody waits for, start the queued ones that may
-        join (the earliest deadline first), run the short batches waiting (up to one slice of
-        their work), then one tile of the long item whose turn it is. A drain that times out
-        (cancellation) answers every long item running with ShuttingDown."""
-        try:
-            await self._take_turn()
-        except asyncio.CancelledError:
-            self._in_flight = []
-            for long in self._turns.longs.values():
-                if self._queue.owes_answer(long.pending):
-                    self._reject("shutting_down")
-            self._end_longs(_shut_down_while_running)
-            raise
-
-    async def _take_turn(self) -> None:
-        # Those nobody waits for leave first: their places are free for the next to join.
-        for running in list(self._turns.longs.values()):
-            self._left_alone(running)
-        # Every queued long item that may start joins now, as in the projections (one a turn
-        # let an item that cannot finish, alone for a turn, take a tile from one that can).
-        while (queued := self._turns.next_long()) is not None:
-            self._begin_long(queued)
-        short_s = await self._run_short_batches()
-        long = self._turns.whose_turn()
-        if long is None or self._left_alone(long):
-            return
-
-        # What this tile will likely do, for the backlog while it runs: the mean share of a
-        # step so far, or a planned tile's before the first step.
-        run, work = long.run, long.pending.work
-        if run is None or run.tiles_done == 0:
-            tile_work = work / max(1, long.planned_tiles)
-        else:
-            tile_work = work * long.share_done() / run.tiles_done
-        tile_work = min(tile_work, long.left_work)
-        long.left_work -= tile_work
-        self._pace.start_running(tile_work)
-        self._in_flight = [long.pending]
-        try:
-            finished, seconds = await asyncio.wrap_future(
-                self._device.submit(functools.partial(self._long_step, long))
-            )
-        except Exception as exc:  # start_long or step() raised: a bug of ours, this item's 500
-            logger.exception("a long item's tile failed")
-            self._in_flight = []
-            self._queue.answer(long.pending, exc)
-            self._end_long(long)
-            return
-        finally:
-            self._pace.stop_running()
-        self._in_flight = []
-        # What the tile did, by the run's own measure of its progress; once finished, all
-        # the estimate left over is done too (the pace learns from it either way).
-        assert long.run is not None
-        left_before = long.left_work + tile_work
-        left_now = work * (1.0 - long.share_done())
-        long.left_work = 0.0 if finished else min(left_before, left_now)  # never grows
-        if not finished:
-            # A run not finished has a tile left at least, whatever its share_done says (the
-            # chunked path's reports 1 before its last tile): counted as done, such an item
-            # read as finished in the projections, and a soak's long requests ended 504 one
-            # tile short of their end while analyses admitted beside them took the device.
-            tile = min(left_before, work / max(1, long.run.tiles_total))
-            long.left_work = max(long.left_work, tile)
-        done = left_before - long.left_work
-        self._queue.charge(self._queue.tenant(long.pending.tenant), done)
-        self._note_throughput(done, seconds)
-        if not finished:  # (a last tile counts all the estimate left over: no pace of its own)
-            self._pace.note_tile(done, seconds)
-        self._turns.stream.note_turn(short_s, seconds)
-        if not finished:
-            return  # its next turn looks at its deadline and client first
-        outcome = long.run.outcome()
-        self._end_long(long)
-        # (not one answered just after its deadline's 504, or whose client left: answer()
-        # answers nothing DONE)
-        self._queue.answer(long.pending, outcome)
-
-    async def _run_short_batches(self) -> float:
-        """The short batches that run before the next tile: up to one slice of their
-        estimated work and of the device's measured time, so a stream of them leaves the long
-        items at least half the device; those of another tenant than the next tile's, by the
-        tenants' shares instead (while their tenant's virtual time is not past the tile's
-        tenant's), up to the measured time the tile's tenant's share leaves the others: its
-        weight's slice, times the other known tenants' weights over its own. -> the device
-        seconds they took.
-
-        The measured bounds: small batches' fixed costs are what the cost model counts worst
-        (a soak's small requests took many times their estimate), and a slice of their
-        estimated work ran for seconds between two tiles: long requests starved to 504."""
-        slice_s = self._slice_s or 0.0
-        budget = slice_s
-        spent_s = rival_s = 0.0
-        rival: Tenant | None = None
-        rival_most = 0.0
-        if self._queue.tenant_count() > 1:
-            rival = self._turns.next_tile_tenant()
-            if rival is not None:
-                others = max(0.0, self._queue.total_weight() - rival.weight)
-                rival_most = slice_s * others / rival.weight
-        while (first := self._queue.next_short(peek=True)) is not None:
-            if rival is not None and first.tenant != rival.name:
-                if self._queue.tenant(first.tenant).vtime > rival.vtime:
-                    return spent_s + rival_s  # the tile's tenant is owed the device
-                if rival_s >= rival_most:
-                    return spent_s + rival_s
-                batch = self._take_batch(slice_s)
-                if batch:
-                    rival_s += await self._execute(batch)
-                continue
-            # (a tolerance: summed floats may leave a crumb of the slice, not worth a batch)
-            if budget <= 1e-6 * slice_s or spent_s >= slice_s:
-                return spent_s + rival_s
-            batch = self._take_batch(budget)
-            budget -= sum(p.work for p in batch)
-            if batch:  # (empty when every item of its group had passed its deadline)
-                spent_s += await self._execute(batch)
-        return spent_s + rival_s
-
-    def _long_step(self, long: Long[T, R]) -> tuple[bool, float]:
-        """One tile of a long item, on the device thread (its run starts at the first).
-        -> (done, its seconds), timed here: on the loop the time would also hold however long
-        the loop took to come back to it (a busy loop made the pace look several times slow)."""
-        started = self._clock()
-        if long.run is None:
-            assert self._start_long is not None
-            long.run = self._start_long(long.pending.item, long.planned_tiles)
-        assert self._slice_s is not None  # long items exist only with a slice
-        return long.run.step(self._slice_s), self._clock() - started
 
     # -- throughput, Retry-After, metrics --------------------------------------------------
 

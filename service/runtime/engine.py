@@ -8,10 +8,11 @@ again nor has attention() scan them for NaN/Inf a second time. If a batched call
 of its requests is retried alone, so every request still gets its own answer. Analysis jobs
 run alone.
 
-A long job (more than one slice of estimated device time) runs alone as a JobRun
-(start_long): a sdpa_core TiledRun (AttentionRun or AnalysisRun: one protocol, so JobRun
-never asks which) stepped one tile at a time by the batcher, which checks the deadline and
-the client and runs short batches between tiles.
+A long job (more than one slice of estimated device time) runs alone as sdpa_core's TiledRun
+(start_long: AttentionRun or AnalysisRun, one protocol), stepped as it is one tile at a time
+by the runtime (service.runtime.long_runs), which checks the deadline and the client and runs
+short batches between tiles; note_tile observes each tile's seconds, finish_long makes the
+job's Outcome of the result.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable, Hashable, Sequence
-from typing import Generic, TypeVar
 
 import torch
 
@@ -36,7 +36,6 @@ from sdpa_core import (
     analyze_scaling,
     attention,
 )
-from sdpa_core.tiles import TiledRun
 from service.metrics import Metrics
 from service.runtime.collate import collate, member_diagnostics, split
 from service.runtime.device import results_on_host, to_device
@@ -59,7 +58,6 @@ from service.runtime.policy import (
 )
 
 # What a long job's run gives: an AttentionResult or a ScalingReport.
-R = TypeVar("R")
 
 
 class Engine:
@@ -257,28 +255,33 @@ class Engine:
 
     # -- long jobs -----------------------------------------------------------------------
 
-    def start_long(
-        self, prepared: PreparedJob, tiles: int
-    ) -> JobRun[ScalingReport] | JobRun[AttentionResult]:
-        """`prepared` as a run of about `tiles` tiles (on the device thread, like run_batch)."""
-        job, device = prepared.job, str(self.device)
+    def start_long(self, prepared: PreparedJob, tiles: int) -> AnalysisRun | AttentionRun:
+        """`prepared` as sdpa_core's run of about `tiles` tiles, stepped by the runtime as it
+        is (service.runtime.long_runs; on the device thread, like run_batch: its inputs move
+        to the device here)."""
+        job = prepared.job
         if isinstance(job, AnalyzeJob):
-            return JobRun(
-                self,
-                lambda: self._analysis_run(job, tiles),
-                lambda report, ms: AnalyzeOutcome(report=report, compute_ms=ms, device=device),
-            )
+            return self._analysis_run(job, tiles)
         member = Member(index=0, job=job, spec=prepared.spec)
+        return self._attention_run(member, job.q, job.k, job.v, job.masks, tiles=tiles)
 
-        def outcome(result: AttentionResult, ms: float) -> AttentionOutcome:
-            on_host = self._on_host(member, result)
-            return AttentionOutcome(result=on_host, compute_ms=ms, device=device)
+    def note_tile(self, run: AnalysisRun | AttentionRun, seconds: float) -> None:
+        """One tile of a long job took `seconds` (observed in sdpa_compute_seconds under the
+        run's path and backend)."""
+        self.observe_compute(run.path, seconds, run.backend)
 
-        return JobRun(
-            self,
-            lambda: self._attention_run(member, job.q, job.k, job.v, job.masks, tiles=tiles),
-            outcome,
-        )
+    def finish_long(
+        self, prepared: PreparedJob, result: ScalingReport | AttentionResult, seconds: float
+    ) -> Outcome:
+        """A long job's Outcome of its run's result and the `seconds` its tiles took (on the
+        device thread: the attention result's copy to the host)."""
+        job, device, ms = prepared.job, str(self.device), seconds * 1e3
+        if isinstance(job, AnalyzeJob):
+            assert isinstance(result, ScalingReport)
+            return AnalyzeOutcome(report=result, compute_ms=ms, device=device)
+        assert isinstance(result, AttentionResult)
+        member = Member(index=0, job=job, spec=prepared.spec)
+        return AttentionOutcome(result=self._on_host(member, result), compute_ms=ms, device=device)
 
     def _run_group(self, batch: list[Member]) -> list[AttentionOutcome]:
         started = time.perf_counter()
@@ -351,77 +354,6 @@ class Engine:
             batch[0], collated.q, collated.k, collated.v, collated.masks
         ).run()
         return split(collated, result)
-
-
-class JobRun(Generic[R]):
-    """One long job on the device thread, one tile per step() (the batcher's Resumable).
-
-    The run (sdpa_core's TiledRun: AttentionRun or AnalysisRun, one protocol) starts at the
-    first step (moving the inputs to the device, validating the options); each tile is timed,
-    observed in sdpa_compute_seconds under the run's path and backend, and added to the
-    outcome's compute_ms. `outcome` makes the job's Outcome of the run's result and its
-    compute_ms. step() never raises: a failure (of any tile, or of the final checks) ends the
-    run with that error as its outcome, the request's own answer.
-    """
-
-    def __init__(
-        self,
-        engine: Engine,
-        start: Callable[[], TiledRun[R]],
-        outcome: Callable[[R, float], Outcome],
-    ) -> None:
-        self._engine = engine
-        self._start = start
-        self._make_outcome = outcome
-        self._run: TiledRun[R] | None = None
-        self._seconds = 0.0
-        self._outcome: Outcome | BaseException | None = None
-
-    @property
-    def tiles_total(self) -> int:
-        return 1 if self._run is None else self._run.tiles_total
-
-    @property
-    def tiles_done(self) -> int:
-        return 0 if self._run is None else self._run.tiles_done
-
-    @property
-    def share_done(self) -> float:
-        if self._outcome is not None:
-            return 1.0  # done, or ended by an error: nothing left to compute
-        return 0.0 if self._run is None else self._run.share_done
-
-    def step(self, budget_s: float | None = None) -> bool:
-        """One tile (about budget_s seconds on the CPU's chunked path: TiledRun.step)."""
-        if self._outcome is not None:
-            return True
-        engine = self._engine
-        started = time.perf_counter()
-        try:
-            if self._run is None:
-                self._run = self._start()
-            run = self._run
-            done = run.step(budget_s)
-            if engine.device.type == "cuda":
-                torch.cuda.synchronize(engine.device)  # the tile's device time, not its launch
-        except Exception as exc:
-            self._outcome = exc
-            return True
-        seconds = time.perf_counter() - started
-        self._seconds += seconds
-        engine.observe_compute(run.path, seconds, run.backend)
-        if done:
-            try:
-                # The whole result's checks (overflow), the copy back: errors are its answer.
-                self._outcome = self._make_outcome(run.result(), self._seconds * 1e3)
-            except Exception as exc:
-                self._outcome = exc
-        return done
-
-    def outcome(self) -> Outcome | BaseException:
-        if self._outcome is None:
-            raise RuntimeError(f"{self.tiles_done} of {self.tiles_total} tiles done")
-        return self._outcome
 
 
 def _diagnostics_on_cpu(diagnostics: Diagnostics) -> Diagnostics:

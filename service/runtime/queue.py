@@ -4,11 +4,13 @@ answer state machine.
 Answers
 -------
 An item's state moves QUEUED -> TAKEN -> DONE or QUEUED -> DROPPED (-> DONE), and only this
-module moves it. Only the side that moves an item out of QUEUED may answer it, and every answer
-goes through ``WorkQueue.answer``, which marks the item DONE first and answers nothing already
-DONE: so no item is ever answered twice, whatever the order in which the worker, a deadline
-timer or a drain come to it. An item whose client left (its future cancelled) is closed without
-an answer (``close_unheard``): nobody is listening.
+module moves it or reads it: the others ask (``awaited``, ``is_queued``) and act through its
+calls, never on a state they read. Only the side that moves an item out of QUEUED may answer it,
+and every answer goes through ``WorkQueue.answer``, which marks the item DONE first, answers
+nothing already DONE and says whether its answer reached someone: so no item is ever answered
+twice, whatever the order in which the worker, a deadline timer or a drain come to it, and what
+is counted of an answer is counted by what ``answer`` returns. An item whose client left (its
+future cancelled) is closed without an answer (``close_unheard``): nobody is listening.
 
 Groups
 ------
@@ -419,9 +421,15 @@ class WorkQueue(Generic[T, R]):
         return True
 
     @staticmethod
-    def owes_answer(item: Item[T, R]) -> bool:
-        """Whether `item` is yet to be answered (or closed): not DONE."""
-        return item.state is not State.DONE
+    def awaited(item: Item[Any, Any]) -> bool:
+        """Whether someone still waits for `item`'s answer: it is not answered (nor closed),
+        and its client did not leave."""
+        return item.state is not State.DONE and not item.future.cancelled()
+
+    @staticmethod
+    def is_queued(item: Item[Any, Any]) -> bool:
+        """Whether `item` is still in the queue (neither taken nor dropped)."""
+        return item.state is State.QUEUED
 
     def close_unheard(self, item: Item[T, R]) -> None:
         """An item nobody waits for any more (its client left): DONE without an answer."""

@@ -5,7 +5,8 @@ Long requests run in slices
 ---------------------------
 With ``slice_s`` and ``start_long``, an item whose estimated work exceeds one slice (at the
 measured pace, below) is *long*: it runs alone, as a resumable run of about that many tiles
-(``start_long(item, tiles)``, called on the device thread; each ``step()`` computes one tile),
+(``start_long(item, tiles)``, called on the device thread; each ``step()`` computes one tile;
+``finish_long`` makes the item's answer of the finished run),
 the pace's correction of the cost model bounded to 4x either way for the plan
 (service.runtime.pace.plan_tiles: unbounded, small tiles' fixed costs fed back into the pace).
 Up to MAX_RUNNING_LONG long items run at once and share the device tile by tile, the queued
@@ -125,10 +126,10 @@ the tenant's share (refused for its own tenant's long work, a 429; else 503). Th
 to the tenant whose virtual time is least (service.runtime.queue: the same shares as the short
 batches; tiles charge it), and among that tenant's items by the rules above; the short batches
 of another tenant run before the tile while their tenant's virtual time is not past the tile's
-tenant's, up to the measured time the tile tenant's share leaves them (the batcher). (Before,
-the shares gave way wherever they would cost a running item its deadline: a tenant keeping
-tight deadlines held another's short requests to 1.0 s and its long ones to 3 completions in
-57 s.)
+tenant's, up to the measured time the tile tenant's share leaves them
+(service.runtime.long_runs). (Before, the shares gave way wherever they would cost a running
+item its deadline: a tenant keeping tight deadlines held another's short requests to 1.0 s and
+its long ones to 3 completions in 57 s.)
 """
 
 from __future__ import annotations
@@ -138,10 +139,10 @@ import math
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Generic, NamedTuple, Protocol, TypeVar
+from typing import Any, Generic, NamedTuple, Protocol, TypeVar
 
 from service.runtime.pace import MAX_RETRY_AFTER_S, Pace, ShortStream
-from service.runtime.queue import FEW_SLICES, Entry, Item, State, Tenant, WorkQueue
+from service.runtime.queue import FEW_SLICES, Entry, Item, Tenant, WorkQueue
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -174,9 +175,11 @@ _SEARCHED_LONGS = 128
 
 
 class Resumable(Protocol[R_co]):
-    """A long item's run: step(budget_s) computes one tile (about budget_s seconds where the
-    run can tell) on the device thread and says whether the run is done (it never raises: a
-    failure ends the run with outcome() that error)."""
+    """A long item's run, as the runtime steps it (sdpa_core's TiledRun, AttentionRun or
+    AnalysisRun, is one as it is: no wrapper between). step(budget_s) computes one tile (about
+    budget_s seconds where the run can tell) on the device thread and says whether the run is
+    done; result() is its result once done. An error either raises ends the run: it is the
+    item's own answer (service.runtime.long_runs)."""
 
     @property
     def tiles_total(self) -> int: ...
@@ -192,18 +195,21 @@ class Resumable(Protocol[R_co]):
 
     def step(self, budget_s: float) -> bool: ...
 
-    def outcome(self) -> R_co | BaseException: ...
+    def result(self) -> R_co: ...
 
 
 class Long(Generic[T, R]):
-    """A long item taken off the queue: its run (started at its first tile) and its estimated
-    work not yet done, beyond the tile on the device."""
+    """A long item taken off the queue: its run (started at its first tile), its estimated
+    work not yet done beyond the tile on the device, the device seconds its tiles took, and
+    its answer once its run ended (its result, or the error that ended it)."""
 
-    __slots__ = ("left_work", "pending", "planned_tiles", "run")
+    __slots__ = ("compute_s", "left_work", "outcome", "pending", "planned_tiles", "run")
 
     def __init__(self, pending: Item[T, R], planned_tiles: int | None = None) -> None:
         self.pending = pending
-        self.run: Resumable[R] | None = None
+        self.run: Resumable[Any] | None = None
+        self.outcome: R | BaseException | None = None
+        self.compute_s = 0.0
         self.left_work = pending.work
         # The tiles its run is planned in (Pace.plan_tiles); its slices, pending.tiles, count
         # for joining and admission.
@@ -239,8 +245,8 @@ class Share(NamedTuple):
 class Waiting:
     """The queued long items as one projection sees them: copies of the batcher's heaps of
     entries (all of them, and those of few slices), whose items are taken in the order the
-    worker's _next_long takes them; entries of items no longer queued are skipped, as the
-    worker skips them. Work in device seconds at per_work, deadlines in seconds from origin.
+    worker takes them (LongTurns.next_long); entries of items no longer queued are skipped, as
+    the worker skips them. Work in device seconds at per_work, deadlines in seconds from origin.
     """
 
     __slots__ = (
@@ -273,8 +279,8 @@ class Waiting:
         self.left_s += entry[2].work * self.per_work
 
     def _first(self, heap: list[Entry]) -> Entry | None:
-        joined = self._joined
-        while heap and (heap[0][1] in joined or heap[0][2].state is not State.QUEUED):
+        joined, queued = self._joined, WorkQueue.is_queued
+        while heap and (heap[0][1] in joined or not queued(heap[0][2])):
             heapq.heappop(heap)
         return heap[0] if heap else None
 
@@ -302,8 +308,8 @@ class Turns:
     """A projection of the long items' tiles (module docstring), for their admission and for
     the choice of a tile. One running item has the device at a time: the earliest deadline
     (``by_deadline``) or the least work left, the oldest first on ties; the queued items join
-    as the worker's _next_long takes them (the earliest deadline, the oldest on ties, while
-    fewer than MAX_RUNNING_LONG run, else the earliest of few slices while fewer than twice as
+    as the worker takes them (LongTurns.next_long: the earliest deadline, the oldest on ties,
+    while fewer than MAX_RUNNING_LONG run, else the earliest of few slices while fewer than twice as
     many), and may then take the device; each item stops at its deadline (abandoned, or
     dropped while queued). An item that cannot finish by its deadline even alone, when it
     joins, holds its place until its deadline and never has the device. Tiles are taken as
@@ -545,7 +551,7 @@ class LongTurns(Generic[T, R]):
             pending = long.pending
             if tenant is not None and pending.tenant != tenant.name:
                 continue
-            if not self._queue.owes_answer(pending) or pending.future.cancelled():
+            if not self._queue.awaited(pending):
                 continue  # dropped at its next turn
             rate = per_work.get(pending.tenant)
             if rate is None:
@@ -640,9 +646,9 @@ class LongTurns(Generic[T, R]):
             if turns.missed <= turns.hopeless:
                 return True  # (those could not finish even alone: missed without it too)
             if baseline is None:
-                # What the worker does without it (_whose_turn): the least work left first
-                # while that meets every deadline that can be met alone, else the earliest
-                # deadline first. (Against the latter alone, an item only the former saves
+                # What the worker does without it (LongTurns.whose_turn): the least work left
+                # first while that meets every deadline that can be met alone, else the
+                # earliest deadline first. (Against the latter alone, an item only the former saves
                 # was lost already, and a new one could take the places that saved it.)
                 baseline = project(None, _PROJECTED_LONGS, by_deadline=False)
                 if baseline.exhausted or baseline.missed - baseline.hopeless:
@@ -784,7 +790,7 @@ class LongTurns(Generic[T, R]):
         names: dict[str, int] = {}
         for seq, long in self.longs.items():
             pending = long.pending
-            if self._queue.owes_answer(pending) and not pending.future.cancelled():
+            if self._queue.awaited(pending):
                 names.setdefault(pending.tenant, seq)
         if not names:
             return None

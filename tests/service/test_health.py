@@ -14,7 +14,7 @@ import torch
 
 from sdpa_core import attention
 from service.metrics import Metrics
-from service.runtime.batcher import DynamicBatcher
+from service.runtime.batcher import BatcherConfig, BatcherPolicy, DynamicBatcher
 from service.runtime.engine import Engine
 from service.runtime.jobs import AttentionJob, PreparedJob, prepare
 from service.serving.health import (
@@ -204,10 +204,8 @@ def test_idle_work_runs_only_while_nothing_is_queued() -> None:
     async def scenario() -> None:
         batcher: DynamicBatcher[str, str] = DynamicBatcher(
             run_batch,
-            group_key=lambda item: item,
-            max_batch_size=1,
-            max_batch_delay_s=0.0,
-            max_queue=16,
+            BatcherPolicy(group_key=lambda item: item),
+            BatcherConfig(max_batch_size=1, max_queue=16),
             idle_work=idle_work,
         )
         await batcher.start()

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from service.errors import DeadlineUnreachable, TenantQueueFull
 from service.metrics import Metrics
-from service.runtime.batcher import BatchResult, DynamicBatcher
+from service.runtime.batcher import BatcherConfig, BatcherPolicy, BatchResult, DynamicBatcher
 from tests.service.runtime.test_batcher import run
 from tests.support.fake_clock import FakeClock
 
@@ -167,7 +167,7 @@ class Run:
         workload._arrive_due()
         return done
 
-    def outcome(self) -> str | BaseException:
+    def result(self) -> str:
         return self.name
 
 
@@ -176,10 +176,14 @@ def batcher_for(
 ) -> DynamicBatcher[str, str]:
     clock = workload.clock
     return DynamicBatcher(
-        workload.run_batch, group_key=lambda item: item[0], max_batch_size=16,
-        max_batch_delay_s=0.0, max_queue=4096, clock=clock, call_at=clock.call_at,
-        work_seconds=work_of, slice_s=SLICE, start_long=workload.start_long,
-        tenant_weights=weights, metrics=metrics,
+        workload.run_batch,
+        BatcherPolicy(
+            group_key=lambda item: item[0], work_seconds=work_of, start_long=workload.start_long
+        ),
+        BatcherConfig(
+            max_batch_size=16, max_queue=4096, slice_s=SLICE, tenant_weights=weights or {}
+        ),
+        clock=clock, call_at=clock.call_at, metrics=metrics,
     )  # fmt: skip
 
 

@@ -20,7 +20,7 @@ from starlette.requests import Request
 from service.api.disconnect import ClientDisconnected, cancel_on_disconnect
 from service.errors import DeadlineExceeded, QueueFull, ShuttingDown
 from service.metrics import Metrics
-from service.runtime.batcher import BatchResult, DynamicBatcher
+from service.runtime.batcher import BatcherConfig, BatcherPolicy, BatchResult, DynamicBatcher
 
 R = TypeVar("R")
 FAR = 3600.0  # a deadline that never passes in a test
@@ -111,10 +111,10 @@ def make(
 ) -> DynamicBatcher[str, str]:
     return DynamicBatcher(
         device,
-        group_key=group_of,
-        max_batch_size=max_batch_size,
-        max_batch_delay_s=max_batch_delay_s,
-        max_queue=max_queue,
+        BatcherPolicy(group_key=group_of),
+        BatcherConfig(
+            max_batch_size=max_batch_size, max_queue=max_queue, max_batch_delay_s=max_batch_delay_s
+        ),
         metrics=metrics,
     )
 
@@ -200,12 +200,8 @@ def test_cost_cut_bounds_a_batch_by_size_and_a_large_item_goes_alone() -> None:
     async def main() -> None:
         b = DynamicBatcher(
             device,
-            group_key=group_of,
-            max_batch_size=8,
-            max_batch_delay_s=0.0,
-            max_queue=64,
-            batch_cost=cost,
-            max_batch_cost=10.0,
+            BatcherPolicy(group_key=group_of, batch_cost=cost),
+            BatcherConfig(max_batch_size=8, max_queue=64, max_batch_cost=10.0),
         )
         first = await held_device(device, b, "x0")
         items = ["a1:4", "a2:4", "a3:4", "a4:25", "a5:1", "a6:9", "a7:1"]
@@ -532,8 +528,9 @@ def test_deadlines_are_instants_of_the_injected_clock() -> None:
 
     async def main() -> list[BatchResult[str] | BaseException]:
         b: DynamicBatcher[str, str] = DynamicBatcher(
-            held_for_ten_seconds, group_key=group_of, max_batch_size=1, max_batch_delay_s=0.0,
-            max_queue=8, metrics=metrics, clock=lambda: clock["now"],
+            held_for_ten_seconds, BatcherPolicy(group_key=group_of),
+            BatcherConfig(max_batch_size=1, max_queue=8), metrics=metrics,
+            clock=lambda: clock["now"],
         )  # fmt: skip
         device.hold()
         await b.start()
@@ -682,8 +679,11 @@ def test_retry_after_follows_the_queued_work_not_the_count_of_requests() -> None
 
     async def main() -> tuple[float, float, float, float, float]:
         b: DynamicBatcher[str, str] = DynamicBatcher(
-            device, group_key=lambda item: item, max_batch_size=1, max_batch_delay_s=0.0,
-            max_queue=4, metrics=metrics, work_seconds=lambda item: seconds[item[0]] * 0.75,
+            device,
+            BatcherPolicy(
+                group_key=lambda item: item, work_seconds=lambda item: seconds[item[0]] * 0.75
+            ),
+            BatcherConfig(max_batch_size=1, max_queue=4), metrics=metrics,
         )  # fmt: skip
         await b.start()
         for i in range(20):
@@ -720,8 +720,8 @@ def test_retry_after_is_clamped_to_a_minute() -> None:
 
     async def main() -> int:
         b: DynamicBatcher[str, str] = DynamicBatcher(
-            device, group_key=group_of, max_batch_size=1, max_batch_delay_s=0.0, max_queue=2,
-            work_seconds=lambda item: 100.0,
+            device, BatcherPolicy(group_key=group_of, work_seconds=lambda item: 100.0),
+            BatcherConfig(max_batch_size=1, max_queue=2),
         )  # fmt: skip
         first = await held_device(device, b)
         queued = [submit(b, "a1"), submit(b, "a2")]

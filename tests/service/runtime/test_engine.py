@@ -9,6 +9,7 @@ also checks a padded batch against a float64 softmax written here.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
@@ -19,7 +20,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from sdpa_core import (
+    AnalysisRun,
     AttentionResult,
+    AttentionRun,
     Masks,
     RowStats,
     SdpaError,
@@ -38,6 +41,7 @@ from service.runtime.jobs import (
     AttentionJob,
     AttentionOutcome,
     Job,
+    Outcome,
     PreparedJob,
     prepare,
 )
@@ -584,27 +588,42 @@ def test_gpu_batched_equals_solo_on_device() -> None:
             assert_same_result(outcome.result, want, gpu_dtype, loose=True)
 
 
-# -- long jobs: JobRun --------------------------------------------------------------------
+# -- long jobs: sdpa_core's run, stepped as it is ----------------------------------------
+
+
+def run_long(
+    engine: Engine, job: AttentionJob | AnalyzeJob, tiles: int
+) -> tuple[AttentionRun | AnalysisRun, Outcome, list[float]]:
+    """start_long's run stepped to its end as the runtime steps it (service.runtime.long_runs:
+    each tile's seconds told to note_tile and summed, the result made the job's Outcome by
+    finish_long) -> the run, the Outcome, and share_done after each step."""
+    prepared = prepare(job)
+    run = engine.start_long(prepared, tiles)
+    assert run.share_done == 0.0
+    shares: list[float] = []
+    done, seconds = False, 0.0
+    while not done:
+        started = time.perf_counter()
+        done = run.step()
+        took = time.perf_counter() - started
+        engine.note_tile(run, took)
+        seconds += took
+        shares.append(run.share_done)
+    return run, engine.finish_long(prepared, run.result(), seconds), shares
 
 
 @pytest.mark.parametrize(
     "options", OPTIONS, ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items())
 )
 def test_a_long_job_in_tiles_equals_the_solo_call(options: dict[str, Any]) -> None:
-    """start_long's run, stepped tile by tile as the batcher does, gives the solo call's
+    """start_long's run, stepped tile by tile as the runtime does, gives the solo call's
     result (output, weights, diagnostics) for every option; each tile is one observation of
     sdpa_compute_seconds."""
     gen = torch.Generator().manual_seed(21)
     job = make_job(gen, (2, 3), 37, 38, **options)
     engine = make_engine()
-    run = engine.start_long(prepare(job), 7)
-    assert run.share_done == 0.0
-    shares = []
-    while not run.step():
-        shares.append(run.share_done)
-    shares.append(run.share_done)
+    run, outcome, shares = run_long(engine, job, 7)
     steps = len(shares)
-    outcome = run.outcome()
     assert isinstance(outcome, AttentionOutcome), outcome
     assert steps == run.tiles_total == run.tiles_done >= 6  # six sequences at least
     assert shares == sorted(shares)
@@ -624,10 +643,7 @@ def test_a_long_analyze_job_in_tiles_equals_analyze_scaling() -> None:
     gen = torch.Generator().manual_seed(22)
     q, k = randn(gen, 2, 4, 32, 16), randn(gen, 2, 4, 40, 16)
     job = AnalyzeJob(q=q, k=k, strategies=("sqrt_dk", ("tiny", 1e-40)), masks=BOTTOM_RIGHT)
-    run = make_engine().start_long(prepare(job), 9)
-    while not run.step():
-        pass
-    outcome = run.outcome()
+    run, outcome, _ = run_long(make_engine(), job, 9)
     assert isinstance(outcome, AnalyzeOutcome), outcome
     assert run.tiles_total == 6  # 3 passes x 2 sequences (32 rows: one chunked row tile)
     want = analyze_scaling(q, k, strategies=job.strategies, causal="bottom_right")
@@ -638,19 +654,17 @@ def test_a_long_analyze_job_in_tiles_equals_analyze_scaling() -> None:
 
 
 def test_a_long_job_that_fails_ends_with_its_own_error() -> None:
-    """Scaled scores that overflow float32 are found once the whole result is there: the run
-    ends with the error attention() raises, never an exception out of step()."""
+    """Scaled scores that overflow float32 are found once the whole result is there: every
+    tile runs, and the run's result() raises the error attention() raises (the runtime makes it
+    the request's answer: test_long_runs.py)."""
     q = torch.full((1, 1, 8, 4), 1e19)
     job = AttentionJob(q=q, k=q.clone(), v=q.clone(), scale=10.0)
     with pytest.raises(SdpaError) as direct:
         solo(job)
-    run = make_engine().start_long(prepare(job), 4)
-    while not run.step():
-        pass
-    outcome = run.outcome()
-    assert isinstance(outcome, SdpaError)
-    assert type(outcome) is type(direct.value)
-    assert outcome.param == direct.value.param
+    with pytest.raises(SdpaError) as tiled:
+        run_long(make_engine(), job, 4)
+    assert type(tiled.value) is type(direct.value)
+    assert tiled.value.param == direct.value.param
 
 
 @pytest.mark.gpu
@@ -663,10 +677,7 @@ def test_gpu_long_jobs_and_pinned_copies() -> None:
     gen = torch.Generator().manual_seed(23)
     for options in ({"causal": "bottom_right", "diagnostics": "full"}, {"return_weights": True}):
         job = make_job(gen, (2,), 40, 36, **{**options, "scale": 1.0})
-        run = engine.start_long(prepare(job), 5)
-        while not run.step():
-            pass
-        outcome = run.outcome()
+        _, outcome, _ = run_long(engine, job, 5)
         assert isinstance(outcome, AttentionOutcome), outcome
         assert outcome.result.output.device.type == "cpu"
         want = result_to_cpu(solo(to_device(job, device)), job.diagnostics, scale=1.0)

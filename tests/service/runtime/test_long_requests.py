@@ -2,7 +2,7 @@
 client leaves, with short batches run between tiles (against a fake device whose long runs
 step through real time, so each test controls what is queued between two tiles).
 
-The engine's side (JobRun: real tiles of sdpa_core, their results equal to one call) is in
+The engine's side (sdpa_core's runs stepped as they are: their results equal to one call) is in
 test_engine.py; a real server in tests/e2e/test_long_requests_live.py.
 """
 
@@ -22,7 +22,14 @@ import pytest
 from service.errors import DeadlineExceeded, DeadlineUnreachable, ShuttingDown
 from service.metrics import Metrics
 from service.runtime import turns as turns_module
-from service.runtime.batcher import FEW_SLICES, MAX_RUNNING_LONG, BatchResult, DynamicBatcher
+from service.runtime.batcher import (
+    FEW_SLICES,
+    MAX_RUNNING_LONG,
+    BatcherConfig,
+    BatcherPolicy,
+    BatchResult,
+    DynamicBatcher,
+)
 from tests.service.runtime.test_batcher import FAR, deadline_in, rejected, run, until
 
 TILE_S = 0.02  # real seconds one fake tile takes
@@ -69,9 +76,9 @@ class FakeRun:
     def share_done(self) -> float:
         return self.tiles_done / self.tiles_total
 
-    def outcome(self) -> str | BaseException:
+    def result(self) -> str:
         if self.item.startswith("Lerr"):
-            return ValueError(self.item)
+            raise ValueError(self.item)
         return f"{self.item} in {self.tiles_done} tiles"
 
 
@@ -90,14 +97,11 @@ def make(
 ) -> DynamicBatcher[str, str]:
     return DynamicBatcher(
         device.run_batch,
-        group_key=lambda item: item[0],
-        max_batch_size=32,
-        max_batch_delay_s=0.0,
-        max_queue=64,
+        BatcherPolicy(
+            group_key=lambda item: item[0], work_seconds=work, start_long=device.start_long
+        ),
+        BatcherConfig(max_batch_size=32, max_queue=64, slice_s=slice_s),
         metrics=metrics,
-        work_seconds=work,
-        slice_s=slice_s,
-        start_long=device.start_long,
         clock=clock,
     )
 
@@ -196,9 +200,12 @@ def test_short_batches_between_tiles_stop_after_one_slice_of_measured_time() -> 
     device = SlowShorts()
 
     b = DynamicBatcher(
-        device.run_batch, group_key=lambda item: item[0], max_batch_size=1,
-        max_batch_delay_s=0.0, max_queue=64, work_seconds=under_counted, slice_s=SLICE_S,
-        start_long=device.start_long,
+        device.run_batch,
+        BatcherPolicy(
+            group_key=lambda item: item[0], work_seconds=under_counted,
+            start_long=device.start_long,
+        ),
+        BatcherConfig(max_batch_size=1, max_queue=64, slice_s=SLICE_S),
     )  # fmt: skip
     # (30 tiles: were the sleeps to overshoot, one short a gap still ends before the long item)
     run(twenty_shorts_behind_a_long_item(b, device, slices=30))
@@ -680,7 +687,7 @@ class ClockedRun:
             return True
         return False
 
-    def outcome(self) -> str | BaseException:
+    def result(self) -> str:
         return f"{self.item} in {self.tiles_done} tiles"
 
 

@@ -16,7 +16,7 @@ import pytest
 
 from service.errors import DeadlineExceeded, DeadlineUnreachable, QueueFull, TenantQueueFull
 from service.metrics import Metrics
-from service.runtime.batcher import BatchResult, DynamicBatcher
+from service.runtime.batcher import BatcherConfig, BatcherPolicy, BatchResult, DynamicBatcher
 from service.runtime.queue import Item, State, WorkQueue
 from tests.support.fake_clock import FakeClock
 
@@ -165,6 +165,28 @@ def test_each_item_is_answered_exactly_once(q: Queue) -> None:
     assert gone.state is State.DONE
 
 
+def test_the_queue_says_who_is_awaited_and_queued_so_no_caller_reads_a_state(q: Queue) -> None:
+    """awaited: not answered and the client still there; is_queued: not taken nor dropped.
+    By hand through each move: queued, taken, answered; queued, withdrawn; taken, client gone."""
+    item = q.add("a0", "A")
+    assert q.queue.is_queued(item)
+    assert q.queue.awaited(item)
+    q.queue.take(item, now=0.0)
+    assert not q.queue.is_queued(item)
+    assert q.queue.awaited(item)
+    q.queue.answer(item, "A0")
+    assert not q.queue.awaited(item)
+    dropped = q.add("a1", "A")
+    assert q.queue.withdraw(dropped) is True
+    assert not q.queue.is_queued(dropped)
+    assert q.queue.awaited(dropped)
+    assert q.queue.withdraw(dropped) is False  # withdrawn once only
+    left = q.add("a2", "A")
+    q.queue.take(left, now=0.0)
+    left.future.cancel()  # the client left while it ran: nobody awaits it, unanswered
+    assert not q.queue.awaited(left)
+
+
 # -- the batcher on a fake clock -------------------------------------------------------------
 
 
@@ -195,9 +217,12 @@ def batcher(
     metrics: Metrics | None = None, weights: dict[str, float] | None = None,
 ) -> DynamicBatcher[str, str]:  # fmt: skip
     return DynamicBatcher(
-        device, group_key=lambda item: item[0], max_batch_size=8, max_batch_delay_s=0.0,
-        max_queue=max_queue, metrics=metrics, clock=clock, call_at=clock.call_at,
-        tenant_queue_share=share, tenant_weights=weights,
+        device, BatcherPolicy(group_key=lambda item: item[0]),
+        BatcherConfig(
+            max_batch_size=8, max_queue=max_queue, tenant_queue_share=share,
+            tenant_weights=weights or {},
+        ),
+        metrics=metrics, clock=clock, call_at=clock.call_at,
     )  # fmt: skip
 
 
@@ -347,7 +372,7 @@ class TiledRun:
         self.tiles_done += 1
         return self.tiles_done == self.tiles_total
 
-    def outcome(self) -> str | BaseException:
+    def result(self) -> str:
         return self.name
 
 
@@ -364,10 +389,14 @@ def tiled_batcher(
     device: TiledDevice, clock: FakeClock, weights: dict[str, float] | None = None
 ) -> DynamicBatcher[str, str]:
     return DynamicBatcher(
-        device.run_batch, group_key=lambda item: item[0], max_batch_size=64,
-        max_batch_delay_s=0.0, max_queue=512, clock=clock, call_at=clock.call_at,
-        work_seconds=work_of, slice_s=SLICE, start_long=device.start_long,
-        tenant_weights=weights,
+        device.run_batch,
+        BatcherPolicy(
+            group_key=lambda item: item[0], work_seconds=work_of, start_long=device.start_long
+        ),
+        BatcherConfig(
+            max_batch_size=64, max_queue=512, slice_s=SLICE, tenant_weights=weights or {}
+        ),
+        clock=clock, call_at=clock.call_at,
     )  # fmt: skip
 
 
