@@ -18,7 +18,6 @@ from __future__ import annotations
 import os
 
 import pytest
-import torch
 
 
 def _share_of_the_cpus(workers: int) -> int:
@@ -30,6 +29,8 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     workerinput = getattr(session.config, "workerinput", None)
     if workerinput is None:  # no xdist, or its controller (which runs no test)
         return
+    import torch  # here, not at the top: xdist's controller runs no test and needs no torch
+
     threads = _share_of_the_cpus(int(workerinput["workercount"]))
     if threads < torch.get_num_threads():
         torch.set_num_threads(threads)
