@@ -62,8 +62,10 @@ typecheck: venv
 test: lint typecheck $(VENV)/.minilm
 	$(BIN)/pytest -n 2 --dist loadgroup
 
-# The fast tests (core, service in process, client): no real server, no subprocesses, no slow
-# marks; minutes on 2 cores (docs/getting-started.md). `make test` stays the whole suite.
+# The fast tests (core, service in process, client): no real server, no subprocesses, no
+# compile, no slow marks; a minute's target on 2 cores (docs/getting-started.md). Each xdist
+# worker takes its share of the CPUs for torch (tests/support/worker_threads.py). `make test`
+# stays the whole suite.
 unit: venv
 	$(BIN)/pytest -n 2 --dist loadgroup -q -m "not slow" tests/core tests/service tests/client
 

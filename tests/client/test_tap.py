@@ -390,6 +390,7 @@ def test_a_transformer_encoder_keeps_its_fast_path(app_client: TestClient) -> No
     assert stats.sampled == stats.answered == 2  # the training-mode forward's two layers
 
 
+@pytest.mark.slow  # torch.compile traces the model (dynamo: seconds, its import included)
 def test_a_compiled_model_runs_and_is_not_sampled(app_client: TestClient) -> None:
     model, x = inputs()
     compiled = torch.compile(model, fullgraph=True, backend="eager")

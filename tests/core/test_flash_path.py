@@ -1,7 +1,7 @@
 """Path "flash" through attention(): the float64 reference, the chunked path, path choice.
 
 Every test runs on each flash kernel this process has: the CPU kernel (built here by
-compile_kernels(), as a service's warm-up builds it) and Triton's. Triton runs CPU tensors only
+cpu_flash.build(), as a service's warm-up builds it) and Triton's. Triton runs CPU tensors only
 under its interpreter, which it reads once, at import (TRITON_INTERPRET=1): a process without
 it runs the Triton cases in a child pytest with it set
 (test_triton_kernel_through_attention_under_the_interpreter), on the tiny shapes the
@@ -39,11 +39,16 @@ from sdpa_core import (
     SdpaError,
     attention,
     choose_path,
-    compile_kernels,
     flash_kernels,
     validate_inputs,
 )
-from sdpa_core.kernels import CPU_KERNEL, TRITON_KERNEL, triton_interpreted, use_kernel
+from sdpa_core.kernels import (
+    CPU_KERNEL,
+    TRITON_KERNEL,
+    cpu_flash,
+    triton_interpreted,
+    use_kernel,
+)
 from tests.core.reference import (
     assert_matches_golden,
     lowp_reference,
@@ -66,10 +71,13 @@ def _state(name: str) -> tuple[bool, str]:
 
 @pytest.fixture(scope="module")
 def built() -> None:
-    """The CPU kernel, built as the service's warm-up builds it (a no-op once built; not in
-    the interpreter's child, which runs the Triton cases alone)."""
+    """The CPU kernel, built as the service's warm-up builds it (cpu_flash.build(): the prebuilt
+    or cached library, compiled once on a cold cache; a no-op once loaded; not in the
+    interpreter's child, which runs the Triton cases alone). Not compile_kernels(), which also
+    compiles the chunked path's statistics kernel (seconds of inductor, tests/core/
+    test_stats_kernel.py tests it), which no test here needs."""
     if not os.environ.get(_CHILD):
-        compile_kernels()
+        cpu_flash.build()
 
 
 @pytest.fixture(params=KERNELS)

@@ -16,7 +16,6 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from torch._dynamo.utils import counters
 
 from sdpa_core import AttentionResult, attention
 from sdpa_core.stats_kernel import (
@@ -28,6 +27,14 @@ from sdpa_core.stats_kernel import (
 from tests.core.reference import ATOL, RTOL, reference_attention, reference_rows, visibility
 
 pytestmark = pytest.mark.slow
+
+
+def _unique_graphs() -> int:
+    """The graphs dynamo compiled in this process. Imported here, not at the top: collecting
+    this (slow) module, as `make unit` does before deselecting it, need not import dynamo."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -45,12 +52,12 @@ def _kernel_and_eager(
     """attention() with diagnostics "full" on the chunked path, with the kernel (asserting that
     it ran compiled, unless must_run is False: a block of one key or one row runs eagerly, and
     so does every block of a scale too small to fold) and with the eager loop."""
-    before, graphs = kernel_stats(), counters["stats"]["unique_graphs"]
+    before, graphs = kernel_stats(), _unique_graphs()
     with kernel_mode("always"):  # these tiles are small: "auto" would run the eager loop
         fast = attention(q, k, v, diagnostics="full", path="chunked", **kw)
     after = kernel_stats()
     assert after.calls > before.calls or not must_run, "the compiled kernel did not run"
-    assert counters["stats"]["unique_graphs"] == graphs, "a request compiled a graph"
+    assert _unique_graphs() == graphs, "a request compiled a graph"
     with kernel_mode("off"):
         calls = kernel_stats().calls
         eager = attention(q, k, v, diagnostics="full", path="chunked", **kw)
@@ -232,7 +239,7 @@ def test_threads_share_the_kernel_without_compiling_or_changing_torch_settings()
     with kernel_mode("off"):
         want = [attention(*p, diagnostics="summary").diagnostics for p in problems]
     assert all(d is not None for d in want)
-    graphs = counters["stats"]["unique_graphs"]
+    graphs = _unique_graphs()
     got: dict[int, list[Any]] = {}
 
     def work(i: int) -> None:
@@ -244,7 +251,7 @@ def test_threads_share_the_kernel_without_compiling_or_changing_torch_settings()
         t.start()
     for t in threads:
         t.join(timeout=120)
-    assert counters["stats"]["unique_graphs"] == graphs
+    assert _unique_graphs() == graphs
     for i, diagnostics in got.items():
         for d in diagnostics:
             wanted = want[i]

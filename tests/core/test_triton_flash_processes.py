@@ -51,6 +51,7 @@ def test_interpreter_cases_in_a_child_pytest() -> None:
     assert " skipped" not in done.stdout, tail
 
 
+@pytest.mark.slow  # a fresh interpreter
 def test_imports_without_triton_and_says_why() -> None:
     """sdpa_core.kernels.triton_flash imports without Triton (and without importing it);
     available() then says why not, and so does a process without CUDA or the interpreter."""

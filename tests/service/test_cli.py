@@ -154,7 +154,8 @@ def _http_server(status: int) -> Iterator[int]:
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     server.paths = []  # type: ignore[attr-defined]
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    # shutdown() waits for serve_forever's next poll: 0.5 s by default, at every test's end.
+    thread = threading.Thread(target=server.serve_forever, args=(0.01,), daemon=True)
     thread.start()
     try:
         yield int(server.server_address[1])

@@ -22,7 +22,7 @@ from starlette.types import Receive, Scope, Send
 from service.app import create_app
 from service.middleware.access_log import AccessLogMiddleware
 from service.tracing import PHASE_NAMES, Tracing
-from tests.support.app import small_settings
+from tests.support.app import ready_engine, small_settings
 
 CALLER_TRACE = 0x4BF92F3577B34DA6A3CE929D0E0E4736
 CALLER_SPAN = 0x00F067AA0BA902B7
@@ -46,7 +46,8 @@ def tracing(exported: InMemorySpanExporter) -> Iterator[Tracing]:
 @pytest.fixture(scope="module")
 def client(tracing: Tracing) -> Iterator[TestClient]:
     """The service with one API key (tenant "team-a"), traced from outside."""
-    app = create_app(small_settings(api_keys=f"team-a={KEY}"), tracing=tracing)
+    settings = small_settings(api_keys=f"team-a={KEY}")
+    app = create_app(settings, engine=ready_engine(settings), tracing=tracing)
     with TestClient(app, raise_server_exceptions=False) as client:
         deadline = time.monotonic() + 60.0
         while client.get("/readyz").status_code != 200:

@@ -59,8 +59,12 @@ class ReadyEngine(Engine):
 
 
 def ready_engine(settings: Settings) -> Engine:
-    """The engine create_app(settings) would build, with the cost model ready."""
-    return ReadyEngine(resolve_device(settings.device))
+    """The engine create_app(settings) would build, with the cost model ready: measured here,
+    in the caller's thread, when this process has not measured it yet, so that no app's
+    warm-up pays it (nor a test that profiles or times the app)."""
+    engine = ReadyEngine(resolve_device(settings.device))
+    engine.calibrate()
+    return engine
 
 
 @contextmanager

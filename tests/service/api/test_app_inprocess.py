@@ -18,7 +18,7 @@ from service.app import create_app
 from service.errors import QueueFull
 from service.runtime.engine import Engine
 from service.settings import Settings
-from tests.support.app import in_process_client, requests_total, small_settings
+from tests.support.app import in_process_client, ready_engine, requests_total, small_settings
 
 
 def _boom() -> None:
@@ -31,7 +31,12 @@ def _full() -> None:
 
 @pytest.fixture(scope="module")
 def app() -> FastAPI:
-    app = create_app(Settings(device="cpu", api_keys=(SecretStr("k1"),), max_body_bytes=2048))
+    # No statistics kernel compiled and the cost model measured once per process: none of
+    # this module's tests is about the warm-up.
+    settings = Settings(
+        device="cpu", api_keys=(SecretStr("k1"),), max_body_bytes=2048, compile_kernels=False
+    )
+    app = create_app(settings, engine=ready_engine(settings))
     # Routes that fail the way only a bug (or the batcher) can, added for this test only.
     app.add_api_route("/test/boom", _boom, methods=["GET"])
     app.add_api_route("/test/full", _full, methods=["GET"])

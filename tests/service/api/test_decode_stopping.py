@@ -17,7 +17,7 @@ import pytest
 from service.app import create_app
 from service.serving.gc_pause import decodes_in_progress
 from service.settings import Settings
-from tests.support.app import asgi_scope, small_settings
+from tests.support.app import asgi_scope, ready_engine, small_settings
 
 Message = dict[str, Any]
 V2_PATH = "/v2/models/attention/infer"
@@ -27,7 +27,7 @@ class RunningApp:
     """create_app(settings) with its lifespan started, called request by request."""
 
     def __init__(self, settings: Settings) -> None:
-        self.app = create_app(settings)
+        self.app = create_app(settings, engine=ready_engine(settings))
         self._lifespan_in: asyncio.Queue[Message] = asyncio.Queue()
         self._lifespan_out: asyncio.Queue[Message] = asyncio.Queue()
         self._lifespan: asyncio.Task[None] | None = None

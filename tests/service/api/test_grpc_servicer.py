@@ -33,7 +33,7 @@ from service.runtime.jobs import Outcome, PreparedJob
 from service.serving.state import AppState
 from service.settings import Settings
 from service.wire.grpc import grpc_predict_v2_pb2 as pb
-from tests.support.app import small_settings
+from tests.support.app import ReadyEngine, ready_engine, small_settings
 from tests.support.v2_cases import Case, assert_close, expected, make_case, mask_cases
 
 tritongrpc = pytest.importorskip("tritonclient.grpc")
@@ -57,7 +57,9 @@ class InProcessDoor:
         self.failed: BaseException | None = None
         self.port = 0
         self.state: AppState | None = None
-        self.app = create_app(settings, engine=engine)
+        self.app = create_app(
+            settings, engine=engine if engine is not None else ready_engine(settings)
+        )
         self._stop: asyncio.Event | None = None
         self._thread = threading.Thread(target=self._main, name="grpc-door", daemon=True)
 
@@ -553,7 +555,7 @@ def test_a_call_with_a_traceparent_is_one_server_span_with_its_phases(door: InPr
 # ---- a bug of ours --------------------------------------------------------------------------
 
 
-class EngineWithABug(Engine):
+class EngineWithABug(ReadyEngine):
     """A CPU engine that fails (a RuntimeError, as a bug would) every batch holding a job whose
     head dim is 7; every other batch it runs as the real engine does."""
 

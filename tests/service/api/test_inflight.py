@@ -22,7 +22,7 @@ from service.middleware.access_log import AccessLogMiddleware
 from service.middleware.inflight import BODY_WINDOW, InflightBytesMiddleware, parse_estimate
 from service.serving.offload import INLINE_MAX_BYTES
 from service.wire.lengths import BEYOND_ANY_LIMIT, parse_length
-from tests.support.app import asgi_scope, in_process_client, small_settings
+from tests.support.app import asgi_scope, in_process_client, ready_engine, small_settings
 from tests.support.wire import to_wire
 
 MiB = 1024 * 1024
@@ -153,7 +153,8 @@ def test_an_answer_that_does_not_fit_beside_others_waits_with_a_503() -> None:
     beside it (503 before compute); once the upload leaves, it is served, and the bytes held
     come back to zero."""
     body = json.dumps(weights_request()).encode()
-    app = create_app(small_settings(max_inflight_bytes=WORKING_SET + len(body) + 40_000))
+    settings = small_settings(max_inflight_bytes=WORKING_SET + len(body) + 40_000)
+    app = create_app(settings, engine=ready_engine(settings))
 
     async def scenario() -> None:
         async with app.router.lifespan_context(app):  # the engine, as uvicorn starts it
