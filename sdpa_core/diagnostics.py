@@ -298,25 +298,52 @@ def _rows(rs: RowStats) -> _Rows:
     )
 
 
-def _summarized(rows: _Rows, *, scale: float) -> tuple[DiagnosticsSummary, PerHeadStats]:
-    """The summary's scalars and its statistics per head, from one reduction over the rows.
+# The rows of a head table after the _TABLE sums: Chan's spread sum n_i (mean_i - mean)^2,
+# the head's score mean and its max |raw score|.
+_SPREAD, _MEAN, _ABS_MAX = len(_TABLE), len(_TABLE) + 1, len(_TABLE) + 2
+HEAD_TABLE_ROWS = len(_TABLE) + 3
+HEAD_TABLE_FIELDS = _COPIED
+"""The RowStats fields a native head table reads, in this order (the C++ function's)."""
 
-    The per-head sums are taken once; the summary pools them (Chan's merge again, now of the
-    heads' (n, mean, M2)), so its cost is a fixed handful of torch calls whatever the number of
-    fields, and every number reaches the host in one transfer (one sync on CUDA). What follows
-    that transfer is done on Python floats (IEEE float64 arithmetic, as torch's)."""
+HeadTable: TypeAlias = Callable[[RowStats], "torch.Tensor | None"]
+"""A native head table: RowStats -> what _head_table computes (float64 [HEAD_TABLE_ROWS,
+heads], heads in row-major order of the leading dims) in one call, or None for rows it does
+not take (another device or dtype)."""
+
+_native: list[HeadTable] = []
+
+
+def set_native_head_table(head_table: HeadTable | None) -> None:
+    """Install (None: remove) a native head table, which summarize() then asks first. The CPU
+    flash kernel installs its own when it is built (kernels/cpu_flash.py): a summary is then
+    one C++ call and a dozen small torch calls, whatever the number of rows and fields."""
+    _native[:] = [] if head_table is None else [head_table]
+
+
+def _head_table(rows: _Rows) -> torch.Tensor:
+    """Per head: the _TABLE sums over its rows, its spread, mean and max |raw score|
+    (float64 [HEAD_TABLE_ROWS, ..., H]), in a fixed handful of torch calls."""
     sums = rows.table.sum(-1)  # [len(_TABLE), ..., H]
-    per_field = sums.unbind(0)  # one view per _TABLE row, in one call
     # Chan's parallel merge of per-row (n_i, mean_i, M2_i), written in closed form:
     # n = sum n_i, mean = sum n_i mean_i / n, M2 = sum M2_i + sum n_i (mean_i - mean)^2.
-    n_safe = per_field[_N].clamp(min=1.0)
-    mean = per_field[_N_MEAN] / n_safe
+    mean = sums[_N_MEAN] / sums[_N].clamp(min=1.0)
     spread = torch.linalg.vecdot((rows.score_mean - mean.unsqueeze(-1)).square(), rows.count)
-    abs_max = rows.score_abs_max.amax(-1)
-    # One transfer: every per-head sum, then each head's spread, mean and max |score|.
-    heads_t = torch.cat([sums, torch.stack([spread, mean, abs_max])])
-    heads = heads_t.reshape(len(_TABLE) + 3, -1).tolist()  # [fields, heads], even for 2-D q
-    *totals, spread_h, mean_h, abs_max_h = heads
+    return torch.cat([sums, torch.stack([spread, mean, rows.score_abs_max.amax(-1)])])
+
+
+def _summarized(
+    heads_t: torch.Tensor, *, n_rows: int, scale: float
+) -> tuple[DiagnosticsSummary, PerHeadStats]:
+    """The summary's scalars and its statistics per head from the head table ([HEAD_TABLE_ROWS,
+    ..., H]; n_rows: the query rows of each head).
+
+    The summary pools the heads (Chan's merge again, now of the heads' (n, mean, M2)), so its
+    cost is a fixed handful of torch calls whatever the number of fields, and every number
+    reaches the host in one transfer (one sync on CUDA). What follows that transfer is done on
+    Python floats (IEEE float64 arithmetic, as torch's)."""
+    per = heads_t.unbind(0)  # one view per row of the table, in one call
+    heads = heads_t.reshape(HEAD_TABLE_ROWS, -1).tolist()  # [rows, heads], even for 2-D q
+    totals, (spread_h, mean_h, abs_max_h) = heads[:_SPREAD], heads[_SPREAD:]
     n_h = totals[_N]
     sum_of = [sum(row) for row in totals]  # [len(_TABLE)]: pooled over every head
     active = sum_of[_ACTIVE]  # an exact count: a sum of 0s and 1s in float64
@@ -334,19 +361,18 @@ def _summarized(rows: _Rows, *, scale: float) -> tuple[DiagnosticsSummary, PerHe
         score_variance_raw=variance_v,
         score_variance_scaled=(scale * scale) * variance_v,
         score_abs_max_scaled=abs(scale) * max(abs_max_h, default=0.0),
-        masked_rows=rows.active.numel() - int(active),
+        masked_rows=n_rows * len(n_h) - int(active),
     )
-    variance = (per_field[_M2] + spread) / n_safe
-    active_h = per_field[_ACTIVE]
-    means = (sums[_MEANS] / active_h.clamp(min=1.0)).unbind(0)  # over active rows
+    variance = (per[_M2] + per[_SPREAD]) / per[_N].clamp(min=1.0)
+    active_h = per[_ACTIVE]
+    means = (heads_t[_MEANS] / active_h.clamp(min=1.0)).unbind(0)  # over active rows
     per_head = PerHeadStats(
         **dict(zip(_ROW_MEAN_FIELDS, means, strict=True)),
-        score_mean_raw=mean,
+        score_mean_raw=per[_MEAN],
         score_variance_raw=variance,
         score_variance_scaled=(scale * scale) * variance,
-        score_abs_max_scaled=abs(scale) * abs_max,
-        # rows minus active rows: an exact count in float64
-        masked_rows=(rows.active.shape[-1] - active_h).to(torch.int64),
+        score_abs_max_scaled=abs(scale) * per[_ABS_MAX],
+        masked_rows=(n_rows - active_h).to(torch.int64),  # an exact count in float64
     )
     return summary, per_head
 
@@ -367,11 +393,18 @@ def summarize(
             expected='"summary" or "full"',
             got=repr(level),
         )
-    rows = _rows(row_stats)
-    summary, per_head = _summarized(rows, scale=scale)
+    heads_t = _native[0](row_stats) if _native else None
+    rows = None
+    if heads_t is None or level == "full":  # the per-row table: no native one, or per_row
+        rows = _rows(row_stats)
+        if heads_t is None:
+            heads_t = _head_table(rows)
+    n_rows = row_stats.visible_keys.shape[-1]
+    summary, per_head = _summarized(heads_t, n_rows=n_rows, scale=scale)
 
     per_row = None
     if level == "full":
+        assert rows is not None
         accum = row_stats.entropy.dtype
         # [8, ..., H, N_q]: the _ROW_MEAN_FIELDS per row
         means = dict(zip(_ROW_MEAN_FIELDS, rows.table[_MEANS].to(accum).unbind(0), strict=True))
