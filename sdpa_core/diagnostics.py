@@ -244,7 +244,7 @@ _MEANS = slice(_TABLE.index(_ROW_MEAN_FIELDS[0]), _TABLE.index(_ROW_MEAN_FIELDS[
 class _Rows:
     """RowStats as summarize() needs them: float64, 0 on fully masked rows."""
 
-    active: torch.Tensor  # bool [..., H, N_q]
+    active: torch.Tensor  # float64 [..., H, N_q]: 1.0 on active rows, 0.0 on fully masked ones
     table: torch.Tensor  # the _TABLE quantities per row, float64 [len(_TABLE), ..., H, N_q]
     count: torch.Tensor  # visible keys (score_n), [..., H, N_q]
     score_mean: torch.Tensor  # [..., H, N_q]
@@ -255,29 +255,32 @@ def _rows(rs: RowStats) -> _Rows:
     """Every per-row quantity the summary sums, in one table.
 
     Each torch call costs microseconds of dispatch, which dominate small requests: the fields
-    are converted to float64 at once, and every summed quantity is stacked so that one
-    reduction pools them all (stacked in one dtype: a stack that converts is several times
-    slower). The copies are contiguous, so equal rows reduce in the same order whatever their
-    origin (a slice of a batch's RowStats, or a solo call's).
+    are converted to float64 at once, every summed quantity is stacked so that one reduction
+    pools them all, and every row of the table is float64 before the stack (a stack that
+    converts, even one bool row, costs three times as much). The copies are contiguous, so
+    equal rows reduce in the same order whatever their origin (a slice of a batch's RowStats,
+    or a solo call's).
     """
     vis = rs.visible_keys
-    active = vis > 0
-    raw = torch.stack([getattr(rs, name) for name in _COPIED]).to(torch.float64)
-    raw = torch.where(active, raw, 0.0)  # [8, ..., H, N_q], 0 on fully masked rows
-    ent, mw, sink, grad, jac, score_mean, score_m2, score_abs_max = raw.unbind(0)
     count = vis.to(torch.float64)
+    active = count.clamp(max=1.0)  # 1.0 on active rows, 0.0 on fully masked ones
+    raw = torch.stack([getattr(rs, name) for name in _COPIED]).to(torch.float64)
+    # [8, ..., H, N_q], 0 on fully masked rows (a where, not a product: they may hold NaN)
+    raw = torch.where(vis > 0, raw, 0.0)
+    ent, mw, sink, grad, jac, score_mean, score_m2, score_abs_max = raw.unbind(0)
     # H <= log n exactly; fp32 rounding can put a uniform row a few ulps above 1, which would
     # leave [0, 1] (and a histogram's le="1.0" bucket). One visible key (log 1 = 0) has
     # normalized entropy 0, as a fully masked row: the where drops their 0/0 and 0/-inf.
     normalized = torch.where(vis > 1, ent / count.log(), 0.0).clamp(max=1.0)
     table = torch.stack(
         [
-            count.clamp(max=1.0),  # active: 1.0 or 0.0
+            active,
             ent,
             normalized,
-            torch.where(active, ent.exp(), 0.0),  # effective keys
+            ent.exp().mul_(active),  # effective keys; ent is 0 on masked rows: exp(0) * 0
             mw,
-            mw >= SATURATION_THRESHOLD,  # 0 on masked rows: mw is 0 there (stack: float64)
+            # saturated, 0 on masked rows (mw is 0 there): converted before the stack
+            (mw >= SATURATION_THRESHOLD).to(torch.float64),
             sink,
             grad,
             jac,
@@ -295,25 +298,52 @@ def _rows(rs: RowStats) -> _Rows:
     )
 
 
-def _summarized(rows: _Rows, *, scale: float) -> tuple[DiagnosticsSummary, PerHeadStats]:
-    """The summary's scalars and its statistics per head, from one reduction over the rows.
+# The rows of a head table after the _TABLE sums: Chan's spread sum n_i (mean_i - mean)^2,
+# the head's score mean and its max |raw score|.
+_SPREAD, _MEAN, _ABS_MAX = len(_TABLE), len(_TABLE) + 1, len(_TABLE) + 2
+HEAD_TABLE_ROWS = len(_TABLE) + 3
+HEAD_TABLE_FIELDS = _COPIED
+"""The RowStats fields a native head table reads, in this order (the C++ function's)."""
 
-    The per-head sums are taken once; the summary pools them (Chan's merge again, now of the
-    heads' (n, mean, M2)), so its cost is a fixed handful of torch calls whatever the number of
-    fields, and every number reaches the host in one transfer (one sync on CUDA). What follows
-    that transfer is done on Python floats (IEEE float64 arithmetic, as torch's)."""
+HeadTable: TypeAlias = Callable[[RowStats], "torch.Tensor | None"]
+"""A native head table: RowStats -> what _head_table computes (float64 [HEAD_TABLE_ROWS,
+heads], heads in row-major order of the leading dims) in one call, or None for rows it does
+not take (another device or dtype)."""
+
+_native: list[HeadTable] = []
+
+
+def set_native_head_table(head_table: HeadTable | None) -> None:
+    """Install (None: remove) a native head table, which summarize() then asks first. The CPU
+    flash kernel installs its own when it is built (kernels/cpu_flash.py): a summary is then
+    one C++ call and a dozen small torch calls, whatever the number of rows and fields."""
+    _native[:] = [] if head_table is None else [head_table]
+
+
+def _head_table(rows: _Rows) -> torch.Tensor:
+    """Per head: the _TABLE sums over its rows, its spread, mean and max |raw score|
+    (float64 [HEAD_TABLE_ROWS, ..., H]), in a fixed handful of torch calls."""
     sums = rows.table.sum(-1)  # [len(_TABLE), ..., H]
     # Chan's parallel merge of per-row (n_i, mean_i, M2_i), written in closed form:
     # n = sum n_i, mean = sum n_i mean_i / n, M2 = sum M2_i + sum n_i (mean_i - mean)^2.
-    n_safe = sums[_N].clamp(min=1.0)
-    mean = sums[_N_MEAN] / n_safe
+    mean = sums[_N_MEAN] / sums[_N].clamp(min=1.0)
     spread = torch.linalg.vecdot((rows.score_mean - mean.unsqueeze(-1)).square(), rows.count)
-    m2 = sums[_M2] + spread
-    abs_max = rows.score_abs_max.amax(-1)
-    # One transfer: every per-head sum, then each head's M2, mean and max |score|.
-    heads_t = torch.cat([sums, torch.stack([m2, mean, abs_max])])
-    heads = heads_t.reshape(len(_TABLE) + 3, -1).tolist()
-    *totals, m2_h, mean_h, abs_max_h = heads
+    return torch.cat([sums, torch.stack([spread, mean, rows.score_abs_max.amax(-1)])])
+
+
+def _summarized(
+    heads_t: torch.Tensor, *, n_rows: int, scale: float
+) -> tuple[DiagnosticsSummary, PerHeadStats]:
+    """The summary's scalars and its statistics per head from the head table ([HEAD_TABLE_ROWS,
+    ..., H]; n_rows: the query rows of each head).
+
+    The summary pools the heads (Chan's merge again, now of the heads' (n, mean, M2)), so its
+    cost is a fixed handful of torch calls whatever the number of fields, and every number
+    reaches the host in one transfer (one sync on CUDA). What follows that transfer is done on
+    Python floats (IEEE float64 arithmetic, as torch's)."""
+    per = heads_t.unbind(0)  # one view per row of the table, in one call
+    heads = heads_t.reshape(HEAD_TABLE_ROWS, -1).tolist()  # [rows, heads], even for 2-D q
+    totals, (spread_h, mean_h, abs_max_h) = heads[:_SPREAD], heads[_SPREAD:]
     n_h = totals[_N]
     sum_of = [sum(row) for row in totals]  # [len(_TABLE)]: pooled over every head
     active = sum_of[_ACTIVE]  # an exact count: a sum of 0s and 1s in float64
@@ -321,7 +351,7 @@ def _summarized(rows: _Rows, *, scale: float) -> tuple[DiagnosticsSummary, PerHe
     n_total = max(sum_of[_N], 1.0)
     mean_v = sum_of[_N_MEAN] / n_total
     spread_v = sum(n * (m - mean_v) ** 2 for n, m in zip(n_h, mean_h, strict=True))
-    variance_v = (sum(m2_h) + spread_v) / n_total
+    variance_v = (sum_of[_M2] + sum(spread_h) + spread_v) / n_total
     summary = DiagnosticsSummary(
         **{
             name: total / denom
@@ -331,17 +361,18 @@ def _summarized(rows: _Rows, *, scale: float) -> tuple[DiagnosticsSummary, PerHe
         score_variance_raw=variance_v,
         score_variance_scaled=(scale * scale) * variance_v,
         score_abs_max_scaled=abs(scale) * max(abs_max_h, default=0.0),
-        masked_rows=rows.active.numel() - int(active),
+        masked_rows=n_rows * len(n_h) - int(active),
     )
-    variance = m2 / n_safe
-    means = (sums[_MEANS] / sums[_ACTIVE].clamp(min=1.0)).unbind(0)  # over active rows
+    variance = (per[_M2] + per[_SPREAD]) / per[_N].clamp(min=1.0)
+    active_h = per[_ACTIVE]
+    means = (heads_t[_MEANS] / active_h.clamp(min=1.0)).unbind(0)  # over active rows
     per_head = PerHeadStats(
         **dict(zip(_ROW_MEAN_FIELDS, means, strict=True)),
-        score_mean_raw=mean,
+        score_mean_raw=per[_MEAN],
         score_variance_raw=variance,
         score_variance_scaled=(scale * scale) * variance,
-        score_abs_max_scaled=abs(scale) * abs_max,
-        masked_rows=(~rows.active).sum(-1),
+        score_abs_max_scaled=abs(scale) * per[_ABS_MAX],
+        masked_rows=(n_rows - active_h).to(torch.int64),  # an exact count in float64
     )
     return summary, per_head
 
@@ -362,11 +393,18 @@ def summarize(
             expected='"summary" or "full"',
             got=repr(level),
         )
-    rows = _rows(row_stats)
-    summary, per_head = _summarized(rows, scale=scale)
+    heads_t = _native[0](row_stats) if _native else None
+    rows = None
+    if heads_t is None or level == "full":  # the per-row table: no native one, or per_row
+        rows = _rows(row_stats)
+        if heads_t is None:
+            heads_t = _head_table(rows)
+    n_rows = row_stats.visible_keys.shape[-1]
+    summary, per_head = _summarized(heads_t, n_rows=n_rows, scale=scale)
 
     per_row = None
     if level == "full":
+        assert rows is not None
         accum = row_stats.entropy.dtype
         # [8, ..., H, N_q]: the _ROW_MEAN_FIELDS per row
         means = dict(zip(_ROW_MEAN_FIELDS, rows.table[_MEANS].to(accum).unbind(0), strict=True))
@@ -376,7 +414,7 @@ def summarize(
             max_weight=means["max_weight"],
             effective_keys=means["effective_keys"],
             sink_share=means["sink_share"],
-            lse=torch.where(rows.active, row_stats.lse, -math.inf),
+            lse=torch.where(row_stats.visible_keys > 0, row_stats.lse, -math.inf),
             visible_keys=row_stats.visible_keys,
         )
     return Diagnostics(summary=summary, per_head=per_head, per_row=per_row)

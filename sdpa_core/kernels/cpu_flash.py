@@ -34,6 +34,14 @@ from typing import Final
 
 import torch
 
+from sdpa_core.diagnostics import (
+    HEAD_TABLE_FIELDS,
+    HEAD_TABLE_ROWS,
+    SATURATION_THRESHOLD,
+    RowStats,
+    set_native_head_table,
+)
+
 log = logging.getLogger(__name__)
 
 SOURCE: Final = Path(__file__).parent / "csrc" / "cpu_flash.cpp"
@@ -58,6 +66,9 @@ FIELDS: Final = (
     "score_m2_raw",
     "score_abs_max_raw",
 )
+
+
+_HEAD_TABLE_DTYPES: Final = (torch.float32, torch.float64)
 
 
 def library_name() -> str:
@@ -166,6 +177,7 @@ def build(prebuilt_dir: Path = PREBUILT_DIR) -> tuple[bool, str]:
             return False, _KERNEL.reason
         _KERNEL.build_s = time.perf_counter() - started
         _KERNEL.reason = ""
+        set_native_head_table(head_table)
         log.info("CPU flash kernel %s (%s) in %.1f s", name, _KERNEL.source, _KERNEL.build_s)
         return True, ""
 
@@ -183,6 +195,21 @@ def prebuild(directory: Path = PREBUILT_DIR) -> Path:
     target = directory / built.name
     shutil.copyfile(built, target)
     return target
+
+
+def head_table(row_stats: RowStats) -> torch.Tensor | None:
+    """diagnostics' head table in one C++ call (set_native_head_table: build() installs it),
+    or None for rows it does not take: not on the CPU, or not float32/float64."""
+    module = _KERNEL.module
+    vis = row_stats.visible_keys
+    dtype = row_stats.entropy.dtype
+    if module is None or not vis.is_cpu or dtype not in _HEAD_TABLE_DTYPES:
+        return None
+    fields = [getattr(row_stats, name) for name in HEAD_TABLE_FIELDS]
+    if any(f.dtype != dtype or not f.is_cpu for f in fields):
+        return None
+    table: torch.Tensor = module.head_table(fields, vis, SATURATION_THRESHOLD)
+    return table.reshape(HEAD_TABLE_ROWS, *vis.shape[:-1])
 
 
 def flash_tile(

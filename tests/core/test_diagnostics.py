@@ -23,6 +23,7 @@ from sdpa_core import (
     RowStats,
     SdpaError,
     attention,
+    diagnostics,
     summarize,
 )
 from tests.core.reference import reference_attention, reference_rows, visibility
@@ -530,8 +531,24 @@ def _summary_by_hand(rows: list[dict[str, float]], scale: float) -> dict[str, fl
     return out
 
 
+@pytest.fixture(params=["torch", "cpu_flash"])
+def head_table(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """summarize()'s per-head table: torch's calls, or the CPU flash kernel's one C++ call
+    (built here, as a service's warm-up does; skipped where it cannot be built)."""
+    if request.param == "torch":
+        monkeypatch.setattr(diagnostics, "_native", [])
+    else:
+        from sdpa_core.kernels import cpu_flash
+
+        ok, why = cpu_flash.build()
+        if not ok:
+            pytest.skip(why)
+        monkeypatch.setattr(diagnostics, "_native", [cpu_flash.head_table])
+    return str(request.param)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_summarize_matches_its_definitions_row_by_row(dtype: torch.dtype) -> None:
+def test_summarize_matches_its_definitions_row_by_row(dtype: torch.dtype, head_table: str) -> None:
     """Hand-made RowStats: fully masked rows holding garbage (NaN) count only in masked_rows,
     one visible key has normalized entropy 0, a head whose every row is masked gives 0s;
     the summary and every head against a plain Python loop."""
@@ -572,3 +589,62 @@ def test_summarize_matches_its_definitions_row_by_row(dtype: torch.dtype) -> Non
         assert per_row.dtype == dtype
         assert bool((per_row[vis == 0] == 0).all()), name
     assert bool(torch.isinf(diag.per_row.lse[vis == 0]).all())
+
+
+def _hand_made_rows(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> RowStats:
+    """RowStats with fully masked rows holding NaN, one-key rows, saturated rows and one
+    poisoned row (NaN statistics on an active row, as allow_nonfinite gives)."""
+    gen = torch.Generator().manual_seed(seed)
+    vis = torch.randint(0, 4, shape, generator=gen) * torch.randint(0, 50, shape, generator=gen)
+    vis.view(-1)[:3] = torch.tensor([0, 1, 2])
+    fields_ = {
+        name: torch.rand(shape, generator=gen, dtype=torch.float64).to(dtype)
+        for name in ROW_STATS_FIELDS
+        if name != "visible_keys"
+    }
+    fields_["max_weight"].view(-1)[5:9] = 0.995
+    fields_["score_mean_raw"] = fields_["score_mean_raw"] * 1e4 - 3e3
+    for t in fields_.values():
+        t[vis == 0] = math.nan
+    return RowStats(visible_keys=vis, **fields_)
+
+
+@pytest.mark.parametrize("shape", [(40,), (3, 17), (2, 3, 64), (2, 1, 3, 5)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("poisoned", [False, True])
+def test_native_head_table_equals_torchs(
+    shape: tuple[int, ...], dtype: torch.dtype, poisoned: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The CPU flash kernel's head table gives summarize() the numbers torch's calls give
+    (float64 sums in another order: equal to 1e-12), NaN where they give NaN."""
+    from sdpa_core.kernels import cpu_flash
+
+    ok, why = cpu_flash.build()
+    if not ok:
+        pytest.skip(why)
+    rs = _hand_made_rows(shape, dtype, seed=len(shape))
+    if poisoned:
+        active = (rs.visible_keys > 1).nonzero()[0]
+        for name in ("entropy", "score_mean_raw", "score_abs_max_raw"):
+            getattr(rs, name)[tuple(active)] = math.nan
+    native = cpu_flash.head_table(rs)
+    assert native is not None
+    monkeypatch.setattr(diagnostics, "_native", [])
+    want = summarize(rs, scale=0.3, level="full")
+    monkeypatch.setattr(diagnostics, "_native", [cpu_flash.head_table])
+    got = summarize(rs, scale=0.3, level="full")
+    for name in SUMMARY_FIELDS:
+        w, g = getattr(want.summary, name), getattr(got.summary, name)
+        assert g == pytest.approx(w, rel=1e-12, abs=1e-12, nan_ok=True), name
+    for name, w_t in want.per_head.as_dict().items():
+        g_t = getattr(got.per_head, name)
+        assert g_t.shape == w_t.shape, name
+        assert g_t.dtype == w_t.dtype, name
+        torch.testing.assert_close(g_t, w_t, rtol=1e-12, atol=1e-12, equal_nan=True)
+    if poisoned:
+        assert math.isnan(got.summary.entropy)
+        assert math.isnan(got.summary.score_mean_raw)
+    assert got.per_row is not None
+    assert want.per_row is not None
+    for name, w_t in want.per_row.as_dict().items():
+        torch.testing.assert_close(getattr(got.per_row, name), w_t, equal_nan=True)

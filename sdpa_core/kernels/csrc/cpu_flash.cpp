@@ -553,6 +553,86 @@ std::vector<at::Tensor> flash_tile(const at::Tensor& q, const at::Tensor& k, con
       });
 }
 
+// The summary's per-head table (diagnostics._head_table, the same quantities in one call):
+// fields are RowStats' entropy, max_weight, sink_share, grad_health, jacobian_fro,
+// score_mean_raw, score_m2_raw, score_abs_max_raw ([..., rows], one float dtype), counts its
+// visible_keys (int64). Returns float64 [15, heads]: per head the sums over its active rows
+// of diagnostics._TABLE (active, entropy, normalized entropy, effective keys, max weight,
+// saturated, sink share, grad health, Jacobian norm, n, n * mean, M2), then Chan's spread
+// sum n (mean_row - mean_head)^2, the head's mean and its max |raw score|. A fully masked
+// row adds nothing (whatever it holds); sums run in double in row order, NaN propagates.
+template <typename scalar_t>
+void head_table_impl(const std::vector<at::Tensor>& f, const int64_t* counts, int64_t heads,
+                     int64_t rows, double saturation, double* out) {
+  std::array<const scalar_t*, 8> p{};
+  for (size_t i = 0; i < p.size(); ++i) p[i] = f[i].data_ptr<scalar_t>();
+  for (int64_t h = 0; h < heads; ++h) {
+    std::array<double, 12> t{};
+    double abs_max = 0.0;
+    const int64_t r0 = h * rows;
+    for (int64_t r = r0; r < r0 + rows; ++r) {
+      const int64_t n = counts[r];
+      if (n <= 0) continue;
+      const double nd = static_cast<double>(n);
+      const double ent = p[0][r], mw = p[1][r];
+      t[0] += 1.0;
+      t[1] += ent;
+      if (n > 1) t[2] += std::min(ent / std::log(nd), 1.0);  // NaN stays NaN
+      t[3] += std::exp(ent);
+      t[4] += mw;
+      t[5] += mw >= saturation ? 1.0 : 0.0;
+      t[6] += p[2][r];
+      t[7] += p[3][r];
+      t[8] += p[4][r];
+      t[9] += nd;
+      t[10] += nd * static_cast<double>(p[5][r]);
+      t[11] += p[6][r];
+      const double a = p[7][r];
+      if (!(a <= abs_max) && !std::isnan(abs_max)) abs_max = a;  // NaN wins, as in amax
+    }
+    const double mean = t[10] / std::max(t[9], 1.0);
+    double spread = 0.0;
+    for (int64_t r = r0; r < r0 + rows; ++r) {
+      if (counts[r] <= 0) continue;
+      const double d = static_cast<double>(p[5][r]) - mean;
+      spread += static_cast<double>(counts[r]) * d * d;
+    }
+    for (int64_t i = 0; i < 12; ++i) out[i * heads + h] = t[i];
+    out[12 * heads + h] = spread;
+    out[13 * heads + h] = mean;
+    out[14 * heads + h] = abs_max;
+  }
+}
+
+at::Tensor head_table(const std::vector<at::Tensor>& fields, const at::Tensor& visible_keys,
+                      double saturation) {
+  TORCH_CHECK(fields.size() == 8, "head_table takes 8 row statistics");
+  TORCH_CHECK(visible_keys.scalar_type() == at::kLong && visible_keys.device().is_cpu(),
+              "visible_keys must be int64 on the CPU");
+  TORCH_CHECK(visible_keys.dim() >= 1, "visible_keys must have a rows dimension");
+  const int64_t rows = visible_keys.size(-1);
+  const int64_t heads = rows == 0 ? 0 : visible_keys.numel() / rows;
+  const auto dt = fields[0].scalar_type();
+  TORCH_CHECK(dt == at::kFloat || dt == at::kDouble, "row statistics must be float32/64");
+  std::vector<at::Tensor> f;
+  f.reserve(fields.size());
+  for (const at::Tensor& x : fields) {
+    TORCH_CHECK(x.scalar_type() == dt && x.device().is_cpu() &&
+                    x.sizes() == visible_keys.sizes(),
+                "row statistics must share visible_keys' shape, one dtype, the CPU");
+    f.push_back(x.contiguous());
+  }
+  const at::Tensor counts = visible_keys.contiguous();
+  at::Tensor out = at::empty({15, heads}, visible_keys.options().dtype(at::kDouble));
+  if (dt == at::kFloat)
+    head_table_impl<float>(f, counts.data_ptr<int64_t>(), heads, rows, saturation,
+                           out.data_ptr<double>());
+  else
+    head_table_impl<double>(f, counts.data_ptr<int64_t>(), heads, rows, saturation,
+                            out.data_ptr<double>());
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -566,4 +646,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         // The GIL is released while the kernel runs (as torch's own ops do): a long tile must
         // not stop the service's other threads, its event loop among them.
         py::call_guard<py::gil_scoped_release>());
+  m.def("head_table", &head_table,
+        "The summary's per-head table from RowStats (diagnostics._head_table): float64 "
+        "[15, heads]",
+        py::arg("fields"), py::arg("visible_keys"), py::arg("saturation"));
 }
