@@ -123,6 +123,12 @@ class AttentionOptions:
     block_size: int | None = None
     check_finite: bool = True
     sink_tokens: int = DEFAULT_SINK_TOKENS
+    # False leaves the refusal of a result that overflowed (nonfinite.check_no_overflow) to a
+    # caller that reads the result on the host anyway: on a GPU the check is a reduction of the
+    # output and a wait for the device per call, where the caller's copy to the host waits once
+    # (the service: service.runtime.engine). Not an attention() keyword: a library caller keeps
+    # the check.
+    check_overflow: bool = True
 
     def check(self) -> DiagnosticsLevel:
         """The diagnostics level, once every option is checked (SdpaError naming the first
@@ -408,7 +414,7 @@ class AttentionRun(TiledRun[AttentionResult]):
         self._level = level
         self._scale = resolve_scale(options.scale, spec.d)
         self._return_weights = options.return_weights
-        self._allow_nonfinite = options.allow_nonfinite
+        self._check_overflow = options.check_overflow and not options.allow_nonfinite
         self._block_size = options.block_size or DEFAULT_BLOCK_SIZE
         self._sink_tokens = options.sink_tokens
         self._whole: TileResults | None = None
@@ -557,7 +563,7 @@ class AttentionRun(TiledRun[AttentionResult]):
             # [..., H, N_q, N_kv]
             weights = weights4.to(spec.dtype).reshape(*spec.row_shape, spec.n_kv)
         row_stats = None if rows4 is None else rows4.reshape(spec.row_shape)  # [..., H, N_q]
-        if not self._allow_nonfinite:
+        if self._check_overflow:
             check_no_overflow(output, row_stats, scale=self._scale, accum_dtype=spec.accum_dtype)
         diag = None
         if row_stats is not None and self._level != "none":

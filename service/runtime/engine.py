@@ -32,10 +32,13 @@ from sdpa_core import (
     AttentionRun,
     Diagnostics,
     Masks,
+    RowStats,
     ScalingReport,
     analyze_scaling,
     attention,
+    resolve_scale,
 )
+from sdpa_core.nonfinite import check_no_overflow
 from service.metrics import Metrics
 from service.runtime.collate import collate, member_diagnostics, split
 from service.runtime.device import results_on_host, to_device
@@ -316,6 +319,10 @@ class Engine:
             # Every job was prepared: validated once with its NaN/Inf scan. Padding adds only
             # zeros and (float masks) -inf, so prepared members make a checked batch too.
             check_finite=False,
+            # On a GPU the result's overflow check runs on its copy on the host (_on_host,
+            # _run_padded): there it is a reduction the device and the copy's one wait are
+            # spared (issue 37: no stream synchronization per call beyond the answer's).
+            check_overflow=self.device.type == "cpu",
         )
         return AttentionRun(
             to_device(q, dev),
@@ -339,6 +346,7 @@ class Engine:
         output, weights, row_stats = results_on_host(
             result.output, result.weights, result.row_stats
         )
+        _refuse_overflow(member, output, row_stats)
         return AttentionResult(
             output=output,
             weights=weights,
@@ -353,7 +361,20 @@ class Engine:
         result = self._attention_run(
             batch[0], collated.q, collated.k, collated.v, collated.masks
         ).run()
-        return split(collated, result)
+        results = split(collated, result)
+        if self.device.type != "cpu":
+            # (A member whose scores overflowed fails the batch: run_batch then runs each
+            # member alone, so that only its own request is refused.)
+            for member, own in zip(batch, results, strict=True):
+                _refuse_overflow(member, own.output, own.row_stats)
+        return results
+
+
+def _refuse_overflow(member: Member, output: torch.Tensor, row_stats: RowStats | None) -> None:
+    """sdpa_core's refusal of a result that overflowed, on its copy on the host (a GPU's run
+    leaves it to us: check_overflow=False)."""
+    scale = resolve_scale(member.job.scale, member.spec.d)
+    check_no_overflow(output, row_stats, scale=scale, accum_dtype=member.spec.accum_dtype)
 
 
 def _diagnostics_on_cpu(diagnostics: Diagnostics) -> Diagnostics:

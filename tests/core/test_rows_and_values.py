@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from sdpa_core import NonFiniteError, ShapeError, attention
+from sdpa_core import AttentionOptions, AttentionRun, Masks, NonFiniteError, ShapeError, attention
 from tests.core.reference import (
     assert_matches_golden,
     lowp_reference,
@@ -214,6 +214,21 @@ def test_finite_inputs_overflowing_the_scores_raise_instead_of_nan(path: str) ->
     # With allow_nonfinite the caller asked for IEEE semantics: the NaN comes back.
     out = attention(q, q, v, path=path, diagnostics=diagnostics, allow_nonfinite=True)
     assert not bool(torch.isfinite(out.output).all())
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_run_told_to_leave_the_overflow_check_to_its_caller_returns_the_nan(path: str) -> None:
+    """check_overflow=False (the service on a GPU, which checks the host copy): the same
+    overflowing scores come back NaN, unrefused; the default run refuses them."""
+    q = torch.full((1, 1, 2, 2), 1e20)
+    v = torch.tensor([[[[1.0, 2.0], [3.0, 4.0]]]])
+    diagnostics = "none" if path == "fused" else "summary"
+    options = AttentionOptions(path=path, diagnostics=diagnostics)
+    with pytest.raises(NonFiniteError):
+        AttentionRun(q, q, v, Masks(), options).run()
+    left = AttentionOptions(path=path, diagnostics=diagnostics, check_overflow=False)
+    out = AttentionRun(q, q, v, Masks(), left).run()
+    assert torch.isnan(out.output).all()
 
 
 @pytest.mark.parametrize("path", PATHS)

@@ -588,6 +588,30 @@ def test_gpu_batched_equals_solo_on_device() -> None:
             assert_same_result(outcome.result, want, gpu_dtype, loose=True)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_overflow_is_refused_from_the_host_copy() -> None:
+    """On CUDA the run leaves the overflow check to the engine (check_overflow=False: no
+    reduction of the output and no wait for the device per call), which refuses the result on
+    its host copy as attention() would (param "scale"): alone, and in a batch beside a sound
+    request, which is answered as its solo call."""
+    device = torch.device("cuda")
+    engine = Engine(device, metrics=Metrics())
+    gen = torch.Generator().manual_seed(31)
+    huge = torch.full((1, 4, 8, 16), 1e19)  # q.k.scale = 1.6e40: past float32's range
+    bad = AttentionJob(q=huge, k=huge.clone(), v=huge.clone(), scale=10.0)
+    good = make_job(gen, (1,), 8, 8, d=16, scale=10.0)
+    for jobs in ([bad], [bad, good]):
+        outcomes = engine.run_batch(prepared(jobs))
+        assert isinstance(outcomes[0], SdpaError), outcomes[0]
+        assert outcomes[0].param == "scale"
+        if len(jobs) == 2:
+            answered = outcomes[1]
+            assert isinstance(answered, AttentionOutcome), answered
+            want = result_to_cpu(solo(to_device(good, device)), "none", scale=10.0)
+            assert_same_result(answered.result, want, torch.float32, loose=True)
+
+
 # -- long jobs: sdpa_core's run, stepped as it is ----------------------------------------
 
 
