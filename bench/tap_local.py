@@ -162,7 +162,7 @@ def local(args: argparse.Namespace) -> dict[str, Any]:
         "statistics_path": kernel,
     }
     for arm, name in (("tapped", "every_1"), ("chunked", "every_1_chunked_path")):
-        if arm in ratios:
+        if arm in ratios and args.pairs:  # --pairs 0: every=N alone
             figures[name] = {
                 "rounds": args.pairs,
                 "overhead": quartiles(ratios[arm]),

@@ -5,8 +5,10 @@ k, v, the mask, scale, causal flag, grouped kv heads), on the model's own device
 sdpa_core chooses for diagnostics without weights (its flash kernel where it has one, else the
 chunked online softmax). Its output is thrown away; the model's own kernel runs unchanged.
 The CPU flash kernel is a C++ extension that a process must load (the service does at warm-up):
-LocalStatistics loads it (load_cpu_kernel). Without it the chunked path ran MiniLM's statistics
-(batch 8 x 128) at about 10x the flash kernel's cost: +60-90% on a forward instead of ~+16%.
+LocalStatistics loads it (load_cpu_kernel). Without it the chunked path serves (MiniLM, batch
+8 x 128, every=1: +34% on one torch thread against the flash kernel's +19%, and +148% against
++47% on two threads of a loaded machine;
+BENCHMARKS.md).
 
 Where it runs:
 - CPU tensors: on the forward's thread, at once (the forward's threads are the CPU's cores
@@ -102,9 +104,8 @@ def load_cpu_kernel() -> tuple[bool, str]:
     """Load sdpa_core's CPU flash kernel in this process, as a service's warm-up does: the
     prebuilt library, else torch's extension cache (about 2 s: cpp_extension checks the build),
     else a compilation (about a minute on 2 CPUs, once per machine and source). (True, "") when
-    it runs, else (False, why): then the chunked path serves, in float64, several times slower
-    (MiniLM at 8 x 128: about 10x the flash kernel, most of a forward per sampled forward).
-    Idempotent; sdpa_core logs why a build failed."""
+    it runs, else (False, why): then the chunked path serves, in float64, the same statistics
+    at about twice the cost or more. Idempotent; sdpa_core logs why a build failed."""
     try:
         module = importlib.import_module("sdpa_core.kernels.cpu_flash")
         ok, why = module.build()
