@@ -7,8 +7,7 @@ chunked online softmax). Its output is thrown away; the model's own kernel runs 
 The CPU flash kernel is a C++ extension that a process must load (the service does at warm-up):
 LocalStatistics loads it (load_cpu_kernel). Without it the chunked path serves (MiniLM, batch
 8 x 128, every=1: +34% on one torch thread against the flash kernel's +19%, and +148% against
-+47% on two threads of a loaded machine;
-BENCHMARKS.md).
++47% on two threads of a loaded machine; BENCHMARKS.md).
 
 Where it runs:
 - CPU tensors: on the forward's thread, at once (the forward's threads are the CPU's cores
