@@ -8,8 +8,11 @@ benchmark, never a test).
 --local: AttentionTap(compute="local") on all-MiniLM-L6-v2 (bench/tap.py's model and batch),
 sending to a service started here (its statistics only: POST /v1/health/observe). Measured
 directly, never derived:
-- every=1: forwards alternated one by one, untapped and tapped, --pairs pairs; the overhead is
-  the median of the pairs' ratios, with its quartiles (the spread);
+- every=1: forwards alternated one by one, untapped and tapped (its statistics' post included:
+  the flush is timed with the forward), --pairs rounds; the overhead is the median of the
+  rounds' ratios, with its quartiles (the spread). With --chunked each round also times a
+  tapped forward whose statistics take sdpa_core's chunked path (the flash kernel unavailable
+  to it): the tap before it loaded the CPU flash kernel, in the same conditions;
 - every=100: blocks of 100 forwards alternated, untapped and tapped with every=100 (one sampled
   forward in each block: the block's first), --blocks of each; the median ratio and its range;
 - bytes sent per sampled layer: the observe body's size over the layers in it (compared with
@@ -30,6 +33,8 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +55,20 @@ def quartiles(values: list[float]) -> dict[str, float]:
             "min": round(min(values), 4), "max": round(max(values), 4)}  # fmt: skip
 
 
+@contextmanager
+def chunked_path() -> Iterator[None]:
+    """sdpa_core's chunked path for the statistics computed in this thread: the Triton kernel
+    alone allowed, which takes no CPU tensors without TRITON_INTERPRET, so the flash path is
+    unavailable and attention() takes the chunked one."""
+    from sdpa_core.kernels import TRITON_KERNEL, use_kernel
+
+    with use_kernel(TRITON_KERNEL):
+        yield
+
+
 def local(args: argparse.Namespace) -> dict[str, Any]:
+    if args.threads:
+        torch.set_num_threads(args.threads)
     model, model_name = load_model(random_weights=False, device=args.device)
     batch = make_batch(args.batch, args.tokens, args.device)
 
@@ -67,24 +85,45 @@ def local(args: argparse.Namespace) -> dict[str, Any]:
         for _ in range(3):
             forward()
         every1 = AttentionTap(server.url, model="bench-local-1", every=1, compute="local")
-        pairs: list[float] = []
+        # The arms of each round: untapped, tapped, and with --chunked tapped on sdpa_core's
+        # chunked path (what the tap ran before it loaded the CPU flash kernel).
+        arms = ["untapped", "tapped"] + (["chunked"] if args.chunked else [])
+        ratios: dict[str, list[float]] = {arm: [] for arm in arms[1:]}
+        # The same ratios in this process's CPU time (every thread's, the sender's included): on
+        # a machine shared with other work the wall clock measures the neighbours as much as
+        # the tap; CPU time much less (what it still counts: OpenMP workers spinning while one
+        # of them waits for a core, caches shared).
+        cpu_ratios: dict[str, list[float]] = {arm: [] for arm in arms[1:]}
         with every1.attach(model):
-            forward()  # warm-up of the statistics' path
-        every1.flush(60)
-        for i in range(args.pairs):
-            t: dict[str, float] = {}
-            # Alternate which goes first, so a drift falls on both alike; attaching is untimed.
-            for which in ("tapped", "untapped") if i % 2 else ("untapped", "tapped"):
-                if which == "tapped":
-                    with every1.attach(model):
-                        t[which] = timed(forward, args.device)
-                else:
-                    t[which] = timed(forward, args.device)
-            pairs.append(t["tapped"] / t["untapped"] - 1)
-            print(f"every=1 pair {i}: {t['untapped'] * 1e3:.1f} -> {t['tapped'] * 1e3:.1f} ms",
-                  file=sys.stderr, flush=True)  # fmt: skip
+            if args.chunked:
+                with chunked_path():
+                    forward()
+            forward()  # warm-up of the statistics' path (the last: local_kernel names it)
         every1.flush(60)
         kernel = every1.local_kernel
+        for i in range(args.pairs):
+            t: dict[str, float] = {}
+            cpu: dict[str, float] = {}
+            # Rotate which goes first, so a drift falls on each alike; attaching is untimed.
+            for which in arms[i % len(arms) :] + arms[: i % len(arms)]:
+                started_cpu = time.process_time()
+                if which == "untapped":
+                    t[which] = timed(forward, args.device)
+                    cpu[which] = time.process_time() - started_cpu
+                    continue
+                # The sender posts after the forward (Sender.hold); the flush is timed with it:
+                # back to back, that post would run beside the next forward, and here it must
+                # land on no other arm's (the post counted whole, as if it overlapped nothing).
+                with every1.attach(model), chunked_path() if which == "chunked" else nullcontext():
+                    t[which] = timed(lambda: (forward(), every1.flush(60)), args.device)
+                cpu[which] = time.process_time() - started_cpu
+            for arm in ratios:
+                ratios[arm].append(t[arm] / t["untapped"] - 1)
+                cpu_ratios[arm].append(cpu[arm] / cpu["untapped"] - 1)
+            print(f"every=1 round {i}: " + ", ".join(
+                f"{a} {t[a] * 1e3:.0f} ms ({cpu[a] * 1e3:.0f} CPU)" for a in arms
+            ), file=sys.stderr, flush=True)  # fmt: skip
+        every1.flush(60)
         body = every1.last_body_bytes
         stats1 = every1.stats
         every1.close()
@@ -114,23 +153,31 @@ def local(args: argparse.Namespace) -> dict[str, Any]:
         stats100 = every100.stats
         every100.close()
     q, k, v = (batch["input_ids"].shape[0] * 12 * args.tokens * 32 * 4,) * 3
-    return {
+    figures: dict[str, Any] = {
         "model": model_name,
         "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "shape": f"batch {args.batch} x {args.tokens} tokens",
         "statistics_path": kernel,
-        "every_1": {"pairs": args.pairs, "overhead": quartiles(pairs)},
-        f"every_{args.block}": {
+    }
+    for arm, name in (("tapped", "every_1"), ("chunked", "every_1_chunked_path")):
+        if arm in ratios and args.pairs:  # --pairs 0: every=N alone
+            figures[name] = {
+                "rounds": args.pairs,
+                "overhead": quartiles(ratios[arm]),
+                "overhead_cpu_time": quartiles(cpu_ratios[arm]),
+            }
+    if args.blocks:  # --blocks 0: every=1 alone
+        figures[f"every_{args.block}"] = {
             "blocks": args.blocks,
             "overhead": quartiles(blocks),
             "ms_per_forward": {k_: round(statistics.median(v_), 2) for k_, v_ in block_ms.items()},
-        },
-        "bytes_per_sampled_layer": round(body / 6),
-        "service_mode_bytes_per_layer": q + k + v,
-        "counts": {"every_1": stats1.__repr__(), "every_100": stats100.__repr__()},
-    }
+        }
+    figures["bytes_per_sampled_layer"] = round(body / 6)
+    figures["service_mode_bytes_per_layer"] = q + k + v
+    figures["counts"] = {"every_1": repr(stats1), f"every_{args.block}": repr(stats100)}
+    return figures
 
 
 def _scrape(url: str, stop: Any, count: Any) -> None:
@@ -229,7 +276,12 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=128)
-    parser.add_argument("--pairs", type=int, default=40, help="every=1: alternated pairs")
+    parser.add_argument("--pairs", type=int, default=40, help="every=1: alternated rounds")
+    parser.add_argument("--threads", type=int, default=0, help="torch's threads (0: its own)")
+    parser.add_argument(
+        "--chunked", action="store_true",
+        help="every=1: also a tapped forward on sdpa_core's chunked path in each round",
+    )  # fmt: skip
     parser.add_argument("--blocks", type=int, default=6, help="every=100: blocks of each kind")
     parser.add_argument("--block", type=int, default=100, help="forwards per block (= every)")
     parser.add_argument("--seconds", type=float, default=10.0, help="--metrics: per phase")

@@ -4,6 +4,10 @@ sdpa_core's attention(..., diagnostics=...) runs on exactly what the model's ker
 k, v, the mask, scale, causal flag, grouped kv heads), on the model's own device, with the path
 sdpa_core chooses for diagnostics without weights (its flash kernel where it has one, else the
 chunked online softmax). Its output is thrown away; the model's own kernel runs unchanged.
+The CPU flash kernel is a C++ extension that a process must load (the service does at warm-up):
+LocalStatistics loads it (load_cpu_kernel). Without it the chunked path serves (MiniLM, batch
+8 x 128, every=1: +34% on one torch thread against the flash kernel's +19%, and +148% against
++47% on two threads of a loaded machine; BENCHMARKS.md).
 
 Where it runs:
 - CPU tensors: on the forward's thread, at once (the forward's threads are the CPU's cores
@@ -95,6 +99,20 @@ def _bias_with_infinities(mask: torch.Tensor | None) -> torch.Tensor | None:
     return mask.masked_fill(mask <= torch.finfo(mask.dtype).min, -math.inf)
 
 
+def load_cpu_kernel() -> tuple[bool, str]:
+    """Load sdpa_core's CPU flash kernel in this process, as a service's warm-up does: the
+    prebuilt library, else torch's extension cache (about 2 s: cpp_extension checks the build),
+    else a compilation (about a minute on 2 CPUs, once per machine and source). (True, "") when
+    it runs, else (False, why): then the chunked path serves, in float64, the same statistics
+    at about twice the cost or more. Idempotent; sdpa_core logs why a build failed."""
+    try:
+        module = importlib.import_module("sdpa_core.kernels.cpu_flash")
+        ok, why = module.build()
+    except Exception as exc:  # an sdpa_core without it: the chunked path serves
+        return False, f"{type(exc).__name__}: {exc}"
+    return bool(ok), str(why)
+
+
 class LocalStatistics:
     """Computes a call's statistics with sdpa_core where the model runs."""
 
@@ -104,11 +122,27 @@ class LocalStatistics:
         self._sink_tokens = sink_tokens
         self._streams: dict[int, torch.cuda.Stream] = {}
         self._lock = threading.Lock()
+        # sdpa_core's flash path on the CPU needs its C++ kernel loaded in this process (the
+        # service loads it at warm-up; nothing loads it in a model's process). Loaded here, not
+        # on a forward, where a CPU model is the likely one; on a CUDA machine only when CPU
+        # tensors are first sampled (one forward pays the load, once).
+        self._cpu_kernel_tried = False
+        if not torch.cuda.is_available():
+            self._load_cpu_kernel()
+
+    def _load_cpu_kernel(self) -> None:
+        with self._lock:
+            if self._cpu_kernel_tried:
+                return
+            self._cpu_kernel_tried = True
+        load_cpu_kernel()
 
     def inputs(self, call: AttentionCall) -> Inputs:
         """On the forward's thread: the call's inputs as the statistics will read them (CPU: the
         model's own tensors, read at once; CUDA: copies queued on the side stream)."""
         if call.q.device.type != "cuda":
+            if not self._cpu_kernel_tried:
+                self._load_cpu_kernel()
             return Inputs(
                 call.q, call.k, call.v, call.attn_mask, call.key_padding_mask, call.scale,
                 call.causal,

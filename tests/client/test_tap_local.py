@@ -9,8 +9,15 @@ untapped, and the app must have seen no tensor request, only observations.
 
 from __future__ import annotations
 
+import importlib.machinery
 import math
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -27,6 +34,7 @@ from tests.client.test_tap import CausalStack
 from tests.support.app import app_transport, in_process_client, requests_total, small_settings
 
 SINK_TOKENS = 2
+REPO_ROOT = Path(__file__).resolve().parents[2]
 STATS = ("entropy", "normalized_entropy", "max_weight", "sink_share")
 
 
@@ -134,6 +142,71 @@ def test_a_module_calling_sdpa_is_computed_locally_exactly(
                              ("/v1/health/observe", 1 if send else 0)):  # fmt: skip
         key = (route, "200")
         assert counts.get(key, 0) - before.get(key, 0) == want_more, route
+
+
+def test_the_chunked_path_where_no_flash_kernel_runs(app_client: TestClient) -> None:
+    """Where sdpa_core has no flash kernel for the tensors (no compiler for the CPU one), the
+    chunked path computes the same statistics, and local_kernel says so."""
+    from sdpa_core.kernels import TRITON_KERNEL, use_kernel
+
+    torch.manual_seed(4)
+    model, x = CausalStack().eval(), torch.randn(2, 7, 32)
+    with torch.no_grad():
+        want = truths(model, lambda: model(x))
+    # Triton alone allowed: it takes no CPU tensors without TRITON_INTERPRET.
+    with local_tap(None, every=1) as tap, use_kernel(TRITON_KERNEL):
+        with tap.attach(model), torch.no_grad():
+            model(x)
+        assert tap.flush(timeout_s=30)
+    assert tap.local_kernel == "chunked"
+    check(tap.reports, want)
+
+
+_FRESH_PROCESS = textwrap.dedent(
+    """
+    import torch
+    import sdpa_core
+    from sdpa_client.tap import AttentionTap
+    from tests.client.test_tap import CausalStack
+
+    print({s.name: s.available for s in sdpa_core.flash_kernels()}["cpu_flash"])
+    tap = AttentionTap(None, compute="local", every=1)
+    print({s.name: s.available for s in sdpa_core.flash_kernels()}["cpu_flash"])
+    model = CausalStack().eval()
+    with tap, tap.attach(model), torch.no_grad():
+        model(torch.randn(2, 8, 32))
+    print(tap.local_kernel)
+    """
+)
+
+
+@pytest.mark.parametrize("compiler", [True, False], ids=["compiler", "no-compiler"])
+def test_a_cpu_model_gets_the_flash_kernel_the_tap_loads(compiler: bool, tmp_path: Path) -> None:
+    """In a fresh process (nothing has loaded sdpa_core's CPU flash kernel, as in a model's own
+    process): the local tap loads it when made, and the statistics take it; without a compiler
+    (and no prebuilt library) the chunked path serves them."""
+    from sdpa_core.kernels import cpu_flash
+
+    prebuilt = cpu_flash.PREBUILT_DIR / (
+        cpu_flash.library_name() + importlib.machinery.EXTENSION_SUFFIXES[-1]
+    )
+    env = dict(os.environ)
+    if compiler:
+        if shutil.which(env.get("CXX", "c++")) is None and not prebuilt.exists():
+            pytest.skip("no C++ compiler to build sdpa_core's CPU flash kernel with")
+    else:
+        if prebuilt.exists():
+            pytest.skip("a prebuilt CPU flash kernel loads without a compiler")
+        env["CXX"] = str(tmp_path / "no-such-compiler")
+    done = subprocess.run(
+        [sys.executable, "-c", _FRESH_PROCESS], capture_output=True, text=True, cwd=REPO_ROOT,
+        env=env, timeout=600, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    if compiler:
+        assert done.stdout.splitlines() == ["False", "True", "flash (cpu_flash)"], done.stderr
+    else:
+        assert done.stdout.splitlines() == ["False", "False", "chunked"], done.stderr
 
 
 def _tiny(name: str, config_name: str, **config: Any) -> nn.Module:
