@@ -393,7 +393,8 @@ def summarize(
             expected='"summary" or "full"',
             got=repr(level),
         )
-    heads_t = _native[0](row_stats) if _native else None
+    native = _native[:]  # (a copy: set_native_head_table may empty it meanwhile)
+    heads_t = native[0](row_stats) if native else None
     rows = None
     if heads_t is None or level == "full":  # the per-row table: no native one, or per_row
         rows = _rows(row_stats)

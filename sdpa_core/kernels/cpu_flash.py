@@ -206,7 +206,11 @@ def head_table(row_stats: RowStats) -> torch.Tensor | None:
     if module is None or not vis.is_cpu or dtype not in _HEAD_TABLE_DTYPES:
         return None
     fields = [getattr(row_stats, name) for name in HEAD_TABLE_FIELDS]
-    if any(f.dtype != dtype or not f.is_cpu for f in fields):
+    # What the C++ side takes, else torch's table (a hand-made RowStats may hold int32 counts
+    # or broadcast shapes; no rows at all make no heads to reshape).
+    if vis.dtype != torch.int64 or vis.dim() < 1 or vis.shape[-1] == 0:
+        return None
+    if any(f.dtype != dtype or not f.is_cpu or f.shape != vis.shape for f in fields):
         return None
     table: torch.Tensor = module.head_table(fields, vis, SATURATION_THRESHOLD)
     return table.reshape(HEAD_TABLE_ROWS, *vis.shape[:-1])

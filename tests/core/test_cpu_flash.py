@@ -25,6 +25,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from sdpa_core import attention
 from sdpa_core.kernels import cpu_flash
 from tests.core.reference import assert_matches_golden, lowp_reference, reference_attention
 
@@ -538,3 +539,46 @@ def test_not_available_without_a_compiler_and_loaded_prebuilt(tmp_path: Path) ->
     assert lines[0] == "(False, 'not built yet: build() was not called')"
     assert lines[1] == f"(False, 'no C++ compiler ({tmp_path}/no-such-compiler not found)')"
     assert lines[2:] == ["(True, '')", "True prebuilt"]
+
+
+def test_the_parallel_regions_give_the_same_bits_on_any_number_of_threads() -> None:
+    """The test workers run torch on one thread each (tests/support/worker_threads.py), which
+    would leave the kernel's at::parallel_for regions (tiles over batch x head x query block;
+    the summary's table over heads) untested: here the same call on 1 and on 3 threads gives
+    the same bits (each task owns its rows and sums them in order), and matches float64."""
+    gen = torch.Generator().manual_seed(41)
+    q = torch.randn(2, 3, 300, 16, generator=gen)
+    k = torch.randn(2, 3, 200, 16, generator=gen)
+    v = torch.randn(2, 3, 200, 16, generator=gen)
+    padding = torch.zeros(2, 200, dtype=torch.bool)
+    padding[1, 150:] = True
+    # Rows enough that the summary table's grain (about 32k rows a task) splits its 4 heads
+    # into two tasks: 16,384 rows a head.
+    long_q = torch.randn(1, 4, 16384, 8, generator=gen)
+    long_kv = torch.randn(1, 4, 64, 8, generator=gen)
+    before = torch.get_num_threads()
+    results = []
+    try:
+        for threads in (1, 3):
+            torch.set_num_threads(threads)
+            results.append(
+                (
+                    attention(q, k, v, key_padding_mask=padding, diagnostics="full"),
+                    attention(long_q, long_kv, long_kv, diagnostics="summary"),
+                )
+            )
+    finally:
+        torch.set_num_threads(before)
+    (one, long_one), (three, long_three) = results
+    for a, b in ((one, three), (long_one, long_three)):
+        assert a.path == b.path == "flash"
+        assert torch.equal(a.output, b.output)
+        assert a.row_stats is not None
+        assert b.row_stats is not None
+        for name, x in a.row_stats.as_dict().items():
+            assert torch.equal(x, getattr(b.row_stats, name)), name
+        assert a.diagnostics is not None
+        assert b.diagnostics is not None
+        assert a.diagnostics.summary == b.diagnostics.summary
+    want = reference_attention(q, k, v, ~padding[:, None, None, :])
+    torch.testing.assert_close(one.output.double(), want.out, rtol=1e-5, atol=1e-5)

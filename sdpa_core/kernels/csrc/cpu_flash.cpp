@@ -566,7 +566,11 @@ void head_table_impl(const std::vector<at::Tensor>& f, const int64_t* counts, in
                      int64_t rows, double saturation, double* out) {
   std::array<const scalar_t*, 8> p{};
   for (size_t i = 0; i < p.size(); ++i) p[i] = f[i].data_ptr<scalar_t>();
-  for (int64_t h = 0; h < heads; ++h) {
+  // Heads are independent (each sums its own rows in order: the same numbers on any number of
+  // threads); a table of few rows stays on this thread (the grain covers about 32k rows).
+  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(rows, 1));
+  at::parallel_for(0, heads, grain, [&](int64_t h_begin, int64_t h_end) {
+  for (int64_t h = h_begin; h < h_end; ++h) {
     std::array<double, 12> t{};
     double abs_max = 0.0;
     const int64_t r0 = h * rows;
@@ -602,6 +606,7 @@ void head_table_impl(const std::vector<at::Tensor>& f, const int64_t* counts, in
     out[13 * heads + h] = mean;
     out[14 * heads + h] = abs_max;
   }
+  });
 }
 
 at::Tensor head_table(const std::vector<at::Tensor>& fields, const at::Tensor& visible_keys,
@@ -649,5 +654,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("head_table", &head_table,
         "The summary's per-head table from RowStats (diagnostics._head_table): float64 "
         "[15, heads]",
-        py::arg("fields"), py::arg("visible_keys"), py::arg("saturation"));
+        py::arg("fields"), py::arg("visible_keys"), py::arg("saturation"),
+        // As flash_tile: a long request's table (millions of rows) must not hold the GIL.
+        py::call_guard<py::gil_scoped_release>());
 }
