@@ -99,18 +99,27 @@ def _bias_with_infinities(mask: torch.Tensor | None) -> torch.Tensor | None:
     return mask.masked_fill(mask <= torch.finfo(mask.dtype).min, -math.inf)
 
 
+_KERNEL_LOCK = threading.Lock()
+_kernel_loaded: tuple[bool, str] | None = None
+
+
 def load_cpu_kernel() -> tuple[bool, str]:
     """Load sdpa_core's CPU flash kernel in this process, as a service's warm-up does: the
     prebuilt library, else torch's extension cache (about 2 s: cpp_extension checks the build),
     else a compilation (about a minute on 2 CPUs, once per machine and source). (True, "") when
     it runs, else (False, why): then the chunked path serves, in float64, the same statistics
-    at about twice the cost or more. Idempotent; sdpa_core logs why a build failed."""
-    try:
-        module = importlib.import_module("sdpa_core.kernels.cpu_flash")
-        ok, why = module.build()
-    except Exception as exc:  # an sdpa_core without it: the chunked path serves
-        return False, f"{type(exc).__name__}: {exc}"
-    return bool(ok), str(why)
+    at about twice the cost or more. Tried once per process: a failed build is not retried by
+    every tap made later (sdpa_core logs why it failed)."""
+    global _kernel_loaded
+    with _KERNEL_LOCK:
+        if _kernel_loaded is None:
+            try:
+                module = importlib.import_module("sdpa_core.kernels.cpu_flash")
+                ok, why = module.build()
+                _kernel_loaded = (bool(ok), str(why))
+            except Exception as exc:  # an sdpa_core without it: the chunked path serves
+                _kernel_loaded = (False, f"{type(exc).__name__}: {exc}")
+        return _kernel_loaded
 
 
 class LocalStatistics:
@@ -123,26 +132,15 @@ class LocalStatistics:
         self._streams: dict[int, torch.cuda.Stream] = {}
         self._lock = threading.Lock()
         # sdpa_core's flash path on the CPU needs its C++ kernel loaded in this process (the
-        # service loads it at warm-up; nothing loads it in a model's process). Loaded here, not
-        # on a forward, where a CPU model is the likely one; on a CUDA machine only when CPU
-        # tensors are first sampled (one forward pays the load, once).
-        self._cpu_kernel_tried = False
-        if not torch.cuda.is_available():
-            self._load_cpu_kernel()
-
-    def _load_cpu_kernel(self) -> None:
-        with self._lock:
-            if self._cpu_kernel_tried:
-                return
-            self._cpu_kernel_tried = True
+        # service loads it at warm-up; nothing loads it in a model's process). Loaded here,
+        # when the tap is made, never on a forward: the tap blocks a forward no longer than
+        # its copies take (on a CUDA machine too, whose model may still hand it CPU tensors).
         load_cpu_kernel()
 
     def inputs(self, call: AttentionCall) -> Inputs:
         """On the forward's thread: the call's inputs as the statistics will read them (CPU: the
         model's own tensors, read at once; CUDA: copies queued on the side stream)."""
         if call.q.device.type != "cuda":
-            if not self._cpu_kernel_tried:
-                self._load_cpu_kernel()
             return Inputs(
                 call.q, call.k, call.v, call.attn_mask, call.key_padding_mask, call.scale,
                 call.causal,

@@ -180,11 +180,13 @@ _FRESH_PROCESS = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # a fresh interpreter, which may compile the kernel
 @pytest.mark.parametrize("compiler", [True, False], ids=["compiler", "no-compiler"])
 def test_a_cpu_model_gets_the_flash_kernel_the_tap_loads(compiler: bool, tmp_path: Path) -> None:
     """In a fresh process (nothing has loaded sdpa_core's CPU flash kernel, as in a model's own
-    process): the local tap loads it when made, and the statistics take it; without a compiler
-    (and no prebuilt library) the chunked path serves them."""
+    process): the local tap loads it when made (on a CUDA machine too: never on a forward), and
+    the statistics take it; without a compiler (and no prebuilt library) the chunked path
+    serves them."""
     from sdpa_core.kernels import cpu_flash
 
     prebuilt = cpu_flash.PREBUILT_DIR / (
