@@ -195,10 +195,14 @@ class LongRuns(Generic[T, R]):
         finally:
             self._pace.stop_running()
         # What the tile did, by the run's own measure of its progress; once finished, all
-        # the estimate left over is done too (the pace learns from it either way).
+        # the estimate left over is done too (the pace learns from it either way), unless
+        # the run ended in an error: then only what it did (a start or a tile that failed at
+        # once, counted as all its work done in milliseconds, would make the pace read fast,
+        # and admission promise what the device cannot do).
         left_before = long.left_work + tile_work
         left_now = work * (1.0 - long.share_done())
-        long.left_work = 0.0 if finished else min(left_before, left_now)  # never grows
+        completed = finished and not isinstance(long.outcome, BaseException)
+        long.left_work = 0.0 if completed else min(left_before, left_now)  # never grows
         if not finished:
             # A run not finished has a tile left at least, whatever its share_done says (the
             # chunked path's reports 1 before its last tile): counted as done, such an item

@@ -283,3 +283,30 @@ def test_an_error_of_a_runs_start_tile_or_result_is_the_items_own_answer(
             d.device.shutdown()
 
     run(main())
+
+
+def test_a_run_that_fails_teaches_the_pace_only_the_work_it_did() -> None:
+    """A run of 10 tiles (work 1.0) whose second tile fails: the pace learns the first tile's
+    0.1 of work in 0.1 s and nothing done in the failed tile's 0.1 s, not the 0.9 left over
+    as if done in that 0.1 s (which read the pace 3.6x fast and let admission promise what
+    the device cannot do). By hand, from the prior (0.25 of work in 0.25 s) and each note's
+    decay k = 0.5 ** (0.1 / 30): seconds per work (0.25 k^2 + 0.1 k + 0.1) / (0.25 k^2 +
+    0.1 k) = 1.287; the tenant is charged the 0.1 done."""
+
+    async def main() -> None:
+        d = Driving()
+        d.device.start()
+        try:
+            long = d.add("Lstep", 1.0, deadline=60.0)
+            await d.longs.turn()
+            await d.longs.turn()
+            assert isinstance(long.future.exception(), ValueError)
+            k = 0.5 ** (SLICE / 30.0)
+            want = (0.25 * k * k + 0.1 * k + 0.1) / (0.25 * k * k + 0.1 * k)
+            assert want == pytest.approx(1.287, abs=1e-3)
+            assert d.pace.seconds_per_work() == pytest.approx(want, rel=1e-9)
+            assert d.queue.tenant("A").vtime == pytest.approx(0.1)
+        finally:
+            d.device.shutdown()
+
+    run(main())
