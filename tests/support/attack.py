@@ -116,8 +116,9 @@ class Bystander:
         self.worst_s, self.health, self.small = self._results.get(timeout=60)
         self._process.join(timeout=30)
 
-    def assert_served(self) -> None:
-        """Every probe answered 200, none slower than a second."""
+    def assert_served(self, within_s: float = 1.0) -> None:
+        """Every probe answered 200, none slower than `within_s` (a second unless the caller
+        says why the attack's own CPU work needs more on this machine)."""
         assert self.health
         assert set(self.health) | set(self.small) == {200}
-        assert self.worst_s < 1.0, f"a bystander's request took {self.worst_s:.2f} s"
+        assert self.worst_s < within_s, f"a bystander's request took {self.worst_s:.2f} s"
