@@ -50,17 +50,6 @@ THROUGHPUT_HALF_LIFE_S = 30.0
 # too, and the pace read slower still (80 tiles, then 4,256, each request ending 504). On a
 # CPU a step stops at its slice whatever the plan, so fewer, larger tiles cost nothing there.
 MAX_TILING_CORRECTION = 4.0
-# The spread of the pace (Pace.spread) is measured over windows of this many seconds of tiles,
-# not tile by tile: a projection counts a long item's pace over its whole run (several slices),
-# and on a machine whose cores other work shares one 50 ms tile may take twice the next one's
-# time, a jitter that a run of several slices averages out. Measured tile by tile under CI's
-# load, two standard deviations reached the pace itself (spread 1.0: every projection at twice
-# the time), and of eight requests of which three fit their deadline in order one was
-# admitted. What the windows keep is the load that comes and goes over seconds (beside a
-# helper's test run: 0.41 over quarter seconds, 0.46 tile by tile, 0.33 over whole seconds),
-# which a run does meet. A quarter second is about as short as a long item's run gets (a few
-# slices), so the window's spread does not understate a run's.
-SPREAD_WINDOW_S = 0.25
 
 
 # The short stream's share of the device (module docstring): measurements older than this many
@@ -99,14 +88,11 @@ class Pace:
         # The batch or tile on the device: its estimated work, and since when.
         self.running_work = 0.0
         self.running_since = 0.0
-        # The tiles' pace (device seconds per estimated second) over windows of SPREAD_WINDOW_S
-        # of tiles: the window being filled (its work and seconds), and the windows' decayed
-        # mean and mean square, weighted by device time (spread()).
-        self._window_work = 0.0
-        self._window_s = 0.0
-        self._windows_s = 0.0
-        self._window_pace = 0.0
-        self._window_pace_sq = 0.0
+        # The tiles' pace (device seconds per estimated second) one by one: its decayed mean
+        # and mean square, weighted by device time (spread()).
+        self._tiles_s = 0.0
+        self._tile_pace = 0.0
+        self._tile_pace_sq = 0.0
 
     def note(self, work: float, seconds: float) -> None:
         """`work` estimated seconds took `seconds` of device time."""
@@ -116,31 +102,24 @@ class Pace:
         self.measured = True
 
     def note_tile(self, work: float, seconds: float) -> None:
-        """A long item's tile: `work` estimated seconds took `seconds` (its pace's spread,
-        measured window by window of SPREAD_WINDOW_S)."""
+        """A long item's tile: `work` estimated seconds took `seconds` (its pace's spread)."""
         if work <= 0.0 or seconds <= 0.0:
             return
-        self._window_work += work
-        self._window_s += seconds
-        if self._window_s < SPREAD_WINDOW_S:
-            return
-        window_s, pace = self._window_s, self._window_s / self._window_work
-        self._window_work = self._window_s = 0.0
-        keep = 0.5 ** (window_s / THROUGHPUT_HALF_LIFE_S)
-        self._windows_s = self._windows_s * keep + window_s
-        self._window_pace = self._window_pace * keep + window_s * pace
-        self._window_pace_sq = self._window_pace_sq * keep + window_s * pace * pace
+        pace = seconds / work
+        keep = 0.5 ** (seconds / THROUGHPUT_HALF_LIFE_S)
+        self._tiles_s = self._tiles_s * keep + seconds
+        self._tile_pace = self._tile_pace * keep + seconds * pace
+        self._tile_pace_sq = self._tile_pace_sq * keep + seconds * pace * pace
 
     def spread(self) -> float:
-        """How far the pace of a window of tiles (SPREAD_WINDOW_S) strays from its mean,
-        relative to it: two standard deviations over the mean (0 where every window kept the
-        same pace, or before two windows; at most 1). On a machine whose cores other work
-        shares, the pace swings from one second to the next, and a projection at the mean pace
-        promised what it then missed."""
-        if self._windows_s <= 0.0:
+        """How far the tiles' pace strays from its mean, relative to it: two standard
+        deviations over the mean (0 where every tile kept the same pace; at most 1). On a
+        machine whose cores other work shares, a tile's pace swings by several times from one
+        second to the next, and a projection at the mean pace promised what it then missed."""
+        if self._tiles_s <= 0.0:
             return 0.0
-        mean = self._window_pace / self._windows_s
-        variance = max(0.0, self._window_pace_sq / self._windows_s - mean * mean)
+        mean = self._tile_pace / self._tiles_s
+        variance = max(0.0, self._tile_pace_sq / self._tiles_s - mean * mean)
         return min(1.0, 2.0 * math.sqrt(variance) / mean) if mean > 0.0 else 0.0
 
     def seconds_per_work(self) -> float:

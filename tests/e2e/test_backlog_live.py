@@ -103,21 +103,24 @@ def fill_and_drain(server: LiveServer) -> Measured:
     # prior alone (which is what a fresh replica has to go by).
     time.sleep(1.0)
 
-    # Long requests run one after another (the least work left first), so one may have
-    # finished within that second and a queued one taken its place: what finds room in the
-    # queue is admitted (it waits for its answer), a refusal answers at once.
+    # Eight more at once: the queue (4) is full, so at least one is refused at once, even where
+    # a running request finishes meanwhile and a queued one takes its place (sent one every
+    # half second, each found that room on a fast machine, and none was refused). Those that
+    # find room are admitted (they wait for their answers) and drained with the others.
+    extra: list[list[httpx.Response]] = [[] for _ in range(8)]
+    sent = [threading.Thread(target=post_into, args=(answer,)) for answer in extra]
+    for thread in sent:
+        thread.start()
     refused: httpx.Response | None = None
-    for _ in range(8):
-        answer: list[httpx.Response] = []
-        sent = threading.Thread(target=post_into, args=(answer,))
-        sent.start()
-        sent.join(timeout=0.5)
-        if answer and answer[0].status_code == 503:
-            refused = answer[0]
-            break
-        threads.append(sent)  # admitted: it is drained with the others
-        # Its status is in `answer`, read after the drain with the others'.
-        admitted_answers.append(answer)
+    until = time.monotonic() + 10.0
+    while refused is None and time.monotonic() < until:
+        refused = next((a[0] for a in extra if a and a[0].status_code == 503), None)
+        time.sleep(0.01)
+    for thread, answer in zip(sent, extra, strict=True):
+        thread.join(timeout=0.5)  # a refusal answers at once; an admitted one waits its turn
+        if not (answer and answer[0].status_code == 503):
+            threads.append(thread)  # admitted: drained with the others, read after the drain
+            admitted_answers.append(answer)
     assert refused is not None, "no request was refused"
     refused_at = time.monotonic()
     info_backlog = httpx.get(f"{server.url}/v1/info").json()["batching"]["backlog_seconds"]

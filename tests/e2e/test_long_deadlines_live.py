@@ -141,7 +141,7 @@ def test_eight_long_requests_sharing_a_deadline_three_could_meet_in_order(
 
     How many more are admitted is the machine's, not the test's, to say: admission keeps a
     margin for the spread of the measured pace (service.runtime.pace: two standard deviations
-    of a quarter second's pace, at most 100%), so the second and third are admitted where that
+    of the tiles' pace, at most 100%), so the second and third are admitted where that
     spread is under 97% and 32% (2 and 3 times one request's time, by 1 + spread, within 3.95
     times it) and refused where it is more. On a quiet machine three
     answer; under CI's two test workers on two cores the spread reached its cap and one did, in

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from service.runtime.pace import MAX_TILING_CORRECTION, SPREAD_WINDOW_S, Pace
+from service.runtime.pace import MAX_TILING_CORRECTION, Pace
 
 SLICE_S = 0.05
 
@@ -59,31 +59,17 @@ def test_a_pace_far_faster_than_the_model_plans_at_least_the_bound_of_the_tiles(
     )
 
 
-def test_tiles_that_swing_within_a_window_give_no_spread() -> None:
-    """Tiles of the same work taking a quarter and three quarters of SPREAD_WINDOW_S in turn
-    (paces 1 to 3: tile by tile, two standard deviations are 69% of the mean), each window
-    holding one of each: the pace over any run of a few slices is steady, and the projections
-    count it so (spread 0)."""
-    pace = Pace(clock=lambda: 0.0)
-    for _ in range(40):
-        pace.note_tile(0.1, SPREAD_WINDOW_S / 4)
-        pace.note_tile(0.1, SPREAD_WINDOW_S * 3 / 4)
-    assert pace.spread() == pytest.approx(0.0, abs=1e-6)  # (the mean square less the square)
-
-
-def test_windows_at_two_paces_give_two_standard_deviations_over_the_mean() -> None:
-    """Whole windows at paces 0.5 and 1.5 in turn, each of SPREAD_WINDOW_S: by hand, mean 1.0,
-    standard deviation 0.5, spread 2 x 0.5 / 1 = 1.0; at 0.8 and 1.2, 2 x 0.2 / 1 = 0.4 (the
+def test_tiles_at_two_paces_give_two_standard_deviations_over_the_mean() -> None:
+    """Tiles of equal device time at paces 0.5 and 1.5 in turn: by hand, mean 1.0, standard
+    deviation 0.5, spread 2 x 0.5 / 1 = 1.0 (the cap); at 0.8 and 1.2, 2 x 0.2 / 1 = 0.4 (the
     half-life's decay tilts the equal weights by under 1%)."""
     for low, high, expected in ((0.5, 1.5, 1.0), (0.8, 1.2, 0.4)):
         pace = Pace(clock=lambda: 0.0)
         for _ in range(20):
-            for per_work in (low, high):  # one whole window each
-                pace.note_tile(SPREAD_WINDOW_S / per_work, SPREAD_WINDOW_S)
+            for per_work in (low, high):
+                pace.note_tile(0.05 / per_work, 0.05)
         assert pace.spread() == pytest.approx(expected, rel=0.02)
 
 
-def test_no_spread_before_a_window_is_whole() -> None:
-    pace = Pace(clock=lambda: 0.0)
-    pace.note_tile(0.1, SPREAD_WINDOW_S / 2)
-    assert pace.spread() == 0.0
+def test_no_spread_before_a_tile() -> None:
+    assert Pace(clock=lambda: 0.0).spread() == 0.0
