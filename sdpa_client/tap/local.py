@@ -27,6 +27,7 @@ httpx; tests/client/test_import_boundary.py).
 from __future__ import annotations
 
 import base64
+import functools
 import importlib
 import math
 import threading
@@ -99,27 +100,21 @@ def _bias_with_infinities(mask: torch.Tensor | None) -> torch.Tensor | None:
     return mask.masked_fill(mask <= torch.finfo(mask.dtype).min, -math.inf)
 
 
-_KERNEL_LOCK = threading.Lock()
-_kernel_loaded: tuple[bool, str] | None = None
-
-
+@functools.cache
 def load_cpu_kernel() -> tuple[bool, str]:
     """Load sdpa_core's CPU flash kernel in this process, as a service's warm-up does: the
     prebuilt library, else torch's extension cache (about 2 s: cpp_extension checks the build),
     else a compilation (about a minute on 2 CPUs, once per machine and source). (True, "") when
     it runs, else (False, why): then the chunked path serves, in float64, the same statistics
-    at about twice the cost or more. Tried once per process: a failed build is not retried by
-    every tap made later (sdpa_core logs why it failed)."""
-    global _kernel_loaded
-    with _KERNEL_LOCK:
-        if _kernel_loaded is None:
-            try:
-                module = importlib.import_module("sdpa_core.kernels.cpu_flash")
-                ok, why = module.build()
-                _kernel_loaded = (bool(ok), str(why))
-            except Exception as exc:  # an sdpa_core without it: the chunked path serves
-                _kernel_loaded = (False, f"{type(exc).__name__}: {exc}")
-        return _kernel_loaded
+    at about twice the cost or more. Tried once per process (cached: a failed build is not
+    retried by every tap made later; build() itself is thread-safe, and sdpa_core logs why it
+    failed)."""
+    try:
+        module = importlib.import_module("sdpa_core.kernels.cpu_flash")
+        ok, why = module.build()
+    except Exception as exc:  # an sdpa_core without it: the chunked path serves
+        return False, f"{type(exc).__name__}: {exc}"
+    return bool(ok), str(why)
 
 
 class LocalStatistics:
